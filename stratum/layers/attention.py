@@ -1,0 +1,135 @@
+"""Attention over the paged KV pool, for a flattened batch of decode tokens and prefill chunks.
+
+The pool of one layer is a flat array of slots, [num_blocks * block_size, num_kv_heads, head_dim];
+slot = block_id * block_size + offset. A step's tokens are laid out decodes first, then prefill
+chunks, each chunk contiguous:
+
+    tokens:  | d0 | d1 | ... | d(B-1) | chunk of seq P0 ......... | chunk of seq P1 ... |
+    attends: own context via gathered slots                 | prefix slots + chunk (causal)
+
+Decodes whose block tables start with the same blocks (a shared system prompt) attend to that
+common prefix once, as one matrix product for the whole batch, and merge it with the per-sequence
+remainder by log-sum-exp (the cascade idea of FlashInfer, Ye et al. 2024), so the shared prefix is
+not gathered once per sequence.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass(slots=True)
+class PrefillSpan:
+    """One sequence's prefill chunk: token rows [start, end) of the step.
+
+    ctx_slots is None when the chunk starts at position 0: it then attends to itself only.
+    Otherwise ctx_slots [ctx_len] lists every slot of its context (cached prefix + the chunk) and
+    mask [chunk_len, ctx_len] is the causal mask shifted by the prefix length.
+    """
+
+    start: int
+    end: int
+    ctx_slots: torch.Tensor | None = None
+    mask: torch.Tensor | None = None
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Everything a layer needs to write and read the pool for one step; built once per step."""
+
+    slot_mapping: torch.Tensor  # [T]: where each token's new K/V is written
+    num_decode_tokens: int = 0
+    decode_slots: torch.Tensor | None = None  # [B, L]: per-decode context slots after the shared prefix
+    decode_mask: torch.Tensor | None = None  # [B, 1, 1, L] bool, True = attend
+    shared_slots: torch.Tensor | None = None  # [P]: the slots all decodes share, or None
+    prefills: list[PrefillSpan] = field(default_factory=list)
+
+
+def paged_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:
+    """Write this step's K/V into the pool, then attend.
+
+    Args:
+        q: [T, H, D]; k, v: [T, KVH, D]; k_cache, v_cache: [num_slots, KVH, D].
+    Returns:
+        [T, H, D] attention output.
+    """
+    k_cache[meta.slot_mapping] = k
+    v_cache[meta.slot_mapping] = v
+    out = torch.empty_like(q)
+    num_decode = meta.num_decode_tokens
+    if num_decode:
+        if meta.shared_slots is None:
+            out[:num_decode] = _decode(q[:num_decode], k_cache, v_cache, meta, scale)
+        else:
+            out[:num_decode] = _decode_cascade(q[:num_decode], k_cache, v_cache, meta, scale)
+    for span in meta.prefills:
+        qp = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, S, D]
+        if span.ctx_slots is None:
+            kp, vp = k[span.start : span.end], v[span.start : span.end]
+            o = F.scaled_dot_product_attention(
+                qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
+                is_causal=True, scale=scale, enable_gqa=True,
+            )
+        else:
+            kp, vp = k_cache[span.ctx_slots], v_cache[span.ctx_slots]  # [C, KVH, D]
+            o = F.scaled_dot_product_attention(
+                qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
+                attn_mask=span.mask, scale=scale, enable_gqa=True,
+            )
+        out[span.start : span.end] = o[0].transpose(0, 1)
+    return out
+
+
+def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    kd = k_cache[meta.decode_slots].transpose(1, 2)  # [B, KVH, L, D]
+    vd = v_cache[meta.decode_slots].transpose(1, 2)
+    o = F.scaled_dot_product_attention(
+        q.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
+    )  # [B, H, 1, D]
+    return o.squeeze(2)
+
+
+def _decode_cascade(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+    # q: [B, H, D] -> grouped by KV head: [KVH, B*G, D], G query heads per KV head
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    dtype = q.dtype
+    qf = q.float()
+    qg = qf.view(num_seqs, num_kv_heads, group, head_dim).permute(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)
+    ks = k_cache[meta.shared_slots].float().permute(1, 2, 0)  # [KVH, D, P]
+    vs = v_cache[meta.shared_slots].float().transpose(0, 1)  # [KVH, P, D]
+    s1 = torch.matmul(qg, ks) * scale  # [KVH, B*G, P]
+    m1 = s1.amax(-1, keepdim=True)
+    p1 = torch.exp(s1 - m1)
+    l1 = p1.sum(-1, keepdim=True)
+    o1 = torch.matmul(p1, vs)  # [KVH, B*G, D]
+    o1 = o1.view(num_kv_heads, num_seqs, group, head_dim).permute(1, 0, 2, 3)  # [B, KVH, G, D]
+    m1 = m1.view(num_kv_heads, num_seqs, group, 1).permute(1, 0, 2, 3)
+    l1 = l1.view(num_kv_heads, num_seqs, group, 1).permute(1, 0, 2, 3)
+
+    kd = k_cache[meta.decode_slots].float()  # [B, L, KVH, D]
+    vd = v_cache[meta.decode_slots].float()
+    qb = qf.view(num_seqs, num_kv_heads, group, head_dim)
+    s2 = torch.einsum("bhgd,blhd->bhgl", qb, kd) * scale  # [B, KVH, G, L]
+    s2 = s2.masked_fill(~meta.decode_mask.view(num_seqs, 1, 1, -1), float("-inf"))
+    m2 = s2.amax(-1, keepdim=True)
+    p2 = torch.exp(s2 - m2)
+    l2 = p2.sum(-1, keepdim=True)
+    o2 = torch.einsum("bhgl,blhd->bhgd", p2, vd)
+
+    m = torch.maximum(m1, m2)
+    w1, w2 = torch.exp(m1 - m), torch.exp(m2 - m)
+    o = (o1 * w1 + o2 * w2) / (l1 * w1 + l2 * w2)
+    return o.reshape(num_seqs, num_heads, head_dim).to(dtype)

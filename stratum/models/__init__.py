@@ -1,0 +1,1 @@
+"""Model definitions, weight loaders, tokenizers and chat templates."""

@@ -1,0 +1,139 @@
+"""A Llama-family decoder in plain PyTorch: Llama 2/3, Mistral, SmolLM2, Qwen2/2.5 and Qwen3.
+
+RMSNorm, rotate-half RoPE (with Llama 3 scaling), grouped-query attention over the paged KV pool,
+SwiGLU MLP and optionally tied embeddings; Qwen2 adds q/k/v bias and Qwen3 per-head q/k norms.
+The forward takes a flattened varlen batch: token ids [T] and positions [T].
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from stratum.layers.attention import AttentionMetadata, paged_attention
+from stratum.layers.linear import Linear
+from stratum.layers.norm import RMSNorm
+from stratum.layers.rotary import RotaryEmbedding
+from stratum.models.config import ModelConfig
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = Linear(self.q_size, cfg.hidden_size)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+
+    def forward(self, x, positions, rotary, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(positions, q, k)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        return self.o_proj(o.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.intermediate_size = cfg.intermediate_size
+        self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, positions, rotary, meta, kv_cache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, meta, kv_cache)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class LlamaForCausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, max_positions: int | None = None):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self.rotary = RotaryEmbedding(
+            cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
+
+    @torch.inference_mode()
+    def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
+        """Args: input_ids, positions [T]. Returns the final hidden states [T, hidden]."""
+        x = self.embed_tokens(input_ids)
+        for layer, kv_cache in zip(self.layers, kv_caches):
+            x = layer(x, positions, self.rotary, meta, kv_cache)
+        return self.norm(x)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[N, hidden] -> fp32 logits [N, vocab]."""
+        if self.lm_head is None:
+            return F.linear(hidden, self.embed_tokens.weight).float()
+        return self.lm_head(hidden).float()
+
+    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+        """Load tensors named as in Hugging Face Llama checkpoints, fusing q/k/v and gate/up.
+
+        Raises:
+            KeyError: a tensor the architecture needs is missing.
+        """
+        cfg = self.config
+        params = dict(self.named_parameters())
+
+        def take(name: str) -> torch.Tensor:
+            return weights.pop(name)
+
+        def put(name: str, tensor: torch.Tensor) -> None:
+            param = params[name]
+            if tuple(param.shape) != tuple(tensor.shape):
+                raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
+            param.data.copy_(tensor)
+
+        put("embed_tokens.weight", take("model.embed_tokens.weight"))
+        put("norm.weight", take("model.norm.weight"))
+        if self.lm_head is not None:
+            put("lm_head.weight", take("lm_head.weight"))
+        weights.pop("lm_head.weight", None)
+        for i in range(cfg.num_layers):
+            p = f"model.layers.{i}."
+            q = f"layers.{i}."
+            attn = p + "self_attn."
+            put(q + "self_attn.qkv_proj.weight", torch.cat([take(attn + f"{n}_proj.weight") for n in "qkv"]))
+            if cfg.attention_bias:
+                put(q + "self_attn.qkv_proj.bias", torch.cat([take(attn + f"{n}_proj.bias") for n in "qkv"]))
+            put(q + "self_attn.o_proj.weight", take(attn + "o_proj.weight"))
+            if cfg.qk_norm:
+                put(q + "self_attn.q_norm.weight", take(attn + "q_norm.weight"))
+                put(q + "self_attn.k_norm.weight", take(attn + "k_norm.weight"))
+            mlp = p + "mlp."
+            put(q + "mlp.gate_up_proj.weight", torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]))
+            put(q + "mlp.down_proj.weight", take(mlp + "down_proj.weight"))
+            put(q + "input_layernorm.weight", take(p + "input_layernorm.weight"))
+            put(q + "post_attention_layernorm.weight", take(p + "post_attention_layernorm.weight"))

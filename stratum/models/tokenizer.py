@@ -1,0 +1,107 @@
+"""Tokenizers: Hugging Face `tokenizers` built from tokenizer.json or from a GGUF vocabulary.
+
+Text that comes from a user (message content, tool output) is always encoded with special tokens
+disabled, so "<|im_start|>" typed by a user is plain text and cannot forge a chat turn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+
+# Pre-tokenizer split patterns by GGUF `tokenizer.ggml.pre`, as llama.cpp's llama-vocab.cpp defines them.
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_SPLIT, "deepseek-r1-qwen": _QWEN2_SPLIT}
+# These split every digit on its own before the GPT-2 pattern (llama.cpp: STARCODER, SMOLLM, ...).
+_DIGIT_SPLIT = {"smollm", "starcoder", "refact", "codeshell"}
+
+_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+
+
+@dataclass
+class TextTokenizer:
+    """A `tokenizers.Tokenizer` plus the ids a serving runtime needs."""
+
+    backend: Tokenizer
+    bos_token: str | None = None
+    eos_token: str | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, allow_special: bool = False) -> list[int]:
+        """Encode without adding BOS/EOS. With allow_special False, special-token strings are plain text."""
+        self.backend.encode_special_tokens = not allow_special
+        try:
+            return self.backend.encode(text, add_special_tokens=False).ids
+        finally:
+            self.backend.encode_special_tokens = False
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def token_to_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+
+def tokenizer_from_file(path: str, eos_tokens: list[str], bos_token: str | None) -> TextTokenizer:
+    backend = Tokenizer.from_file(path)
+    eos_ids = tuple(i for i in (backend.token_to_id(t) for t in eos_tokens) if i is not None)
+    bos_id = backend.token_to_id(bos_token) if bos_token else None
+    return TextTokenizer(backend, bos_token, eos_tokens[0] if eos_tokens else None, bos_id, eos_ids)
+
+
+def tokenizer_from_gguf(meta: dict) -> TextTokenizer:
+    """Build a byte-level BPE tokenizer from `tokenizer.ggml.*` metadata (model "gpt2").
+
+    Raises:
+        ValueError: the file's tokenizer model is not byte-level BPE.
+    """
+    kind = meta.get("tokenizer.ggml.model")
+    if kind != "gpt2":
+        raise ValueError(f"unsupported GGUF tokenizer model {kind!r}; only byte-level BPE ('gpt2') is supported")
+    tokens: list[str] = meta["tokenizer.ggml.tokens"]
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
+    pre = meta.get("tokenizer.ggml.pre", "default")
+    if pre in _SPLITS:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    elif pre in _DIGIT_SPLIT:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
+    else:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED])
+    bos_id = meta.get("tokenizer.ggml.bos_token_id")
+    eos_id = meta.get("tokenizer.ggml.eos_token_id")
+    eos_ids = [eos_id] if eos_id is not None else []
+    eot = meta.get("tokenizer.ggml.eot_token_id")
+    if eot is not None and eot not in eos_ids:
+        eos_ids.append(eot)
+    return TextTokenizer(
+        backend,
+        bos_token=tokens[bos_id] if bos_id is not None else None,
+        eos_token=tokens[eos_id] if eos_id is not None else None,
+        bos_token_id=bos_id,
+        eos_token_ids=tuple(eos_ids),
+    )

@@ -1,0 +1,47 @@
+"""Per-request sampling parameters, validated when the request is admitted."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+class InvalidRequestError(ValueError):
+    """A request's parameters are out of range; the message names the field and the limit."""
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    """How to sample one request.
+
+    temperature 0 is greedy. top_k 0 and top_p 1.0 disable those filters. max_tokens 0 prefills
+    only (the prompt is computed and cached, nothing is sampled). `seed` makes sampling
+    reproducible per request, independent of what else is batched with it.
+    """
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    return_logits: bool = False  # keep the fp32 logits of every prompt position and sampled token (tests)
+
+    def validate(self) -> None:
+        """Raises InvalidRequestError for any out-of-range field."""
+        if self.max_tokens < 0:
+            raise InvalidRequestError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if not 0.0 <= self.temperature <= 2.0:
+            raise InvalidRequestError(f"temperature must be in [0, 2], got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}")
+        if any(not s for s in self.stop):
+            raise InvalidRequestError("stop sequences must be non-empty strings")
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
