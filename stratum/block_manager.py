@@ -1,0 +1,170 @@
+"""Paged KV blocks: reference counts, a free list, and the radix prefix cache on top.
+
+Every block is in exactly one of three states; `check_integrity` asserts it:
+
+    | state    | ref_count | in radix tree | where it is           |
+    |----------|-----------|---------------|-----------------------|
+    | free     | 0         | no            | free list             |
+    | cached   | 0         | yes           | tree (evictable/pinned)|
+    | in use   | > 0       | maybe         | some block tables     |
+
+    free + cached + in use == total
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+from stratum.radix_cache import RadixCache
+from stratum.sequence import Sequence
+
+
+class BlockManager:
+    """Allocates blocks to sequences, sharing cached prefixes through the radix tree.
+
+    Args:
+        num_blocks: size of the KV pool in blocks.
+        block_size: tokens per block.
+        enable_prefix_cache: when False, nothing is matched or inserted (basic mode).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True, clock=None):
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_prefix_cache = enable_prefix_cache
+        self.ref_counts = [0] * num_blocks
+        self.free_blocks: deque[int] = deque(range(num_blocks))
+        self.cache = RadixCache(self.ref_counts, clock) if clock else RadixCache(self.ref_counts)
+        self._locked_node = {}  # request_id -> radix node it holds references through
+
+    # ---- queries -------------------------------------------------------------------------------
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_blocks)
+
+    @property
+    def num_used_blocks(self) -> int:
+        return sum(1 for r in self.ref_counts if r > 0)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return sum(1 for b in self.cache.block_node if self.ref_counts[b] == 0)
+
+    def usage(self) -> float:
+        """Fraction of blocks held by running requests."""
+        return self.num_used_blocks / self.num_blocks
+
+    def num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
+        total = math.ceil((seq.num_computed_tokens + num_new_tokens) / self.block_size)
+        return max(0, total - len(seq.block_table))
+
+    def can_allocate(self, num_blocks: int) -> bool:
+        if num_blocks <= len(self.free_blocks):
+            return True
+        return num_blocks <= len(self.free_blocks) + self.cache.num_evictable_blocks()
+
+    def match_prefix(self, seq: Sequence) -> int:
+        """Tokens of seq's prompt the cache could serve now (no side effects beyond LRU and edge splits).
+
+        At least one token is always left to compute, so the step produces logits.
+        """
+        if not (self.enable_prefix_cache and seq.cache_policy.read):
+            return 0
+        keys = seq.full_block_hashes()[: (seq.num_tokens - 1) // self.block_size]
+        return self.cache.match_prefix(keys).num_blocks * self.block_size
+
+    # ---- changes -------------------------------------------------------------------------------
+    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Give seq blocks for its next num_new_tokens; on first call also attach its cached prefix.
+
+        Returns:
+            False, changing nothing, when the pool cannot supply the blocks even after eviction.
+        """
+        if not seq.block_table and seq.num_computed_tokens == 0 and self.enable_prefix_cache and seq.cache_policy.read:
+            keys = seq.full_block_hashes()[: (seq.num_tokens - 1) // self.block_size]
+            match = self.cache.match_prefix(keys)
+            hit = match.num_blocks * self.block_size
+            needed = math.ceil((hit + min(num_new_tokens, seq.num_tokens - hit)) / self.block_size) - match.num_blocks
+            self.cache.lock(match.node)  # protect the hit before evicting for the rest
+            if not self._reserve(needed):
+                self.cache.unlock(match.node)
+                return False
+            self._locked_node[seq.request_id] = match.node
+            seq.block_table = list(match.block_ids)
+            seq.num_computed_tokens = hit
+            seq.num_inserted_blocks = match.num_blocks
+            if seq.num_cached_tokens < 0:
+                seq.num_cached_tokens = hit
+            num_new_tokens = min(num_new_tokens, seq.num_tokens - hit)
+        needed = self.num_blocks_needed(seq, num_new_tokens)
+        if not self._reserve(needed):
+            return False
+        for _ in range(needed):
+            b = self.free_blocks.popleft()
+            self.ref_counts[b] = 1
+            seq.block_table.append(b)
+        if seq.num_cached_tokens < 0:
+            seq.num_cached_tokens = 0
+        return True
+
+    def cache_computed_blocks(self, seq: Sequence, pin_ttl_s: float = 0.0) -> None:
+        """Offer seq's newly computed full blocks to the prefix cache (prompt and output alike)."""
+        if not (self.enable_prefix_cache and seq.cache_policy.write):
+            return
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
+        if num_full <= seq.num_inserted_blocks:
+            return
+        keys = seq.full_block_hashes()[:num_full]
+        self.cache.insert(keys, seq.block_table[:num_full])
+        seq.num_inserted_blocks = num_full
+        if pin_ttl_s > 0:
+            self.cache.pin(keys, pin_ttl_s)
+
+    def free(self, seq: Sequence) -> None:
+        """Return every block of seq. Blocks the cache holds stay cached; the rest go to the free list."""
+        node = self._locked_node.pop(seq.request_id, None)
+        num_locked = 0
+        if node is not None:
+            self.cache.unlock(node)
+            num_locked = sum(len(n.blocks) for n in _ancestors(node))
+        for b in seq.block_table[num_locked:]:
+            self.ref_counts[b] -= 1
+            assert self.ref_counts[b] >= 0
+            if self.ref_counts[b] == 0 and not self.cache.contains_block(b):
+                self.free_blocks.append(b)
+        seq.block_table = []
+        seq.num_inserted_blocks = 0
+
+    def reset_prefix_cache(self) -> int:
+        """Evict every unreferenced cached block. Returns how many were freed."""
+        freed = self.cache.reset()
+        self.free_blocks.extend(freed)
+        return len(freed)
+
+    def _reserve(self, num_blocks: int) -> bool:
+        if num_blocks <= len(self.free_blocks):
+            return True
+        if not self.can_allocate(num_blocks):
+            return False
+        self.free_blocks.extend(self.cache.evict(num_blocks - len(self.free_blocks)))
+        return num_blocks <= len(self.free_blocks)
+
+    def check_integrity(self) -> None:
+        """Assert free + cached + in use == total, with no block in two states."""
+        self.cache.check_integrity()
+        free = set(self.free_blocks)
+        assert len(free) == len(self.free_blocks), "a block is on the free list twice"
+        cached = {b for b in self.cache.block_node if self.ref_counts[b] == 0}
+        in_use = {b for b, r in enumerate(self.ref_counts) if r > 0}
+        assert all(r >= 0 for r in self.ref_counts)
+        assert not free & cached and not free & in_use, "a free block is also cached or in use"
+        assert len(free) + len(cached) + len(in_use) == self.num_blocks, (
+            f"free {len(free)} + cached {len(cached)} + in use {len(in_use)} != total {self.num_blocks}"
+        )
+
+
+def _ancestors(node):
+    while node is not None:
+        yield node
+        node = node.parent

@@ -1,0 +1,465 @@
+"""The engine: one step is schedule -> run -> postprocess.
+
+`LLMEngine` is synchronous. `LLM` is the offline API (generate a list of prompts to completion).
+`AsyncEngine` runs the step loop in its own thread and hands each request an async iterator of
+outputs; the server sits on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from stratum.block_manager import BlockManager
+from stratum.config import EngineConfig
+from stratum.detokenizer import Detokenizer
+from stratum.model_runner import ModelRunner
+from stratum.models.chat_template import ChatTemplate
+from stratum.models.llama import LlamaForCausalLM
+from stratum.models.loader import Checkpoint, load_checkpoint
+from stratum.sampling_params import InvalidRequestError, SamplingParams
+from stratum.scheduler import Scheduler, SchedulerOutput
+from stratum.sequence import CachePolicy, Sequence, SequenceStatus
+
+log = logging.getLogger("stratum.engine")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped; no request can be served."""
+
+
+@dataclass(slots=True)
+class RequestStats:
+    """Per-request figures, taken by the code that did the work (perf_counter seconds)."""
+
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_prompt_tokens_computed: int
+    num_output_tokens: int
+    num_preemptions: int
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    finish_time: float | None
+    token_times: list[float]
+
+    @property
+    def queue_s(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def prefill_s(self) -> float | None:
+        if self.first_scheduled_time is None or self.first_token_time is None:
+            return None
+        return self.first_token_time - self.first_scheduled_time
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    delta_text: str
+    delta_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    stats: RequestStats | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class StepStats:
+    """One engine step, measured where it ran."""
+
+    num_seqs: int
+    num_decode_seqs: int
+    num_batched_tokens: int
+    step_s: float
+    forward_s: float
+
+    @property
+    def overhead_s(self) -> float:
+        return self.step_s - self.forward_s
+
+
+@dataclass(slots=True)
+class _Request:
+    seq: Sequence
+    detok: Detokenizer
+    stop_ids: set[int]
+
+
+class LLMEngine:
+    """Owns the model, the KV pool, the scheduler and the tokenizer of one process.
+
+    Args:
+        config: engine settings; "auto" values are resolved here.
+        checkpoint: an already-loaded checkpoint (tests build tiny ones); else config.model is loaded.
+    """
+
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None):
+        self.config = config = config.resolve()
+        torch.set_num_threads(config.num_threads)
+        torch.manual_seed(config.seed)
+        if checkpoint is None:
+            from stratum.models.registry import resolve_model_path
+
+            checkpoint = load_checkpoint(resolve_model_path(config.model))
+        self.checkpoint = checkpoint
+        self.model_config = mc = checkpoint.config
+        self.model_name = config.model
+        self.tokenizer = checkpoint.tokenizer
+        self.chat_template = ChatTemplate(checkpoint.chat_template, checkpoint.tokenizer)
+        self.device = torch.device(config.device)
+        self.dtype = config.torch_dtype
+        self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+        model = LlamaForCausalLM(mc, max_positions=self.max_model_len)
+        model.load_weights(dict(checkpoint.weights))
+        self.model = model.to(device=self.device, dtype=self.dtype).eval()
+        self.model.rotary.float()  # cos/sin tables stay fp32
+        checkpoint.weights.clear()  # the model holds them now
+        num_blocks = config.num_kv_blocks or self._blocks_for_memory(config.kv_cache_memory_mb)
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_cache)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.device, self.dtype)
+        self.requests: dict[str, _Request] = {}
+        self.step_stats: deque[StepStats] = deque(maxlen=1024)
+        self.num_steps = 0
+
+    def _blocks_for_memory(self, megabytes: int) -> int:
+        mc = self.model_config
+        per_block = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * self.config.block_size * self.dtype.itemsize
+        return max(16, megabytes * 2**20 // per_block)
+
+    # ---- requests ------------------------------------------------------------------------------
+    def check_request(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
+        """Raises InvalidRequestError when the request can never run (too long, bad params)."""
+        sampling.validate()
+        if num_prompt_tokens == 0:
+            raise InvalidRequestError("the prompt is empty")
+        total = num_prompt_tokens + sampling.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({sampling.max_tokens}) = {total} "
+                f"exceeds the context length of {self.max_model_len} tokens"
+            )
+        if -(-total // self.config.block_size) > self.block_manager.num_blocks:
+            raise InvalidRequestError(
+                f"prompt + max_tokens = {total} tokens exceeds the KV pool ({self.block_manager.num_blocks} blocks "
+                f"of {self.config.block_size})"
+            )
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        cache_policy: CachePolicy | None = None,
+    ) -> Sequence:
+        """Validate and queue one request.
+
+        Raises:
+            InvalidRequestError: out-of-range parameters or too long for the context.
+            Whatever the scheduler's admission hook raises.
+        """
+        self.check_request(len(prompt_token_ids), sampling)
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        seq = Sequence(
+            request_id, list(prompt_token_ids), sampling, self.config.block_size,
+            priority=priority, cache_salt=cache_salt, cache_policy=cache_policy or CachePolicy(),
+        )
+        if sampling.seed is not None:
+            seq.generator = torch.Generator().manual_seed(sampling.seed)
+        self.scheduler.add(seq)
+        stop_ids = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stop_ids |= set(self.model_config.eos_token_ids)
+        detok = Detokenizer(self.tokenizer, list(sampling.stop), sampling.skip_special_tokens)
+        self.requests[request_id] = _Request(seq, detok, stop_ids)
+        return seq
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request in any state and return every block it held."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.abort(request_id)
+        return self._finish(req, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    # ---- the step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        sched = self.scheduler.schedule()
+        result = self.runner.execute(sched)
+        outputs = self._postprocess(sched, result.sampled)
+        step_s = time.perf_counter() - t0
+        if not sched.is_empty:
+            self.num_steps += 1
+            num_decode = sum(1 for s in sched.scheduled if s.is_decode)
+            self.step_stats.append(StepStats(len(sched.scheduled), num_decode, sched.num_batched_tokens, step_s, result.forward_s))
+        return outputs
+
+    def _postprocess(self, sched: SchedulerOutput, sampled: dict[str, int]) -> list[RequestOutput]:
+        now = time.perf_counter()
+        outputs = []
+        for item in sched.scheduled:
+            seq = item.seq
+            prompt_left = max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
+            seq.num_prompt_tokens_computed += min(item.num_new_tokens, prompt_left)
+            seq.num_computed_tokens += item.num_new_tokens
+            policy = seq.cache_policy
+            in_prompt = seq.num_computed_tokens <= seq.num_prompt_tokens
+            self.block_manager.cache_computed_blocks(seq, policy.pin_ttl_s if in_prompt or policy.pin_output else 0.0)
+            req = self.requests[seq.request_id]
+            token = sampled.get(seq.request_id)
+            if token is None:
+                if seq.num_computed_tokens >= seq.num_tokens and seq.sampling.max_tokens == 0:
+                    outputs.append(self._finish(req, "length", running=True))
+                continue
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.token_ids.append(token)
+            seq.token_times.append(now)
+            reason = None
+            if token in req.stop_ids:
+                reason, seq.stop_reason = "stop", token
+            else:
+                req.detok.add(token)
+                if req.detok.stop_hit is not None:
+                    reason, seq.stop_reason = "stop", req.detok.stop_hit
+            if reason is None and seq.num_output_tokens >= seq.sampling.max_tokens:
+                reason = "length"
+            if reason is not None:
+                outputs.append(self._finish(req, reason, running=True, last_token=token))
+            else:
+                outputs.append(self._output(req, [token], finished=False))
+        return outputs
+
+    def _finish(self, req: _Request, reason: str, running: bool = False, last_token: int | None = None) -> RequestOutput:
+        seq = req.seq
+        if running:
+            self.scheduler.finish(seq)
+            self.requests.pop(seq.request_id, None)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finish_time = time.perf_counter()
+        req.detok.flush()
+        return self._output(req, [last_token] if last_token is not None else [], finished=True)
+
+    def _output(self, req: _Request, new_ids: list[int], finished: bool) -> RequestOutput:
+        seq = req.seq
+        return RequestOutput(
+            request_id=seq.request_id,
+            delta_text=req.detok.take_delta(finished),
+            delta_token_ids=new_ids,
+            text=req.detok.text,
+            token_ids=seq.output_token_ids,
+            finished=finished,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            stats=self.request_stats(seq) if finished else None,
+        )
+
+    @staticmethod
+    def request_stats(seq: Sequence) -> RequestStats:
+        return RequestStats(
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=max(0, seq.num_cached_tokens),
+            num_prompt_tokens_computed=seq.num_prompt_tokens_computed,
+            num_output_tokens=seq.num_output_tokens,
+            num_preemptions=seq.num_preemptions,
+            arrival_time=seq.arrival_time,
+            first_scheduled_time=seq.first_scheduled_time,
+            first_token_time=seq.first_token_time,
+            finish_time=seq.finish_time,
+            token_times=list(seq.token_times),
+        )
+
+
+class LLM:
+    """Offline generation: `LLM("smollm2-135m").generate(prompts, SamplingParams(...))`."""
+
+    def __init__(self, model: str = "smollm2-135m", checkpoint: Checkpoint | None = None, **config):
+        self.engine = LLMEngine(EngineConfig(model=model, **config), checkpoint=checkpoint)
+        self._ids = itertools.count()
+
+    def generate(self, prompts: list[str] | list[list[int]], sampling: SamplingParams | list[SamplingParams] | None = None,
+                 priorities: list[int] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion, batched together. Strings are tokenized as plain text."""
+        sampling = sampling or SamplingParams()
+        params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
+        order = []
+        for i, prompt in enumerate(prompts):
+            ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            rid = f"offline-{next(self._ids)}"
+            self.engine.add_request(ids, params[i], request_id=rid, priority=priorities[i] if priorities else 0)
+            order.append(rid)
+        finals: dict[str, RequestOutput] = {}
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                if out.finished:
+                    finals[out.request_id] = out
+        return [finals[rid] for rid in order]
+
+    def chat(self, messages: list[dict], sampling: SamplingParams | None = None) -> RequestOutput:
+        ids = self.engine.chat_template.encode(messages)
+        return self.generate([ids], sampling)[0]
+
+
+class AsyncEngine:
+    """The engine loop in its own thread; requests are async iterators of RequestOutput.
+
+    The thread owns the LLMEngine: every add and abort is handed to it through a queue and applied
+    between steps, so the scheduler and the KV pool are only ever touched by one thread.
+    """
+
+    def __init__(self, engine: LLMEngine):
+        self.engine = engine
+        self._commands: deque = deque()
+        self._wake = threading.Condition()
+        self._streams: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._thread = threading.Thread(target=self._run, name="stratum-engine", daemon=True)
+        self._stopped = False
+        self.error: BaseException | None = None
+        self._thread.start()
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopped
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.engine.scheduler.waiting) + sum(1 for c in self._commands if c[0] == "add")
+
+    @property
+    def num_running(self) -> int:
+        return len(self.engine.scheduler.running)
+
+    async def generate(self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None, **kwargs):
+        """Queue a request and yield its outputs as they are produced.
+
+        Raises (before the first yield): whatever `LLMEngine.add_request` raises. If the caller stops
+        iterating (a client disconnect), the request is aborted and its blocks freed.
+        """
+        if not self.is_alive:
+            raise EngineDeadError("the engine loop is not running")
+        request_id = request_id or uuid.uuid4().hex
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue = asyncio.Queue()
+        added = loop.create_future()
+        self._streams[request_id] = (loop, queue)
+        self._submit(("add", request_id, prompt_token_ids, sampling, kwargs, added))
+        finished = False
+        try:
+            await added
+            while True:
+                item = await queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if item.finished:
+                    finished = True
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._submit(("abort", request_id))
+
+    def abort(self, request_id: str) -> None:
+        self._submit(("abort", request_id))
+
+    def call(self, fn, *args):
+        """Run fn(engine, *args) on the engine thread between steps; returns a future."""
+        import concurrent.futures
+
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._submit(("call", fn, args, fut))
+        return fut
+
+    def shutdown(self) -> None:
+        self._stopped = True
+        with self._wake:
+            self._wake.notify()
+        self._thread.join(timeout=10)
+
+    def _submit(self, command) -> None:
+        with self._wake:
+            self._commands.append(command)
+            self._wake.notify()
+
+    def _deliver(self, request_id: str, item) -> None:
+        stream = self._streams.get(request_id)
+        if stream is not None:
+            loop, queue = stream
+            loop.call_soon_threadsafe(queue.put_nowait, item)
+
+    def _apply(self, command) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, rid, ids, sampling, kwargs, added = command
+            loop = self._streams[rid][0] if rid in self._streams else None
+            try:
+                self.engine.add_request(ids, sampling, request_id=rid, **kwargs)
+                result = None
+            except Exception as e:  # rejected at admission: the caller gets the typed error
+                result = e
+            if loop is not None:
+                loop.call_soon_threadsafe(_settle, added, result)
+        elif kind == "abort":
+            self.engine.abort(command[1])
+        elif kind == "call":
+            _, fn, args, fut = command
+            try:
+                fut.set_result(fn(self.engine, *args))
+            except Exception as e:
+                fut.set_exception(e)
+
+    def _run(self) -> None:
+        while not self._stopped:
+            with self._wake:
+                while not self._commands and not self.engine.has_unfinished() and not self._stopped:
+                    self._wake.wait()
+                commands = list(self._commands)
+                self._commands.clear()
+            for command in commands:
+                self._apply(command)
+            if not self.engine.has_unfinished():
+                continue
+            try:
+                outputs = self.engine.step()
+            except Exception as e:  # a failed step fails the requests in it, never the process
+                log.exception("engine step failed")
+                self._fail_all(e)
+                continue
+            for out in outputs:
+                self._deliver(out.request_id, out)
+
+    def _fail_all(self, error: Exception) -> None:
+        for rid in list(self.engine.requests):
+            self.engine.abort(rid)
+            self._deliver(rid, RuntimeError(f"engine step failed: {error}"))
+
+
+def _settle(future: asyncio.Future, error: BaseException | None) -> None:
+    if future.done():
+        return
+    if error is None:
+        future.set_result(None)
+    else:
+        future.set_exception(error)

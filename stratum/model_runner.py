@@ -1,0 +1,145 @@
+"""The model runner: owns the KV pool, turns a SchedulerOutput into tensors, runs the model, samples."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from stratum.layers.attention import AttentionMetadata, PrefillSpan
+from stratum.models.llama import LlamaForCausalLM
+from stratum.sampler import sample
+from stratum.scheduler import SchedulerOutput
+
+# Decodes share their common leading blocks through the cascade path only when it saves work.
+_MIN_SHARED_BLOCKS = 2
+
+
+@dataclass
+class RunnerOutput:
+    sampled: dict[str, int] = field(default_factory=dict)  # request_id -> new token, for sequences that sampled
+    forward_s: float = 0.0  # wall time inside the model forward and logits
+    sample_s: float = 0.0
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype):
+        cfg = model.config
+        self.model = model
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.device = device
+        num_slots = num_blocks * block_size
+        # kv_caches[layer] = (k, v), each [num_slots, num_kv_heads, head_dim]
+        self.kv_caches = [
+            (torch.zeros(num_slots, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device),
+             torch.zeros(num_slots, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device))
+            for _ in range(cfg.num_layers)
+        ]
+        self._offsets = torch.arange(block_size, device=device)
+
+    @property
+    def kv_cache_bytes(self) -> int:
+        return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
+
+    def execute(self, sched: SchedulerOutput) -> RunnerOutput:
+        """Run one step. Sequences whose computed tokens reach num_tokens sample their next token."""
+        input_ids, positions, meta, logit_rows, samplers, recorders = self._prepare(sched)
+        t0 = time.perf_counter()
+        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+        logits = self.model.compute_logits(hidden[rows]) if logit_rows else None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        out = RunnerOutput(forward_s=t1 - t0)
+        if logits is None:
+            return out
+        logits = logits.cpu()
+        for seq, index, pos in recorders:
+            for j, p in zip(index, pos):
+                seq.logits.setdefault(p, logits[j].clone())
+        if samplers:
+            idx = [j for _, j in samplers]
+            seqs = [s for s, _ in samplers]
+            tokens = sample(logits[idx], [s.sampling for s in seqs], [s.generator for s in seqs])
+            out.sampled = {s.request_id: t for s, t in zip(seqs, tokens)}
+        out.sample_s = time.perf_counter() - t1
+        return out
+
+    def _prepare(self, sched: SchedulerOutput):
+        bs = self.block_size
+        ids: list[int] = []
+        pos: list[int] = []
+        slots: list[int] = []
+        logit_rows: list[int] = []
+        samplers = []  # (seq, row in logits)
+        recorders = []  # (seq, logits rows, positions) for return_logits
+        decode_seqs = []
+        prefills: list[PrefillSpan] = []
+        for item in sched.scheduled:
+            seq, n = item.seq, item.num_new_tokens
+            start = seq.num_computed_tokens
+            row0 = len(ids)
+            ids += seq.token_ids[start : start + n]
+            pos += range(start, start + n)
+            table = seq.block_table
+            slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
+            will_sample = start + n == seq.num_tokens and seq.num_output_tokens < seq.sampling.max_tokens
+            if seq.sampling.return_logits:
+                first = len(logit_rows)
+                logit_rows += range(row0, row0 + n)
+                recorders.append((seq, range(first, first + n), range(start, start + n)))
+                if will_sample:
+                    samplers.append((seq, first + n - 1))
+            elif will_sample:
+                samplers.append((seq, len(logit_rows)))
+                logit_rows.append(row0 + n - 1)
+            if n == 1 and start > 0:
+                decode_seqs.append(seq)
+            elif start == 0:
+                prefills.append(PrefillSpan(row0, row0 + n))
+            else:
+                ctx = start + n
+                mask = torch.ones(n, ctx, dtype=torch.bool, device=self.device).tril(diagonal=start)
+                prefills.append(PrefillSpan(row0, row0 + n, self._slots_of(table, ctx), mask))
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device))
+        assert all(item.num_new_tokens == 1 and item.seq.num_computed_tokens > 0
+                   for item in sched.scheduled[: len(decode_seqs)]), "decodes must come first"
+        if decode_seqs:
+            self._prepare_decode(decode_seqs, meta)
+        meta.prefills = prefills
+        return (torch.tensor(ids, dtype=torch.long, device=self.device),
+                torch.tensor(pos, dtype=torch.long, device=self.device),
+                meta, logit_rows, samplers, recorders)
+
+    def _slots_of(self, table: list[int], ctx: int) -> torch.Tensor:
+        blocks = torch.tensor(table[: -(-ctx // self.block_size)], dtype=torch.long, device=self.device)
+        return (blocks[:, None] * self.block_size + self._offsets).flatten()[:ctx]
+
+    def _prepare_decode(self, seqs, meta: AttentionMetadata) -> None:
+        bs = self.block_size
+        ctx_lens = [s.num_computed_tokens + 1 for s in seqs]
+        shared = 0
+        if len(seqs) > 1:
+            first = seqs[0].block_table
+            limit = min((c - 1) // bs for c in ctx_lens)  # the block being written is never shared
+            while shared < limit and all(s.block_table[shared] == first[shared] for s in seqs):
+                shared += 1
+            if shared < _MIN_SHARED_BLOCKS:
+                shared = 0
+        num_blocks = max(-(-c // bs) for c in ctx_lens) - shared
+        table = torch.zeros(len(seqs), num_blocks, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            row = s.block_table[shared : -(-ctx_lens[i] // bs)]
+            table[i, : len(row)] = torch.tensor(row, dtype=torch.long)
+        table = table.to(self.device)
+        lens = torch.tensor(ctx_lens, dtype=torch.long, device=self.device) - shared * bs
+        meta.num_decode_tokens = len(seqs)
+        meta.decode_slots = (table[:, :, None] * bs + self._offsets).flatten(1)  # [B, L]
+        span = torch.arange(meta.decode_slots.shape[1], device=self.device)
+        meta.decode_mask = (span[None, :] < lens[:, None]).view(len(seqs), 1, 1, -1)
+        if shared:
+            blocks = torch.tensor(seqs[0].block_table[:shared], dtype=torch.long, device=self.device)
+            meta.shared_slots = (blocks[:, None] * bs + self._offsets).flatten()

