@@ -21,3 +21,72 @@ def real_model_path():
     if not path.exists():
         pytest.skip(f"{path} missing: run `stratum pull`")
     return path
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A real `stratum serve` subprocess on a free loopback port."""
+
+    def __init__(self, model: str, *extra: str, env: dict | None = None):
+        import os
+        import subprocess
+        import sys
+        import tempfile
+
+        self.port = _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        cmd = [sys.executable, "-m", "stratum.cli", "serve", "--model", model, "--port", str(self.port), *extra]
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+
+    def wait_ready(self, timeout: float = 120.0) -> "ServerProcess":
+        import time
+
+        import httpx
+
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited: {self.output()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not ready: {self.output()}")
+
+    def output(self) -> str:
+        self.log.flush()
+        with open(self.log.name) as f:
+            return f.read()[-4000:]
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=15)
+        except Exception:
+            self.proc.kill()
+
+
+@pytest.fixture(scope="session")
+def tiny_server(tiny_model_dir):
+    """`stratum serve` on the tiny random model, served as "tiny"."""
+    server = ServerProcess(str(tiny_model_dir), "--served-model-name", "tiny", "--kv-cache-mb", "8").wait_ready()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def real_server(real_model_path):
+    """`stratum serve` on the default model."""
+    server = ServerProcess("smollm2-135m").wait_ready()
+    yield server
+    server.stop()

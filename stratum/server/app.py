@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import hmac
 import json
@@ -98,8 +99,10 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @app.get("/health")
     async def health():
         ok = engine.is_alive
-        body = {"status": "ok" if ok else "dead", "model": settings.model_name, "mode": "normal",
-                "running": engine.num_running, "waiting": engine.num_waiting}
+        body: dict[str, Any] = {"status": "ok" if ok else "dead", "model": settings.model_name, "mode": "normal",
+                                "running": engine.num_running, "waiting": engine.num_waiting}
+        if ok:
+            body["kv_blocks"] = await asyncio.wrap_future(engine.call(_kv_snapshot))
         return JSONResponse(body, status_code=200 if ok else 503)
 
     @app.get("/v1/models")
@@ -242,6 +245,9 @@ def _check_capacity(engine: AsyncEngine, settings: ServerSettings) -> None:
 
 
 def _check_request(engine: AsyncEngine, prompt: Prompt, sampling: SamplingParams) -> None:
+    """Validate against the context length; a prompt with tools also stops at the end of a tool call."""
+    if prompt.tool_names and tool_fmt.CLOSE not in sampling.stop:
+        sampling.stop.append(tool_fmt.CLOSE)
     try:
         engine.engine.check_request(len(prompt.token_ids), sampling)
     except InvalidRequestError as e:
@@ -250,6 +256,11 @@ def _check_request(engine: AsyncEngine, prompt: Prompt, sampling: SamplingParams
 
 def _error_response(e: APIError, request_id: str) -> JSONResponse:
     return JSONResponse(e.body(request_id), status_code=e.status, headers={**e.headers, "request-id": request_id})
+
+
+def _kv_snapshot(engine) -> dict[str, int]:
+    bm = engine.block_manager
+    return {"total": bm.num_blocks, "free": bm.num_free_blocks, "cached": bm.num_cached_blocks, "in_use": bm.num_used_blocks}
 
 
 def _model_card(settings: ServerSettings) -> dict[str, Any]:
@@ -297,7 +308,7 @@ def _stop_reason(out: RequestOutput, has_calls: bool) -> tuple[str, str | None]:
         return "tool_use", None
     if out.finish_reason == "length":
         return "max_tokens", None
-    if isinstance(out.stop_reason, str):
+    if isinstance(out.stop_reason, str) and out.stop_reason != tool_fmt.CLOSE:
         return "stop_sequence", out.stop_reason
     return "end_turn", None
 

@@ -102,6 +102,8 @@ def build_prompt(template: ChatTemplate, messages: list[dict[str, Any]], tools: 
         template_tools = None
     else:
         template_tools = [{"type": "function", "function": t} for t in tools] if tools else None
+    if forced_tool is True and tools and len(tools) == 1:
+        forced_tool = tools[0]["name"]  # "any" with one tool is that tool
     prefill = ""
     if forced_tool is not False:
         prefill = tool_fmt.forced_prefix(forced_tool if isinstance(forced_tool, str) else None)
