@@ -29,8 +29,10 @@ class BlockManager:
         enable_prefix_cache: when False, nothing is matched or inserted (basic mode).
     """
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True, clock=None):
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_cache: bool = True, clock=None,
+                 fault: str | None = None):
         self.num_blocks = num_blocks
+        self.fault = fault  # "cache": prefix-cache lookups raise, to test the degraded mode
         self.block_size = block_size
         self.enable_prefix_cache = enable_prefix_cache
         self.ref_counts = [0] * num_blocks
@@ -71,6 +73,8 @@ class BlockManager:
         """
         if not (self.enable_prefix_cache and seq.cache_policy.read):
             return 0
+        if self.fault == "cache":
+            raise RuntimeError("injected prefix-cache fault (STRATUM_FAULT_INJECT=cache)")
         keys = seq.full_block_hashes()[: (seq.num_tokens - 1) // self.block_size]
         return self.cache.match_prefix(keys).num_blocks * self.block_size
 

@@ -55,6 +55,7 @@ def cmd_serve(args) -> int:
     from stratum.engine import AsyncEngine, LLMEngine
     from stratum.models.registry import PullError, sampling_defaults
     from stratum.server.app import ServerSettings, create_app
+    from stratum.telemetry.cost import pricing_from_spec
 
     t0 = time.perf_counter()
     try:
@@ -67,8 +68,10 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or args.model
     defaults = sampling_defaults(args.model)
     settings = ServerSettings(model_name=name, aliases=(engine.model_config.name,), api_keys=keys,
-                              max_body_bytes=args.max_body_bytes, max_waiting=args.max_waiting,
-                              default_temperature=defaults.get("temperature", 1.0), default_top_p=defaults.get("top_p", 1.0))
+                              max_body_bytes=args.max_body_bytes,
+                              default_temperature=defaults.get("temperature", 1.0), default_top_p=defaults.get("top_p", 1.0),
+                              tenant_budget_tokens=args.tenant_budget_tokens, budget_window_s=args.budget_window_s,
+                              pollution_policy=args.pollution_policy, pricing=pricing_from_spec(args.pricing))
     app = create_app(AsyncEngine(engine), settings)
     print(f"stratum: {name} loaded in {time.perf_counter() - t0:.1f}s on {engine.config.device}/{engine.config.dtype}, "
           f"{engine.block_manager.num_blocks} KV blocks; serving on http://{args.host}:{args.port}", flush=True)
@@ -135,6 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-key", action="append", help="accepted API key (repeatable); also STRATUM_API_KEYS=k1,k2")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
+    p.add_argument("--tenant-budget-tokens", type=int, default=None,
+                   help="admission by cost: estimated tokens a tenant may spend per window (default: unlimited)")
+    p.add_argument("--budget-window-s", type=float, default=60.0)
+    p.add_argument("--pollution-policy", default="advise", choices=["reject", "advise", "off"])
+    p.add_argument("--pricing", default="article", help="article[:k=v,...] or tokens[:k=v,...] (see docs/telemetry.md)")
     p.add_argument("--log-level", default="warning")
     p.set_defaults(func=cmd_serve)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import threading
 import time
 import uuid
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from stratum.block_manager import BlockManager
-from stratum.config import EngineConfig
+from stratum.config import EngineConfig, SchedulerConfig
 from stratum.detokenizer import Detokenizer
 from stratum.model_runner import ModelRunner
 from stratum.models.chat_template import ChatTemplate
@@ -51,6 +52,11 @@ class RequestStats:
     first_token_time: float | None
     finish_time: float | None
     token_times: list[float]
+    kv_sparsity: float | None = None
+    num_kv_sparsity_samples: int = 0
+    num_prefill_chunks: int = 0
+    kv_bytes_at_first_token: int = 0
+    num_tool_reserved_tokens: int = 0
 
     @property
     def queue_s(self) -> float | None:
@@ -75,6 +81,9 @@ class RequestOutput:
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     stats: RequestStats | None = None
     error: str | None = None
+    state: str = ""  # the request's meta-token state after this output
+    kv_cache_efficiency: float = 0.0
+    mode: str = "normal"  # "basic" when served by the degraded engine
 
 
 @dataclass(slots=True)
@@ -129,12 +138,17 @@ class LLMEngine:
         self.model.rotary.float()  # cos/sin tables stay fp32
         checkpoint.weights.clear()  # the model holds them now
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(config.kv_cache_memory_mb)
-        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_cache)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager)
+        fault = os.environ.get("STRATUM_FAULT_INJECT") or None  # tests: "scheduler" or "cache"
+        self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_cache, fault=fault)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, fault=fault)
         self.runner = ModelRunner(self.model, num_blocks, config.block_size, self.device, self.dtype)
         self.requests: dict[str, _Request] = {}
         self.step_stats: deque[StepStats] = deque(maxlen=1024)
         self.num_steps = 0
+        self.mode = "normal"
+        self.degraded_reason: str | None = None
+        self.tool_reserve_tokens = 128
+        self.kv_bytes_per_block = self.runner.kv_cache_bytes // num_blocks
 
     def _blocks_for_memory(self, megabytes: int) -> int:
         mc = self.model_config
@@ -167,6 +181,8 @@ class LLMEngine:
         priority: int = 0,
         cache_salt: str | None = None,
         cache_policy: CachePolicy | None = None,
+        tool_marker: str | None = None,
+        pin_prefixes: list[tuple[int, float]] | None = None,
     ) -> Sequence:
         """Validate and queue one request.
 
@@ -175,12 +191,16 @@ class LLMEngine:
             Whatever the scheduler's admission hook raises.
         """
         self.check_request(len(prompt_token_ids), sampling)
+        vocab_size = self.model_config.vocab_size
+        if any(not 0 <= t < vocab_size for t in prompt_token_ids):  # else the step fails for the whole batch
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})")
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
         seq = Sequence(
             request_id, list(prompt_token_ids), sampling, self.config.block_size,
             priority=priority, cache_salt=cache_salt, cache_policy=cache_policy or CachePolicy(),
+            tool_marker=tool_marker, pin_prefixes=list(pin_prefixes or []),
         )
         if sampling.seed is not None:
             seq.generator = torch.Generator().manual_seed(sampling.seed)
@@ -218,23 +238,35 @@ class LLMEngine:
 
     def _postprocess(self, sched: SchedulerOutput, sampled: dict[str, int]) -> list[RequestOutput]:
         now = time.perf_counter()
+        bm = self.block_manager
         outputs = []
         for item in sched.scheduled:
             seq = item.seq
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                seq.num_prefill_chunks += 1
+                seq.state = f"prefill_chunk_{seq.num_prefill_chunks}"
             prompt_left = max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_prompt_tokens_computed += min(item.num_new_tokens, prompt_left)
             seq.num_computed_tokens += item.num_new_tokens
             policy = seq.cache_policy
             in_prompt = seq.num_computed_tokens <= seq.num_prompt_tokens
-            self.block_manager.cache_computed_blocks(seq, policy.pin_ttl_s if in_prompt or policy.pin_output else 0.0)
+            bm.cache_computed_blocks(seq, policy.pin_ttl_s if in_prompt or policy.pin_output else 0.0)
+            if seq.pin_prefixes:
+                self._pin_prefixes(seq)
             req = self.requests[seq.request_id]
             token = sampled.get(seq.request_id)
             if token is None:
                 if seq.num_computed_tokens >= seq.num_tokens and seq.sampling.max_tokens == 0:
+                    seq.state = "prefill_complete"
+                    seq.kv_bytes_at_first_token = len(seq.block_table) * self.kv_bytes_per_block
                     outputs.append(self._finish(req, "length", running=True))
                 continue
             if seq.first_token_time is None:
                 seq.first_token_time = now
+                seq.state = "prefill_complete"
+                seq.kv_bytes_at_first_token = len(seq.block_table) * self.kv_bytes_per_block
+            else:
+                seq.state = f"decode_step_{seq.num_output_tokens}"
             seq.token_ids.append(token)
             seq.token_times.append(now)
             reason = None
@@ -246,14 +278,36 @@ class LLMEngine:
                     reason, seq.stop_reason = "stop", req.detok.stop_hit
             if reason is None and seq.num_output_tokens >= seq.sampling.max_tokens:
                 reason = "length"
+            if reason is None and seq.tool_marker is not None and not seq.is_tool_prepared and seq.tool_marker in req.detok.text:
+                self._prepare_tool_use(seq)
             if reason is not None:
                 outputs.append(self._finish(req, reason, running=True, last_token=token))
             else:
                 outputs.append(self._output(req, [token], finished=False))
         return outputs
 
+    def _pin_prefixes(self, seq: Sequence) -> None:
+        """Pin the prompt prefixes a request asked for (cache_control) once they are computed and cached."""
+        keep = []
+        for num_tokens, ttl in seq.pin_prefixes:
+            if num_tokens <= seq.num_computed_tokens:
+                self.block_manager.cache.pin(seq.full_block_hashes()[: num_tokens // self.config.block_size], ttl)
+            else:
+                keep.append((num_tokens, ttl))
+        seq.pin_prefixes = keep
+
+    def _prepare_tool_use(self, seq: Sequence) -> None:
+        """The model began a tool call: reserve KV room for its arguments now, so they decode without stalls."""
+        seq.state = "tool_use_prepared"
+        seq.is_tool_prepared = True
+        budget = seq.sampling.max_tokens - seq.num_output_tokens
+        reserve = min(budget, self.tool_reserve_tokens)
+        if reserve > 0 and self.block_manager.allocate(seq, 1 + reserve):
+            seq.num_tool_reserved_tokens = reserve
+
     def _finish(self, req: _Request, reason: str, running: bool = False, last_token: int | None = None) -> RequestOutput:
         seq = req.seq
+        efficiency = seq.kv_cache_efficiency(self.config.block_size)
         if running:
             self.scheduler.finish(seq)
             self.requests.pop(seq.request_id, None)
@@ -261,9 +315,11 @@ class LLMEngine:
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()
         req.detok.flush()
-        return self._output(req, [last_token] if last_token is not None else [], finished=True)
+        out = self._output(req, [last_token] if last_token is not None else [], finished=True, efficiency=efficiency)
+        seq.state = "finished"
+        return out
 
-    def _output(self, req: _Request, new_ids: list[int], finished: bool) -> RequestOutput:
+    def _output(self, req: _Request, new_ids: list[int], finished: bool, efficiency: float | None = None) -> RequestOutput:
         seq = req.seq
         return RequestOutput(
             request_id=seq.request_id,
@@ -275,10 +331,12 @@ class LLMEngine:
             finish_reason=seq.finish_reason,
             stop_reason=seq.stop_reason,
             stats=self.request_stats(seq) if finished or len(new_ids) == seq.num_output_tokens else None,
+            state=seq.state,
+            kv_cache_efficiency=seq.kv_cache_efficiency(self.config.block_size) if efficiency is None else efficiency,
+            mode=self.mode,
         )
 
-    @staticmethod
-    def request_stats(seq: Sequence) -> RequestStats:
+    def request_stats(self, seq: Sequence) -> RequestStats:
         return RequestStats(
             num_prompt_tokens=seq.num_prompt_tokens,
             num_cached_tokens=max(0, seq.num_cached_tokens),
@@ -291,7 +349,31 @@ class LLMEngine:
             first_token_time=seq.first_token_time,
             finish_time=seq.finish_time,
             token_times=list(seq.token_times),
+            kv_sparsity=seq.kv_sparsity,
+            num_kv_sparsity_samples=seq.coverage_count,
+            num_prefill_chunks=seq.num_prefill_chunks,
+            kv_bytes_at_first_token=seq.kv_bytes_at_first_token,
+            num_tool_reserved_tokens=seq.num_tool_reserved_tokens,
         )
+
+    # ---- degraded basic mode ---------------------------------------------------------------------
+    def enter_basic_mode(self, reason: str) -> None:
+        """Scheduler or cache logic failed: keep serving FIFO, one sequence at a time, without the prefix cache.
+
+        Every unfinished request is kept and recomputed from its tokens under a fresh block manager.
+        """
+        log.error("entering basic mode: %s", reason)
+        pending = sorted(self.scheduler.waiting + self.scheduler.running, key=lambda s: s.arrival_order)
+        self.mode = "basic"
+        self.degraded_reason = reason
+        self.block_manager = BlockManager(self.block_manager.num_blocks, self.config.block_size, enable_prefix_cache=False)
+        basic = SchedulerConfig(max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens, max_num_seqs=1,
+                                max_waiting=self.config.scheduler.max_waiting, watermark_blocks=0)
+        self.scheduler = Scheduler(basic, self.block_manager, fifo=True)
+        for seq in pending:
+            seq.block_table, seq.num_computed_tokens, seq.num_inserted_blocks = [], 0, 0
+            seq.status = SequenceStatus.WAITING
+            self.scheduler.waiting.append(seq)
 
 
 class LLM:
@@ -445,9 +527,12 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception as e:  # a failed step fails the requests in it, never the process
+            except Exception as e:
                 log.exception("engine step failed")
-                self._fail_all(e)
+                if self.engine.mode == "normal":  # degrade, keep every request, and go on serving
+                    self.engine.enter_basic_mode(f"{type(e).__name__}: {e}")
+                else:  # already basic: fail the requests in flight, never the process
+                    self._fail_all(e)
                 continue
             for out in outputs:
                 self._deliver(out.request_id, out)

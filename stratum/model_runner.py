@@ -7,13 +7,16 @@ from dataclasses import dataclass, field
 
 import torch
 
-from stratum.layers.attention import AttentionMetadata, PrefillSpan
+from stratum.layers.attention import AttentionMetadata, CoverageProbe, PrefillSpan
 from stratum.models.llama import LlamaForCausalLM
 from stratum.sampler import sample
 from stratum.scheduler import SchedulerOutput
 
 # Decodes share their common leading blocks through the cascade path only when it saves work.
 _MIN_SHARED_BLOCKS = 2
+# kv_sparsity is sampled, to keep its cost small: at a request's first sampled token (the end of its
+# prefill) and at every COVERAGE_EVERY-th output token after, on the first, middle and last layer.
+COVERAGE_EVERY = 8
 
 
 @dataclass
@@ -38,6 +41,8 @@ class ModelRunner:
             for _ in range(cfg.num_layers)
         ]
         self._offsets = torch.arange(block_size, device=device)
+        n = cfg.num_layers
+        self.coverage_layers = frozenset({0, n // 2, n - 1})
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -48,6 +53,10 @@ class ModelRunner:
         input_ids, positions, meta, logit_rows, samplers, recorders = self._prepare(sched)
         t0 = time.perf_counter()
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        if meta.probe is not None:
+            for seq, values in zip(meta.probe.seqs, meta.probe.results):
+                seq.coverage_sum += sum(values) / len(values)
+                seq.coverage_count += 1
         rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         logits = self.model.compute_logits(hidden[rows]) if logit_rows else None
         if self.device.type == "cuda":
@@ -78,6 +87,7 @@ class ModelRunner:
         recorders = []  # (seq, logits rows, positions) for return_logits
         decode_seqs = []
         prefills: list[PrefillSpan] = []
+        probe = CoverageProbe(self.coverage_layers)
         for item in sched.scheduled:
             seq, n = item.seq, item.num_new_tokens
             start = seq.num_computed_tokens
@@ -96,7 +106,12 @@ class ModelRunner:
             elif will_sample:
                 samplers.append((seq, len(logit_rows)))
                 logit_rows.append(row0 + n - 1)
-            if n == 1 and start > 0:
+            if will_sample and seq.num_output_tokens % COVERAGE_EVERY == 0:
+                probe.rows.append(row0 + n - 1)
+                probe.slots.append(self._slots_of(table, start + n))
+                probe.results.append([])
+                probe.seqs.append(seq)
+            if n == 1 and start > 0 and not prefills:  # a one-token chunk behind a prefill stays a prefill
                 decode_seqs.append(seq)
             elif start == 0:
                 prefills.append(PrefillSpan(row0, row0 + n))
@@ -110,6 +125,7 @@ class ModelRunner:
         if decode_seqs:
             self._prepare_decode(decode_seqs, meta)
         meta.prefills = prefills
+        meta.probe = probe if probe.rows else None
         return (torch.tensor(ids, dtype=torch.long, device=self.device),
                 torch.tensor(pos, dtype=torch.long, device=self.device),
                 meta, logit_rows, samplers, recorders)

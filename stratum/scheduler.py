@@ -53,8 +53,10 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 admission: Callable[[Sequence], None] | None = None):
+                 admission: Callable[[Sequence], None] | None = None, fifo: bool = False, fault: str | None = None):
         self.config = config
+        self.sort_key = (lambda s: s.arrival_order) if fifo else Sequence.sort_key  # basic mode ignores priority
+        self.fault = fault
         self.bm = block_manager
         self.admission = admission
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
@@ -70,7 +72,7 @@ class Scheduler:
         if self.admission is not None:
             self.admission(seq)
         seq.status = SequenceStatus.WAITING
-        bisect.insort(self.waiting, seq, key=Sequence.sort_key)
+        bisect.insort(self.waiting, seq, key=self.sort_key)
 
     def abort(self, request_id: str) -> Sequence | None:
         """Remove a request from any state, returning every block it held."""
@@ -89,9 +91,11 @@ class Scheduler:
         self.bm.free(seq)
 
     def schedule(self) -> SchedulerOutput:
+        if self.fault == "scheduler":
+            raise RuntimeError("injected scheduler fault (STRATUM_FAULT_INJECT=scheduler)")
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
-        self.running.sort(key=Sequence.sort_key)
+        self.running.sort(key=self.sort_key)
         decodes = [s for s in self.running if not s.is_prefilling]
         prefills = [s for s in self.running if s.is_prefilling]
         for seq in decodes + prefills:
@@ -118,7 +122,10 @@ class Scheduler:
                 continue
             n = min(seq.num_tokens - hit, budget)
             need = -(-(hit + n) // self.bm.block_size) - hit // self.bm.block_size
-            if not self.bm.can_allocate(need + self.config.watermark_blocks) or not self.bm.allocate(seq, n):
+            # the watermark keeps room for running requests to grow; with none running it would only
+            # stall a request that fits the pool forever
+            watermark = self.config.watermark_blocks if self.running else 0
+            if not self.bm.can_allocate(need + watermark) or not self.bm.allocate(seq, n):
                 break
             del self.waiting[i]
             if seq.first_scheduled_time is None:
@@ -133,7 +140,7 @@ class Scheduler:
     def _allocate_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         while not self.bm.allocate(seq, n):
             victim = max((s for s in self.running if s.status is SequenceStatus.RUNNING
-                          and not any(x.seq is s for x in out.scheduled)), key=Sequence.sort_key, default=None)
+                          and not any(x.seq is s for x in out.scheduled)), key=self.sort_key, default=None)
             if victim is None:
                 return False
             self._preempt(victim, out)
@@ -149,7 +156,7 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         seq.status = SequenceStatus.WAITING
-        bisect.insort(self.waiting, seq, key=Sequence.sort_key)
+        bisect.insort(self.waiting, seq, key=self.sort_key)
         out.preempted.append(seq)
 
     def _pending_keys(self, seq: Sequence) -> list[bytes]:

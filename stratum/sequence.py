@@ -80,6 +80,16 @@ class Sequence:
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
+    # Telemetry, produced by the code that does the work:
+    state: str = "queued"  # the meta-token state machine: queued, prefill_chunk_k, prefill_complete, decode_step_N, tool_use_prepared, finished
+    num_prefill_chunks: int = 0
+    coverage_sum: float = 0.0  # attention coverage samples (kv_sparsity), see layers.attention.attention_coverage
+    coverage_count: int = 0
+    kv_bytes_at_first_token: int = 0
+    tool_marker: str | None = None  # text that starts a tool call; seen in the output -> tool_use_prepared
+    is_tool_prepared: bool = False
+    num_tool_reserved_tokens: int = 0
+    pin_prefixes: list[tuple[int, float]] = field(default_factory=list)  # (prompt tokens, ttl seconds) to pin once computed
     logits: dict[int, object] = field(default_factory=dict)  # position -> fp32 logits, only with return_logits
     generator: object | None = None  # torch.Generator for seeded sampling
 
@@ -102,6 +112,15 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]
+
+    @property
+    def kv_sparsity(self) -> float | None:
+        return self.coverage_sum / self.coverage_count if self.coverage_count else None
+
+    def kv_cache_efficiency(self, block_size: int) -> float:
+        """Tokens held in KV ÷ slots in the blocks allocated to this request."""
+        slots = len(self.block_table) * block_size
+        return self.num_computed_tokens / slots if slots else 0.0
 
     @property
     def is_finished(self) -> bool:

@@ -37,6 +37,37 @@ class PrefillSpan:
 
 
 @dataclass(slots=True)
+class CoverageProbe:
+    """Query rows whose attention coverage is measured this step, at the given layers.
+
+    rows[i] is a token row of the step and slots[i] the KV slots of its whole context;
+    results[i] collects one coverage value per measured layer.
+    """
+
+    layers: frozenset[int]
+    rows: list[int] = field(default_factory=list)
+    slots: list[torch.Tensor] = field(default_factory=list)
+    results: list[list[float]] = field(default_factory=list)
+    seqs: list = field(default_factory=list)  # the owner of each row, for the caller
+
+
+def attention_coverage(q: torch.Tensor, k: torch.Tensor, scale: float, mass: float = 0.9) -> float:
+    """Share of context positions needed to hold `mass` of one query's attention, averaged over heads.
+
+    Args:
+        q: [H, D] one token's queries; k: [C, KVH, D] its whole context's keys.
+    Returns:
+        In (0, 1]: low when a few positions carry the attention (most of the context is unused).
+    """
+    num_heads, num_kv_heads = q.shape[0], k.shape[1]
+    keys = k.float().repeat_interleave(num_heads // num_kv_heads, dim=1)  # [C, H, D]
+    probs = torch.softmax(torch.einsum("hd,chd->hc", q.float(), keys) * scale, dim=-1)
+    cumulative = probs.sort(dim=-1, descending=True).values.cumsum(-1)
+    needed = (cumulative < mass).sum(-1) + 1  # positions until the mass is reached, per head
+    return float((needed.float() / k.shape[0]).clamp(max=1.0).mean())
+
+
+@dataclass(slots=True)
 class AttentionMetadata:
     """Everything a layer needs to write and read the pool for one step; built once per step."""
 
@@ -46,6 +77,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, L] bool, True = attend
     shared_slots: torch.Tensor | None = None  # [P]: the slots all decodes share, or None
     prefills: list[PrefillSpan] = field(default_factory=list)
+    probe: CoverageProbe | None = None
 
 
 def paged_attention(

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from stratum.layers.attention import AttentionMetadata, paged_attention
+from stratum.layers.attention import AttentionMetadata, attention_coverage, paged_attention
 from stratum.layers.linear import Linear
 from stratum.layers.norm import RMSNorm
 from stratum.layers.rotary import RotaryEmbedding
@@ -19,8 +19,9 @@ from stratum.models.config import ModelConfig
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
+        self.layer_idx = layer_idx
         self.num_heads = cfg.num_heads
         self.num_kv_heads = cfg.num_kv_heads
         self.head_dim = cfg.head_dim
@@ -42,6 +43,10 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotary(positions, q, k)
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        probe = meta.probe
+        if probe is not None and self.layer_idx in probe.layers:
+            for row, slots, out in zip(probe.rows, probe.slots, probe.results):
+                out.append(attention_coverage(q[row], kv_cache[0][slots], self.scale))
         return self.o_proj(o.reshape(num_tokens, self.q_size))
 
 
@@ -58,10 +63,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, layer_idx: int):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg)
+        self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
@@ -76,7 +81,7 @@ class LlamaForCausalLM(nn.Module):
         self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.rotary = RotaryEmbedding(

@@ -1,4 +1,4 @@
-"""Turning API requests into prompt token ids through the model's chat template."""
+"""Turning API requests into chat messages and prompt token ids through the model's chat template."""
 
 from __future__ import annotations
 
@@ -7,9 +7,24 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stratum.models.chat_template import ChatTemplate, ChatTemplateError
+from stratum.server import tools as tool_fmt
 from stratum.server.errors import InvalidRequest
 from stratum.server.protocol import ChatCompletionRequest, CountTokensRequest, MessagesRequest
-from stratum.server import tools as tool_fmt
+
+
+@dataclass
+class ChatInput:
+    """A request in template terms."""
+
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None = None
+    forced_tool: bool | str = False  # False, True (any tool), or a tool name
+    system_text: str = ""
+    pinned: dict[int, str | None] = field(default_factory=dict)  # message index -> cache_control ttl
+
+    @property
+    def text(self) -> str:
+        return "\n".join(m["content"] for m in self.messages)
 
 
 @dataclass
@@ -18,6 +33,7 @@ class Prompt:
     prefill: str = ""  # assistant text the output continues (part of the answer only if it is a forced tool call)
     tool_names: set[str] = field(default_factory=set)
     is_forced_tool: bool = False
+    template_tools: list[dict] | None = None
 
 
 def _block_text(block) -> str:
@@ -29,13 +45,20 @@ def _block_text(block) -> str:
     return "<tool_response>\n" + content + "\n</tool_response>"
 
 
-def anthropic_messages(req: MessagesRequest | CountTokensRequest) -> tuple[list[dict[str, Any]], list[dict] | None, Any]:
-    """Anthropic body -> (chat messages, tool definitions to render, tool_choice).
-
-    Consecutive turns of one role are merged, as the Messages API does.
-    """
+def anthropic_input(req: MessagesRequest | CountTokensRequest) -> ChatInput:
+    """Anthropic body -> chat messages. Consecutive turns of one role are merged, as the Messages API does."""
     messages: list[dict[str, Any]] = []
-    system = req.system if isinstance(req.system, str) or req.system is None else "\n".join(b.text for b in req.system)
+    pinned: dict[int, str | None] = {}
+    system = req.system
+    if isinstance(system, list):
+        system_text = "\n".join(b.text for b in system)
+        marks = [b.cache_control for b in system if b.cache_control]
+    else:
+        system_text, marks = system or "", []
+    if system_text:
+        messages.append({"role": "system", "content": system_text})
+        if marks:
+            pinned[0] = marks[-1].ttl
     choice = req.tool_choice
     tools = None
     if req.tools and not (choice and choice.type == "none"):
@@ -44,18 +67,25 @@ def anthropic_messages(req: MessagesRequest | CountTokensRequest) -> tuple[list[
         raise InvalidRequest(f"tool_choice names {choice.name!r}, which is not in tools")
     if choice and choice.type in ("any", "tool") and not req.tools:
         raise InvalidRequest(f"tool_choice {choice.type!r} requires tools")
-    if system:
-        messages.append({"role": "system", "content": system})
+    forced: bool | str = False
+    if choice is not None and choice.type == "any":
+        forced = True
+    elif choice is not None and choice.type == "tool":
+        forced = choice.name
     for m in req.messages:
-        text = m.content if isinstance(m.content, str) else "\n".join(_block_text(b) for b in m.content)
+        blocks = [] if isinstance(m.content, str) else m.content
+        text = m.content if isinstance(m.content, str) else "\n".join(_block_text(b) for b in blocks)
         if messages and messages[-1]["role"] == m.role:
             messages[-1]["content"] += "\n" + text
         else:
             messages.append({"role": m.role, "content": text})
-    return messages, tools, choice
+        marks = [b.cache_control for b in blocks if b.cache_control]
+        if marks:
+            pinned[len(messages) - 1] = marks[-1].ttl
+    return ChatInput(messages, tools, forced, system_text, pinned)
 
 
-def openai_messages(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], list[dict] | None, Any]:
+def openai_input(req: ChatCompletionRequest) -> ChatInput:
     messages: list[dict[str, Any]] = []
     for m in req.messages:
         role = "system" if m.role == "developer" else m.role
@@ -68,11 +98,21 @@ def openai_messages(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]], l
             messages[-1]["content"] += "\n" + text
         else:
             messages.append({"role": role, "content": text})
-    tools = None
     choice = req.tool_choice
+    tools = None
     if req.tools and choice != "none":
         tools = [{"name": t.function.name, "description": t.function.description or "", "parameters": t.function.parameters} for t in req.tools]
-    return messages, tools, choice
+    forced: bool | str = False
+    if choice == "required":
+        forced = True
+    elif isinstance(choice, dict):
+        forced = (choice.get("function") or {}).get("name") or True
+        if isinstance(forced, str) and forced not in {t["name"] for t in tools or []}:
+            raise InvalidRequest(f"tool_choice names {forced!r}, which is not in tools")
+    if forced is not False and not tools:
+        raise InvalidRequest("tool_choice requires tools")
+    system_text = "\n".join(m["content"] for m in messages if m["role"] == "system")
+    return ChatInput(messages, tools, forced, system_text)
 
 
 def _args(arguments: str):
@@ -82,17 +122,14 @@ def _args(arguments: str):
         return arguments
 
 
-def build_prompt(template: ChatTemplate, messages: list[dict[str, Any]], tools: list[dict] | None,
-                 forced_tool: str | None | bool = False) -> Prompt:
+def build_prompt(template: ChatTemplate, chat: ChatInput) -> Prompt:
     """Render messages (+ tools) and tokenize; a final assistant turn becomes a prefill.
-
-    Args:
-        forced_tool: False for no forcing, True for "any tool", or a tool name.
 
     Raises:
         InvalidRequest: the template cannot render these messages.
     """
-    messages = [dict(m) for m in messages]
+    messages = [dict(m) for m in chat.messages]
+    tools, forced_tool = chat.tools, chat.forced_tool
     if tools and "tools" not in template.source:
         prompt_text = tool_fmt.tools_system_prompt(tools)
         if messages and messages[0]["role"] == "system":
@@ -118,4 +155,4 @@ def build_prompt(template: ChatTemplate, messages: list[dict[str, Any]], tools: 
         ids = template.encode(messages, tools=template_tools, continue_final=is_continuation)
     except ChatTemplateError as e:
         raise InvalidRequest(str(e)) from None
-    return Prompt(ids, prefill, {t["name"] for t in tools or []}, forced_tool is not False)
+    return Prompt(ids, prefill, {t["name"] for t in tools or []}, forced_tool is not False, template_tools)

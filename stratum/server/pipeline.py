@@ -1,0 +1,286 @@
+"""One request's way through the runtime, shared by both APIs.
+
+    admit (418 pollution, 429 cost, 529 queue: before any tokenization)
+      -> controls (X-Stratum-Mode, system-prompt hints, priority)
+      -> prompt (chat template; compressive mode; cache_control pins)
+      -> engine stream
+      -> telemetry (x-stratum-cost, trace, metrics, budget settlement)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request
+
+from stratum.admission import CostAdmission, PollutionDetector
+from stratum.engine import AsyncEngine, RequestOutput
+from stratum.sampling_params import InvalidRequestError, SamplingParams
+from stratum.sequence import CachePolicy
+from stratum.server import tools as tool_fmt
+from stratum.server.chat import Prompt, build_prompt
+from stratum.server.errors import EngineUnavailable, InvalidRequest, Overloaded, RateLimited
+from stratum.server.streams import EngineStream
+from stratum.telemetry.cost import CostFields, PricingModel
+from stratum.telemetry.metrics import Metrics
+from stratum.telemetry.trace import build_trace, encode_trace, hardware_view
+
+HINT_AGGRESSIVE = "use aggressive caching for repeated queries"
+HINT_LOW_LATENCY = "prioritize low-latency over accuracy"
+HINT_HIGH_VALUE = "this is a high-value request; spare no resources"
+TOP_PRIORITY = -100
+PIN_TTLS = {"5m": 300.0, "1h": 3600.0}
+
+
+class PollutionDetected(Exception):
+    """Raised as the 418 answer: the session keeps defeating the prefix cache."""
+
+
+@dataclass
+class Runtime:
+    """The server's in-process orchestration state."""
+
+    engine: AsyncEngine
+    model_name: str
+    admission: CostAdmission
+    pollution: PollutionDetector
+    pricing: PricingModel
+    metrics: Metrics
+    aggressive_ttl_s: float = 600.0
+    warmup_ttl_s: float = 300.0
+    compress_threshold_tokens: int = 1024
+    compress_chunk_tokens: int = 384
+    compress_summary_tokens: int = 64
+
+
+@dataclass
+class Job:
+    """Everything decided about one request before it runs."""
+
+    endpoint: str
+    tenant: str
+    session: str
+    estimate: int
+    cache_mode: str = "default"  # default | aggressive | bypass
+    priority: int = 0
+    is_low_latency: bool = False
+    is_high_value: bool = False
+    debug: str | None = None  # None | "true" | "full"
+    advise: bool = False
+    prompt: Prompt | None = None
+    prompt_text: str = ""
+    compression: dict[str, Any] | None = None
+    cpu0: float = field(default_factory=time.process_time)
+    wall0: float = field(default_factory=time.perf_counter)
+
+    @property
+    def cache_policy(self) -> CachePolicy:
+        if self.cache_mode == "bypass":
+            return CachePolicy.bypass()
+        return CachePolicy()
+
+
+def tenant_of(request: Request, user_id: str | None) -> str:
+    """The API key, else metadata.user_id, else the client address."""
+    key = request.headers.get("x-api-key") or request.headers.get("authorization", "")[7:].strip()
+    if key:
+        return "key:" + hashlib.sha256(key.encode()).hexdigest()[:16]
+    if user_id:
+        return "user:" + user_id
+    return "addr:" + (request.client.host if request.client else "unknown")
+
+
+def admit(rt: Runtime, request: Request, endpoint: str, prompt_chars: int, max_tokens: int, user_id: str | None) -> Job:
+    """Decide before any tokenization: 529 if the queue is full, 418 on pollution, 429 over budget."""
+    engine = rt.engine
+    if not engine.is_alive:
+        raise EngineUnavailable("the engine is not running")
+    if engine.num_waiting >= engine.engine.config.scheduler.max_waiting:
+        rt.metrics.rejections.labels("queue_full").inc()
+        raise Overloaded(f"the waiting queue is full ({engine.engine.config.scheduler.max_waiting} requests)",
+                         headers={"retry-after": "1"})
+    tenant = tenant_of(request, user_id)
+    session = request.headers.get("x-stratum-session-id") or user_id or tenant
+    job = Job(endpoint, tenant, session, CostAdmission.estimate(prompt_chars, max_tokens))
+    if rt.pollution.is_polluted(session):
+        if rt.pollution.policy == "reject":
+            rt.pollution.reset(session)
+            rt.metrics.rejections.labels("cache_pollution").inc()
+            raise PollutionDetected(session)
+        job.advise = True
+    if rt.admission.is_enabled:
+        d = rt.admission.admit(tenant, job.estimate)
+        headers = {
+            "anthropic-ratelimit-tokens-limit": str(d.limit),
+            "anthropic-ratelimit-tokens-remaining": str(d.remaining),
+            "anthropic-ratelimit-tokens-reset": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(d.reset_at)),
+        }
+        if not d.is_admitted:
+            rt.metrics.rejections.labels("cost_threshold_exceeded").inc()
+            raise RateLimited(
+                f"estimated cost {job.estimate} tokens exceeds the remaining budget of {d.remaining} tokens "
+                f"for this tenant in the current {rt.admission.window_s:g}s window",
+                headers={"retry-after": str(d.retry_after_s), **headers},
+                extra={"stratum_reason": "cost_threshold_exceeded"},
+            )
+    return job
+
+
+def apply_controls(job: Job, request: Request, system_text: str) -> None:
+    """System-prompt hints first, then headers, which override them."""
+    lowered = system_text.lower()
+    if HINT_AGGRESSIVE in lowered:
+        job.cache_mode = "aggressive"
+    if HINT_LOW_LATENCY in lowered:
+        job.is_low_latency = True
+    if HINT_HIGH_VALUE in lowered:
+        job.is_high_value = True
+        job.priority = TOP_PRIORITY
+    mode = request.headers.get("x-stratum-mode", "").strip().lower()
+    if mode in ("aggressive", "bypass", "default"):
+        job.cache_mode = mode
+    elif mode:
+        raise InvalidRequest(f"X-Stratum-Mode must be aggressive, bypass or default, not {mode!r}")
+    debug = request.headers.get("x-stratum-debug", "").strip().lower()
+    if debug in ("true", "1", "full"):
+        job.debug = "full" if debug == "full" else "true"
+
+
+def check_request(rt: Runtime, prompt: Prompt, sampling: SamplingParams) -> None:
+    """Validate against the context length; a prompt with tools also stops at the end of a tool call."""
+    if prompt.tool_names and tool_fmt.CLOSE not in sampling.stop:
+        sampling.stop.append(tool_fmt.CLOSE)
+    try:
+        rt.engine.engine.check_request(len(prompt.token_ids), sampling)
+    except InvalidRequestError as e:
+        raise InvalidRequest(str(e)) from None
+
+
+async def compress(rt: Runtime, job: Job, messages: list[dict[str, Any]], request_id: str) -> list[dict[str, Any]]:
+    """X-Stratum-Context-Mode: compressive. The longest user message, when the prompt is long, is cut
+    into chunks that the same engine summarises (all chunks batched together); the answer is then
+    generated from the summaries."""
+    engine = rt.engine.engine
+    template, tokenizer = engine.chat_template, engine.tokenizer
+    original = len(template.encode(messages))
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    if original <= rt.compress_threshold_tokens or not users:
+        job.compression = {"applied": False, "original_prompt_tokens": original, "threshold_tokens": rt.compress_threshold_tokens}
+        return messages
+    target = max(users, key=lambda i: len(messages[i]["content"]))
+    ids = tokenizer.encode(messages[target]["content"])
+    size = rt.compress_chunk_tokens
+    chunks = [tokenizer.decode(ids[i : i + size]) for i in range(0, len(ids), size)]
+    async def summarise(i: int, chunk: str) -> str:
+        prompt = template.encode([
+            {"role": "system", "content": "Summarize the user's text in two or three sentences. Keep names, numbers and facts."},
+            {"role": "user", "content": chunk},
+        ])
+        text = ""
+        params = SamplingParams(max_tokens=rt.compress_summary_tokens, temperature=0.0)
+        async for out in rt.engine.generate(prompt, params, request_id=f"{request_id}-summary-{i}", priority=job.priority):
+            text = out.text
+        return text.strip()
+
+    summaries = await asyncio.gather(*(summarise(i, c) for i, c in enumerate(chunks)))
+    compressed = [dict(m) for m in messages]
+    compressed[target]["content"] = "Summary of the provided text, part by part:\n" + "\n".join(
+        f"{i + 1}. {s}" for i, s in enumerate(summaries))
+    after = len(template.encode(compressed))
+    job.compression = {"applied": True, "original_prompt_tokens": original, "compressed_prompt_tokens": after,
+                       "ratio": round(after / original, 4), "chunks": len(chunks)}
+    return compressed
+
+
+def pins_for(template, messages: list[dict[str, Any]], marked: dict[int, str], tools) -> list[tuple[int, float]]:
+    """cache_control on a message's block pins the prompt prefix through the end of that message."""
+    pins = []
+    for index, ttl in marked.items():
+        prefix = template.encode(messages[: index + 1], tools=tools, add_generation_prompt=False)
+        pins.append((len(prefix), PIN_TTLS.get(ttl or "5m", 300.0)))
+    return pins
+
+
+def start(rt: Runtime, job: Job, prompt: Prompt, sampling: SamplingParams, request_id: str,
+          pins: list[tuple[int, float]] | None = None) -> EngineStream:
+    """Queue the request in the engine; warm-up (max_tokens 0) and aggressive mode pin what they cache."""
+    job.prompt = prompt
+    policy = job.cache_policy
+    if job.cache_mode == "aggressive":
+        policy = CachePolicy(pin_ttl_s=rt.aggressive_ttl_s, pin_output=True)
+    elif sampling.max_tokens == 0 and policy.write:
+        policy = CachePolicy(pin_ttl_s=rt.warmup_ttl_s)
+    marker = None
+    if prompt.tool_names:
+        marker = "" if prompt.is_forced_tool else tool_fmt.OPEN
+    outputs = rt.engine.generate(prompt.token_ids, sampling, request_id=request_id, priority=job.priority,
+                                 cache_policy=policy, tool_marker=marker, pin_prefixes=pins or [])
+    return EngineStream(outputs)
+
+
+def stream_meta(out: RequestOutput) -> dict[str, Any]:
+    return {"stratum_state": out.state, "kv_cache_efficiency": round(out.kv_cache_efficiency, 4)}
+
+
+def usage_of(out: RequestOutput) -> dict[str, int]:
+    s = out.stats
+    return {
+        "input_tokens": s.num_prompt_tokens - s.num_cached_tokens,
+        "output_tokens": s.num_output_tokens,
+        "cache_read_input_tokens": s.num_cached_tokens,
+        "cache_creation_input_tokens": s.num_cache_written_tokens,
+    }
+
+
+def early_headers(out: RequestOutput | None, job: Job) -> dict[str, str]:
+    """Headers a stream can send after prefill: cost so far, and the engine mode."""
+    headers = {"x-stratum-mode": out.mode if out is not None else "normal", "x-stratum-cache-mode": job.cache_mode}
+    if out is not None and out.stats is not None:
+        headers["x-stratum-cost"] = CostFields.from_stats(out.stats).header()
+    if job.advise:
+        headers["x-stratum-advice"] = PollutionDetector.ADVICE
+    return headers
+
+
+def finish(rt: Runtime, job: Job, out: RequestOutput) -> tuple[dict[str, str], dict[str, Any]]:
+    """Telemetry for a finished request: headers, the final cost event's body, metrics, budget settlement.
+
+    Returns:
+        (response headers, {"cost": ..., "header": ..., "final_cost_estimate": ..., "trace": ...}).
+    """
+    stats = out.stats
+    cost = CostFields.from_stats(stats)
+    usage = usage_of(out)
+    usd = rt.pricing.price(cost, usage)
+    headers = {"x-stratum-cost": cost.header(), "x-stratum-mode": out.mode, "x-stratum-cache-mode": job.cache_mode}
+    if job.advise:
+        headers["x-stratum-advice"] = PollutionDetector.ADVICE
+        rt.metrics.advice.inc()
+    body: dict[str, Any] = {"cost": cost.as_dict(), "header": headers["x-stratum-cost"], "final_cost_estimate": round(usd, 10),
+                            "mode": out.mode}
+    if job.debug:
+        extra: dict[str, Any] = {"engine_mode": out.mode, "cache_mode": job.cache_mode, "priority": job.priority}
+        if job.compression is not None:
+            extra["compression"] = job.compression
+        hardware = None
+        if job.debug == "full":
+            hardware = hardware_view(rt.engine.engine, time.process_time() - job.cpu0, time.perf_counter() - job.wall0)
+        trace = encode_trace(build_trace(stats, cost, usage, rt.pricing, extra, hardware))
+        headers["x-stratum-trace"] = trace
+        body["trace"] = trace
+    rt.metrics.observe_request(job.endpoint, rt.model_name, stats, cost, usd)
+    if rt.admission.is_enabled:
+        rt.admission.settle(job.tenant, job.estimate, usage["input_tokens"] + usage["output_tokens"])
+    rt.pollution.record(job.session, cost.cache_hit_ratio, job.prompt_text)
+    return headers, body
+
+
+def make_runtime(engine: AsyncEngine, model_name: str, pricing: PricingModel, budget_tokens: int | None,
+                 window_s: float, pollution_policy: str) -> Runtime:
+    metrics = Metrics(lambda: engine.engine)
+    return Runtime(engine, model_name, CostAdmission(budget_tokens, window_s), PollutionDetector(pollution_policy), pricing, metrics)
+

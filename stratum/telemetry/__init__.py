@@ -1,0 +1,1 @@
+"""Per-request cost, debug traces and Prometheus metrics, all from figures the runtime measured."""

@@ -1,0 +1,118 @@
+"""The `x-stratum-cost` header and the pricing formulas that turn it into dollars.
+
+Every field is measured by the code that did the work (see docs/telemetry.md):
+    cache_hit_ratio     prompt tokens served from the prefix cache / prompt tokens
+    prefill_latency_us  first scheduled prefill chunk -> first sampled token (engine wall clock)
+    kv_sparsity         attention coverage: share of cached positions holding 90% of the attention mass
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Protocol
+
+from stratum.engine import RequestStats
+
+
+@dataclass(frozen=True, slots=True)
+class CostFields:
+    cache_hit_ratio: float
+    prefill_latency_us: int
+    kv_sparsity: float | None  # None when no sample was taken (a request that never sampled)
+
+    @classmethod
+    def from_stats(cls, s: RequestStats) -> "CostFields":
+        ratio = s.num_cached_tokens / s.num_prompt_tokens if s.num_prompt_tokens else 0.0
+        latency = round(s.prefill_s * 1e6) if s.prefill_s is not None else 0
+        return cls(round(ratio, 4), latency, None if s.kv_sparsity is None else round(s.kv_sparsity, 4))
+
+    def header(self) -> str:
+        """`cache_hit_ratio=0.82,prefill_latency_us=14200,kv_sparsity=0.33` (kv_sparsity omitted when unmeasured)."""
+        parts = [f"cache_hit_ratio={self.cache_hit_ratio:g}", f"prefill_latency_us={self.prefill_latency_us}"]
+        if self.kv_sparsity is not None:
+            parts.append(f"kv_sparsity={self.kv_sparsity:g}")
+        return ",".join(parts)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def parse_cost_header(value: str) -> CostFields:
+    """Inverse of CostFields.header. Raises ValueError on a malformed header."""
+    fields: dict[str, str] = {}
+    for part in value.split(","):
+        key, sep, val = part.strip().partition("=")
+        if not sep:
+            raise ValueError(f"malformed x-stratum-cost part {part!r}")
+        fields[key] = val
+    return CostFields(
+        cache_hit_ratio=float(fields["cache_hit_ratio"]),
+        prefill_latency_us=int(float(fields["prefill_latency_us"])),
+        kv_sparsity=float(fields["kv_sparsity"]) if "kv_sparsity" in fields else None,
+    )
+
+
+class PricingModel(Protocol):
+    name: str
+
+    def price(self, cost: CostFields, usage: dict[str, int]) -> float: ...
+
+    def describe(self) -> dict: ...
+
+
+@dataclass(frozen=True)
+class ArticleFormula:
+    """The source article's per-request formula, in USD:
+
+        base_rate + (prefill_latency_us / 10000) * latency_premium
+                  - cache_hit_ratio * 0.0005 * hit_discount
+                  + (1 - kv_sparsity) * sparsity_penalty
+
+    Defaults: latency_premium $0.0001 and sparsity_penalty $0.002 per 0.1 of sparsity are the
+    article's own figures; base_rate and hit_discount are ours. An unmeasured kv_sparsity counts as 1.
+    """
+
+    base_rate: float = 0.001
+    latency_premium: float = 0.0001
+    hit_discount: float = 1.0
+    sparsity_penalty: float = 0.02
+    name: str = "article"
+
+    def price(self, cost: CostFields, usage: dict[str, int]) -> float:
+        sparsity = 1.0 if cost.kv_sparsity is None else cost.kv_sparsity
+        return (self.base_rate + (cost.prefill_latency_us / 10000) * self.latency_premium
+                - cost.cache_hit_ratio * 0.0005 * self.hit_discount + (1 - sparsity) * self.sparsity_penalty)
+
+    def describe(self) -> dict:
+        return {"name": self.name, "base_rate": self.base_rate, "latency_premium": self.latency_premium,
+                "hit_discount": self.hit_discount, "sparsity_penalty": self.sparsity_penalty}
+
+
+@dataclass(frozen=True)
+class TokenPricing:
+    """Per-token prices in USD per million tokens: uncached input, cached input, output."""
+
+    input_per_mtok: float = 0.10
+    cached_input_per_mtok: float = 0.01
+    output_per_mtok: float = 0.40
+    name: str = "tokens"
+
+    def price(self, cost: CostFields, usage: dict[str, int]) -> float:
+        return (usage["input_tokens"] * self.input_per_mtok + usage["cache_read_input_tokens"] * self.cached_input_per_mtok
+                + usage["output_tokens"] * self.output_per_mtok) / 1e6
+
+    def describe(self) -> dict:
+        return {"name": self.name, "input_per_mtok": self.input_per_mtok,
+                "cached_input_per_mtok": self.cached_input_per_mtok, "output_per_mtok": self.output_per_mtok}
+
+
+def pricing_from_spec(spec: str) -> PricingModel:
+    """`article[:base_rate=..,latency_premium=..,hit_discount=..,sparsity_penalty=..]` or
+    `tokens[:input_per_mtok=..,cached_input_per_mtok=..,output_per_mtok=..]`."""
+    name, _, params = spec.partition(":")
+    kwargs = {k: float(v) for k, v in (p.split("=", 1) for p in params.split(",") if p)}
+    if name == "article":
+        return ArticleFormula(**kwargs)
+    if name == "tokens":
+        return TokenPricing(**kwargs)
+    raise ValueError(f"unknown pricing model {name!r} (article or tokens)")
