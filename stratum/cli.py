@@ -114,6 +114,34 @@ def cmd_info(args) -> int:
     return 0
 
 
+def cmd_trace(args) -> int:
+    from stratum.telemetry.trace import decode_trace
+
+    value = args.value if args.value != "-" else sys.stdin.read()
+    value = value.split(":", 1)[1] if value.lower().startswith("x-stratum-trace:") else value
+    try:
+        doc = decode_trace(value)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(json.dumps(doc, indent=2, ensure_ascii=False))
+    return 0
+
+
+def cmd_warmup(args) -> int:
+    """Prefill and pin each prompt of FILE on a running server (max_tokens 0)."""
+    from stratum.client.warmup import read_prompts, warmup_http
+
+    try:
+        prompts = read_prompts(args.file)
+    except (OSError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    report = warmup_http(args.url, args.model, prompts, api_key=args.api_key)
+    print(json.dumps(report, indent=2))
+    return 0 if report["failed"] == 0 else 1
+
+
 def cmd_bench(args, rest) -> int:
     if args.kind == "offline":
         from stratum.bench.offline import main as offline_main
@@ -160,6 +188,18 @@ def main(argv: list[str] | None = None) -> int:
 
     p = sub.add_parser("info", help="hardware and kernel choices")
     p.set_defaults(func=cmd_info)
+
+    p = sub.add_parser("trace", help="decode an x-stratum-trace header")
+    p.add_argument("action", choices=["decode"])
+    p.add_argument("value", help="the header value (base64), or - for stdin")
+    p.set_defaults(func=cmd_trace)
+
+    p = sub.add_parser("warmup", help="prefill and pin prompts on a running server")
+    p.add_argument("file", help="a text file (one prompt per line) or JSONL ({\"system\":..., \"messages\":[...]} per line)")
+    p.add_argument("--url", default="http://127.0.0.1:8080")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--api-key", default=None)
+    p.set_defaults(func=cmd_warmup)
 
     p = sub.add_parser("bench", help="benchmarks: offline")
     p.add_argument("kind", choices=["offline"])

@@ -1,0 +1,1 @@
+"""Client-side helpers for applications talking to a Stratum server."""
