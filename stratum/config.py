@@ -26,7 +26,7 @@ class SchedulerConfig:
 class EngineConfig:
     model: str = "smollm2-135m"
     device: str = "auto"  # "cpu", "cuda", or "auto"
-    dtype: str = "auto"  # "float32", "bfloat16", or "auto"
+    dtype: str = "auto"  # "float32", "bfloat16", or "auto" (CUDA: bf16; CPU: whichever measures faster)
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_mb
     kv_cache_memory_mb: int = 256
@@ -43,9 +43,9 @@ class EngineConfig:
         device = self.device
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
-        dtype = self.dtype
-        if dtype == "auto":
-            dtype = "bfloat16" if device == "cuda" else "float32"
+        dtype = self.dtype  # "auto" on CPU is decided by the measured kernel plan (layers.kernels)
+        if dtype == "auto" and device == "cuda":
+            dtype = "bfloat16"
         threads = self.num_threads or int(os.environ.get("STRATUM_NUM_THREADS", 0)) or (os.cpu_count() or 1)
         return replace(self, device=device, dtype=dtype, num_threads=threads)
 

@@ -15,13 +15,15 @@ import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from stratum.block_manager import BlockManager
 from stratum.config import EngineConfig, SchedulerConfig
 from stratum.detokenizer import Detokenizer
+from stratum.layers.kernels import KernelPlan, attach_int4, select_plan
+from stratum.layers.quant import is_packable
 from stratum.model_runner import ModelRunner
 from stratum.models.chat_template import ChatTemplate
 from stratum.models.llama import LlamaForCausalLM
@@ -130,6 +132,8 @@ class LLMEngine:
         self.tokenizer = checkpoint.tokenizer
         self.chat_template = ChatTemplate(checkpoint.chat_template, checkpoint.tokenizer)
         self.device = torch.device(config.device)
+        self.kernel_plan = self._select_kernels(config, checkpoint)
+        self.config = config = replace(config, dtype=self.kernel_plan.dtype)
         self.dtype = config.torch_dtype
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         model = LlamaForCausalLM(mc, max_positions=self.max_model_len)
@@ -137,6 +141,8 @@ class LLMEngine:
         self.model = model.to(device=self.device, dtype=self.dtype).eval()
         self.model.rotary.float()  # cos/sin tables stay fp32
         checkpoint.weights.clear()  # the model holds them now
+        self.int4_bytes = attach_int4(self.model, checkpoint.quantized, self.kernel_plan.int4_max_tokens)
+        checkpoint.quantized.clear()
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(config.kv_cache_memory_mb)
         fault = os.environ.get("STRATUM_FAULT_INJECT") or None  # tests: "scheduler" or "cache"
         self.block_manager = BlockManager(num_blocks, config.block_size, config.enable_prefix_cache, fault=fault)
@@ -149,6 +155,23 @@ class LLMEngine:
         self.degraded_reason: str | None = None
         self.tool_reserve_tokens = 128
         self.kv_bytes_per_block = self.runner.kv_cache_bytes // num_blocks
+
+    @staticmethod
+    def _select_kernels(config: EngineConfig, checkpoint: Checkpoint) -> KernelPlan:
+        mc = checkpoint.config
+        if config.device != "cpu":
+            dtype = "bfloat16" if config.dtype == "auto" else config.dtype
+            return KernelPlan(config.device, dtype, config.num_threads, 0, source="default")
+        from stratum.models.registry import stratum_home
+
+        can_pack = any(is_packable(t.qtype) for t in checkpoint.quantized.values())
+        return select_plan(stratum_home(), mc.hidden_size, mc.intermediate_size, config.num_threads, can_pack, config.dtype)
+
+    @property
+    def kernel_choices(self) -> dict:
+        plan = self.kernel_plan
+        return {"dtype": plan.dtype, "int4_max_tokens": plan.int4_max_tokens, "int4_mb": round(self.int4_bytes / 2**20, 1),
+                "threads": plan.threads, "attention": "paged-gather+cascade (torch sdpa)", "source": plan.source}
 
     def _blocks_for_memory(self, megabytes: int) -> int:
         mc = self.model_config

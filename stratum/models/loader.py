@@ -100,7 +100,10 @@ def load_gguf(path: Path) -> Checkpoint:
     from gguf import GGMLQuantizationType, GGUFReader
     from gguf.quants import dequantize
 
-    reader = GGUFReader(str(path))
+    try:
+        reader = GGUFReader(str(path))
+    except (ValueError, OSError) as e:  # bad magic, truncated tensor data, unreadable file
+        raise ModelLoadError(f"{path.name}: not a readable GGUF file (corrupt or truncated?): {e}") from e
     meta = read_gguf_metadata(reader)
     arch = meta.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -116,7 +119,10 @@ def load_gguf(path: Path) -> Checkpoint:
     rope_scaling = None
     if m("rope.scaling.type") == "linear":
         rope_scaling = {"rope_type": "linear", "factor": m("rope.scaling.factor")}
-    tokenizer = tokenizer_from_gguf(meta)
+    try:
+        tokenizer = tokenizer_from_gguf(meta)
+    except ValueError as e:
+        raise ModelLoadError(f"{path.name}: {e}") from e
     vocab_size = m("vocab_size") or len(meta["tokenizer.ggml.tokens"])
     config = ModelConfig(
         architecture=arch,
@@ -191,7 +197,10 @@ def _hf_name(gguf_name: str) -> str:
 def load_hf_folder(path: Path) -> Checkpoint:
     from safetensors.torch import load_file
 
-    cfg = json.loads((path / "config.json").read_text())
+    try:
+        cfg = json.loads((path / "config.json").read_text())
+    except ValueError as e:
+        raise ModelLoadError(f"{path / 'config.json'}: not valid JSON: {e}") from e
     arch = cfg.get("model_type")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise ModelLoadError(f"{path}: model_type {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
@@ -211,7 +220,10 @@ def load_hf_folder(path: Path) -> Checkpoint:
 
     eos = token_str(tok_cfg.get("eos_token"))
     tokenizer = tokenizer_from_file(str(path / "tokenizer.json"), [eos] if eos else [], token_str(tok_cfg.get("bos_token")))
-    config = ModelConfig.from_hf_config(cfg, name=path.name)
+    try:
+        config = ModelConfig.from_hf_config(cfg, name=path.name)
+    except KeyError as e:
+        raise ModelLoadError(f"{path / 'config.json'}: missing required field {e}") from e
     eos_ids = set(config.eos_token_ids) | set(tokenizer.eos_token_ids)
     gen_eos = gen_cfg.get("eos_token_id")
     eos_ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])

@@ -1,0 +1,63 @@
+"""Keeping GGUF 4-bit weights packed: Q4_0 / Q4_1 blocks as PyTorch's int4 group-wise layout.
+
+A Q4_1 block of 32 weights stores fp16 `d`, fp16 `m` and 16 bytes of nibbles (llama.cpp ggml-common.h,
+block_q4_1): weight j is (qs[j] & 0xF) and weight j+16 is (qs[j] >> 4), value = q·d + m. PyTorch's
+int4 CPU kernel computes (q − 8)·scale + zero, so scale = d and zero = m + 8d reproduce the block
+exactly (Q4_0 has no m: value = (q − 8)·d, zero = 0). Only the fp16 -> activation-dtype rounding of
+d and zero differs from the dequantized reference.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+GROUP_SIZE = 32  # QK4_0 == QK4_1 == 32
+INNER_K_TILES = 2
+_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
+
+
+def is_packable(qtype: str) -> bool:
+    return qtype in _BLOCK_BYTES
+
+
+def unpack_q4(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Raw GGUF rows [N, bytes] -> (q int32 [N, K] in 0..15, scale [N, K/32], zero [N, K/32]) in fp32."""
+    n, k = shape
+    blocks = raw.reshape(n, k // GROUP_SIZE, _BLOCK_BYTES[qtype])
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    if qtype == "Q4_1":
+        m = blocks[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        qs = blocks[..., 4:]
+        zero = m + 8 * d
+    else:
+        qs = blocks[..., 2:]
+        zero = np.zeros_like(d)
+    q = np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(n, k).astype(np.int32)
+    return torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zero)
+
+
+def dequantize_q4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+    """The int4 layout's own value of every weight: (q − 8)·scale + zero, [N, K] fp32."""
+    n, k = q.shape
+    groups = (q.view(n, k // GROUP_SIZE, GROUP_SIZE).float() - 8) * scale[..., None] + zero[..., None]
+    return groups.view(n, k)
+
+
+class Int4Weight:
+    """A weight packed for `aten._weight_int4pack_mm_for_cpu` (activations in bf16)."""
+
+    def __init__(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, dtype: torch.dtype = torch.bfloat16):
+        self.out_features, self.in_features = q.shape
+        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.contiguous(), INNER_K_TILES)
+        # scale_and_zeros: [K / group, N, 2]
+        self.scale_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
+        self.dtype = dtype
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [M, K] -> [M, N]
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(self.dtype), self.packed, GROUP_SIZE, self.scale_zeros).to(x.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size() + self.scale_zeros.numel() * self.scale_zeros.element_size()
