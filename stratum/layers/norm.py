@@ -1,6 +1,7 @@
 """RMSNorm, computed in fp32 whatever the activation dtype, as the reference implementations do."""
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 
@@ -11,7 +12,5 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # normalise in fp32, scale in the activation dtype (Hugging Face LlamaRMSNorm's order)
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)

@@ -14,7 +14,7 @@ from torch import nn
 from stratum.layers.attention import AttentionMetadata, attention_coverage, paged_attention
 from stratum.layers.linear import Linear
 from stratum.layers.norm import RMSNorm
-from stratum.layers.rotary import RotaryEmbedding
+from stratum.layers.rotary import RotaryEmbedding, apply_rotary
 from stratum.models.config import ModelConfig
 
 
@@ -33,15 +33,15 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
 
-    def forward(self, x, positions, rotary, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
+    def forward(self, x, rope, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
         num_tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        q = q.view(num_tokens, self.num_heads, self.head_dim)
-        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
+        qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = rotary(positions, q, k)
+            qk = torch.cat([self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1)
+        qk = apply_rotary(qk, *rope)  # q and k rotated together: one pass instead of two
+        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
         probe = meta.probe
         if probe is not None and self.layer_idx in probe.layers:
@@ -70,8 +70,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, positions, rotary, meta, kv_cache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), positions, rotary, meta, kv_cache)
+    def forward(self, x, rope, meta, kv_cache) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), rope, meta, kv_cache)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -92,8 +92,9 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
         """Args: input_ids, positions [T]. Returns the final hidden states [T, hidden]."""
         x = self.embed_tokens(input_ids)
+        rope = self.rotary.tables(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, positions, self.rotary, meta, kv_cache)
+            x = layer(x, rope, meta, kv_cache)
         return self.norm(x)
 
     @torch.inference_mode()
