@@ -6,7 +6,11 @@ one loading path.
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import os
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +19,8 @@ import torch
 
 from stratum.models.config import ModelConfig
 from stratum.models.tokenizer import TextTokenizer, tokenizer_from_file, tokenizer_from_gguf
+
+log = logging.getLogger("stratum.models")
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -96,7 +102,80 @@ def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+# Parsing a GGUF's metadata in Python (49k vocabulary strings) and dequantizing it take seconds; the
+# first load converts the file into this cache, later loads map safetensors instead.
+CACHE_VERSION = 1
+
+
 def load_gguf(path: Path) -> Checkpoint:
+    """A GGUF file, through the converted-checkpoint cache under $STRATUM_HOME/cache when it is current."""
+    cache_dir = _cache_dir(path)
+    if cache_dir is not None and (cache_dir / "meta.json").exists():
+        try:
+            return _load_cached(cache_dir, path)
+        except (OSError, ValueError, KeyError) as e:
+            log.warning("ignoring unreadable checkpoint cache %s: %s", cache_dir, e)
+    checkpoint = _read_gguf(path)
+    if cache_dir is not None:
+        try:
+            _save_cached(cache_dir, checkpoint)
+        except OSError as e:  # a read-only or full disk only costs speed
+            log.warning("could not write checkpoint cache %s: %s", cache_dir, e)
+    return checkpoint
+
+
+def _cache_dir(path: Path) -> Path | None:
+    from stratum.models.registry import stratum_home
+
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    key = json.dumps([CACHE_VERSION, str(path.resolve()), st.st_size, st.st_mtime_ns])
+    return stratum_home() / "cache" / hashlib.sha256(key.encode()).hexdigest()[:24]
+
+
+def _save_cached(cache_dir: Path, ck: Checkpoint) -> None:
+    from dataclasses import asdict
+
+    from safetensors.torch import save_file
+
+    tmp = cache_dir.with_name(cache_dir.name + ".tmp")
+    tmp.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in ck.weights.items()}, str(tmp / "weights.safetensors"))
+    save_file({k: torch.from_numpy(np.ascontiguousarray(q.data)) for k, q in ck.quantized.items()}, str(tmp / "quantized.safetensors"))
+    tok = ck.tokenizer
+    meta = {
+        "config": asdict(ck.config),
+        "chat_template": ck.chat_template,
+        "quantized": {k: {"qtype": q.qtype, "shape": list(q.shape)} for k, q in ck.quantized.items()},
+        "tokenizer": {"bos_token": tok.bos_token, "eos_token": tok.eos_token, "bos_token_id": tok.bos_token_id,
+                      "eos_token_ids": list(tok.eos_token_ids)},
+    }
+    (tmp / "tokenizer.json").write_text(tok.backend.to_str())
+    (tmp / "meta.json").write_text(json.dumps(meta))
+    if cache_dir.exists():
+        shutil.rmtree(cache_dir)
+    os.replace(tmp, cache_dir)
+
+
+def _load_cached(cache_dir: Path, path: Path) -> Checkpoint:
+    from safetensors.torch import load_file
+    from tokenizers import Tokenizer
+
+    meta = json.loads((cache_dir / "meta.json").read_text())
+    cfg = meta["config"]
+    cfg["eos_token_ids"] = tuple(cfg["eos_token_ids"])
+    t = meta["tokenizer"]
+    tokenizer = TextTokenizer(Tokenizer.from_str((cache_dir / "tokenizer.json").read_text()), t["bos_token"],
+                              t["eos_token"], t["bos_token_id"], tuple(t["eos_token_ids"]))
+    raw = load_file(str(cache_dir / "quantized.safetensors"))
+    quantized = {k: QuantizedTensor(q["qtype"], raw[k].numpy(), tuple(q["shape"])) for k, q in meta["quantized"].items()}
+    weights = load_file(str(cache_dir / "weights.safetensors"))
+    return Checkpoint(ModelConfig(**cfg), weights, tokenizer, meta["chat_template"], path, quantized)
+
+
+def _read_gguf(path: Path) -> Checkpoint:
     from gguf import GGMLQuantizationType, GGUFReader
     from gguf.quants import dequantize
 
