@@ -33,6 +33,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the checkpoint's context length, capped at 8192
     enable_prefix_cache: bool = True
     num_threads: int | None = None
+    int4_max_tokens: int | None = None  # None: measured (layers.kernels); 0: never pack; N: packed int4 up to N rows
     seed: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 

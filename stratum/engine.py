@@ -138,8 +138,8 @@ class LLMEngine:
         self.max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
         model = LlamaForCausalLM(mc, max_positions=self.max_model_len)
         model.load_weights(dict(checkpoint.weights))
-        self.model = model.to(device=self.device, dtype=self.dtype).eval()
-        self.model.rotary.float()  # cos/sin tables stay fp32
+        model.cast_weights(self.dtype)
+        self.model = model.to(device=self.device).eval()
         checkpoint.weights.clear()  # the model holds them now
         self.int4_bytes = attach_int4(self.model, checkpoint.quantized, self.kernel_plan.int4_max_tokens)
         checkpoint.quantized.clear()
@@ -165,7 +165,14 @@ class LLMEngine:
         from stratum.models.registry import stratum_home
 
         can_pack = any(is_packable(t.qtype) for t in checkpoint.quantized.values())
-        return select_plan(stratum_home(), mc.hidden_size, mc.intermediate_size, config.num_threads, can_pack, config.dtype)
+        if config.int4_max_tokens is not None and config.dtype != "auto":  # fully specified: nothing to measure
+            dtype = config.dtype
+            return KernelPlan("cpu", dtype, config.num_threads, config.int4_max_tokens if can_pack and dtype == "bfloat16" else 0,
+                              source="configured")
+        plan = select_plan(stratum_home(), mc.hidden_size, mc.intermediate_size, config.num_threads, can_pack, config.dtype)
+        if config.int4_max_tokens is not None:
+            plan = replace(plan, int4_max_tokens=config.int4_max_tokens if plan.dtype == "bfloat16" else 0, source="configured")
+        return plan
 
     @property
     def kernel_choices(self) -> dict:

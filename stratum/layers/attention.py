@@ -96,6 +96,8 @@ def paged_attention(
     Returns:
         [T, H, D] attention output.
     """
+    dtype = q.dtype
+    q, k, v = q.to(k_cache.dtype), k.to(k_cache.dtype), v.to(k_cache.dtype)  # attention runs in the KV dtype
     k_cache[meta.slot_mapping] = k
     v_cache[meta.slot_mapping] = v
     out = torch.empty_like(q)
@@ -120,7 +122,7 @@ def paged_attention(
                 attn_mask=span.mask, scale=scale, enable_gqa=True,
             )
         out[span.start : span.end] = o[0].transpose(0, 1)
-    return out
+    return out.to(dtype)
 
 
 def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:

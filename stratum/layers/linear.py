@@ -25,7 +25,9 @@ class Linear(nn.Module):
         self.int4_max_tokens = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [T, in] in the activation dtype (fp32 residual stream); the matmul runs in the weight's dtype
         if self.int4 is not None and x.shape[0] <= self.int4_max_tokens:
             y = self.int4.matmul(x)
             return y if self.bias is None else y + self.bias
-        return F.linear(x, self.weight, self.bias)
+        w = self.weight
+        return F.linear(x.to(w.dtype), w, None if self.bias is None else self.bias.to(w.dtype)).to(x.dtype)

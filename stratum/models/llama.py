@@ -91,7 +91,7 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
         """Args: input_ids, positions [T]. Returns the final hidden states [T, hidden]."""
-        x = self.embed_tokens(input_ids)
+        x = self.embed_tokens(input_ids).float()  # the residual stream stays fp32; matmuls run in the weights' dtype
         rope = self.rotary.tables(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, rope, meta, kv_cache)
@@ -101,8 +101,15 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[N, hidden] -> fp32 logits [N, vocab]."""
         if self.lm_head is None:
-            return F.linear(hidden, self.embed_tokens.weight).float()
+            w = self.embed_tokens.weight
+            return F.linear(hidden.to(w.dtype), w).float()
         return self.lm_head(hidden).float()
+
+    def cast_weights(self, dtype: torch.dtype) -> None:
+        """Matmul weights and embeddings to `dtype`; norms, rotary tables and activations stay fp32."""
+        for module in self.modules():
+            if isinstance(module, (Linear, nn.Embedding)):
+                module.to(dtype)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
         """Load tensors named as in Hugging Face Llama checkpoints, fusing q/k/v and gate/up.

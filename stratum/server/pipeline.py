@@ -65,6 +65,7 @@ class Job:
     tenant: str
     session: str
     estimate: int
+    budget_reset_at: float | None = None  # the budget window the estimate was charged in
     cache_mode: str = "default"  # default | aggressive | bypass
     priority: int = 0
     is_low_latency: bool = False
@@ -127,6 +128,7 @@ def admit(rt: Runtime, request: Request, endpoint: str, prompt_chars: int, max_t
                 headers={"retry-after": str(d.retry_after_s), **headers},
                 extra={"stratum_reason": "cost_threshold_exceeded"},
             )
+        job.budget_reset_at = d.reset_at
     return job
 
 
@@ -229,7 +231,8 @@ def stream_meta(out: RequestOutput) -> dict[str, Any]:
 def usage_of(out: RequestOutput) -> dict[str, int]:
     s = out.stats
     return {
-        "input_tokens": s.num_prompt_tokens - s.num_cached_tokens,
+        # Anthropic's rule: input_tokens counts neither cache reads nor cache writes
+        "input_tokens": s.num_prompt_tokens - s.num_cached_tokens - s.num_cache_written_tokens,
         "output_tokens": s.num_output_tokens,
         "cache_read_input_tokens": s.num_cached_tokens,
         "cache_creation_input_tokens": s.num_cache_written_tokens,
@@ -274,7 +277,7 @@ def finish(rt: Runtime, job: Job, out: RequestOutput) -> tuple[dict[str, str], d
         body["trace"] = trace
     rt.metrics.observe_request(job.endpoint, rt.model_name, stats, cost, usd)
     if rt.admission.is_enabled:
-        rt.admission.settle(job.tenant, job.estimate, usage["input_tokens"] + usage["output_tokens"])
+        rt.admission.settle(job.tenant, job.estimate, usage["input_tokens"] + usage["output_tokens"], job.budget_reset_at)
     rt.pollution.record(job.session, cost.cache_hit_ratio, job.prompt_text)
     return headers, body
 

@@ -1,0 +1,117 @@
+"""Kernel choices: exact Q4 unpacking, the packed int4 matmul, plan caching, and the quality guard."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from stratum.layers import kernels
+from stratum.layers.quant import Int4Weight, dequantize_q4, unpack_q4
+
+
+def _q4_1_rows(rng: np.random.Generator, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Random Q4_1 rows in llama.cpp's block layout, and their values computed independently."""
+    blocks = np.zeros((n, k // 32, 20), dtype=np.uint8)
+    d = rng.uniform(0.001, 0.05, (n, k // 32)).astype(np.float16)
+    m = rng.uniform(-0.2, 0.0, (n, k // 32)).astype(np.float16)
+    q = rng.integers(0, 16, (n, k // 32, 32))
+    blocks[..., 0:2] = d[..., None].view(np.uint8).reshape(n, k // 32, 2)
+    blocks[..., 2:4] = m[..., None].view(np.uint8).reshape(n, k // 32, 2)
+    blocks[..., 4:] = (q[..., :16] | (q[..., 16:] << 4)).astype(np.uint8)
+    values = q * d[..., None].astype(np.float32) + m[..., None].astype(np.float32)
+    return blocks.reshape(n, -1), values.reshape(n, k)
+
+
+def test_unpack_q4_1_is_exact():
+    raw, values = _q4_1_rows(np.random.default_rng(0), 8, 64)
+    q, scale, zero = unpack_q4("Q4_1", raw, (8, 64))
+    assert torch.equal(dequantize_q4(q, scale, zero), torch.from_numpy(values.astype(np.float32)))
+
+
+def test_int4_matmul_matches_dequantized_weights():
+    raw, values = _q4_1_rows(np.random.default_rng(1), 64, 128)
+    q, scale, zero = unpack_q4("Q4_1", raw, (64, 128))
+    w = Int4Weight(q, scale, zero)
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(0))
+    ref = x.bfloat16().float() @ torch.from_numpy(values.astype(np.float32)).T
+    got = w.matmul(x.bfloat16()).float()
+    assert torch.allclose(got, ref, atol=0.05 * ref.abs().max().item(), rtol=0)
+
+
+@pytest.mark.integration
+def test_unpack_matches_gguf_dequantize(real_model_path):
+    from gguf import GGMLQuantizationType, GGUFReader
+    from gguf.quants import dequantize
+
+    reader = GGUFReader(str(real_model_path))
+    tensor = next(t for t in reader.tensors if t.name == "blk.3.ffn_down.weight")
+    shape = tuple(int(x) for x in reversed(tensor.shape))
+    q, scale, zero = unpack_q4("Q4_1", np.array(tensor.data), shape)
+    ref = dequantize(tensor.data, GGMLQuantizationType.Q4_1).reshape(shape)
+    assert np.array_equal(dequantize_q4(q, scale, zero).numpy(), ref)
+
+
+def test_plan_is_measured_once_then_cached(tmp_path):
+    first = kernels.select_plan(tmp_path, 64, 128, 1, can_pack=True)
+    assert first.source == "measured" and first.dtype in ("float32", "bfloat16")
+    assert set(first.timings_us) >= {"dense_float32", "dense_bfloat16", "int4_bfloat16"}
+    assert all(t > 0 for v in first.timings_us.values() for t in v.values())
+    files = list((tmp_path / "kernels").glob("*.json"))
+    assert len(files) == 1 and json.loads(files[0].read_text())["dtype"] == first.dtype
+    second = kernels.select_plan(tmp_path, 64, 128, 1, can_pack=True)
+    assert second.source == "cache" and second.dtype == first.dtype and second.int4_max_tokens == first.int4_max_tokens
+
+
+def test_plan_without_packable_weights_never_packs(tmp_path):
+    plan = kernels.select_plan(tmp_path, 64, 128, 1, can_pack=False, dtype="bfloat16")
+    assert plan.int4_max_tokens == 0 and "int4_bfloat16" not in plan.timings_us
+
+
+QUALITY_CORPUS = [
+    "A recipe for bread needs flour, water, salt and yeast. Mix them, knead the dough for ten minutes, let it rise "
+    "until it doubles in size, shape the loaf, let it rise again and bake it in a hot oven until the crust is brown.",
+    "Machine learning models learn patterns from data. A language model predicts the next token given the previous "
+    "ones, and a serving runtime batches many such predictions together so that the hardware stays busy while each "
+    "user still sees tokens arrive quickly.",
+    "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined movable metal "
+    "type with an oil-based ink and a wooden press adapted from those used to make wine, changing how books were made.",
+    "The capital of Japan is Tokyo. The capital of France is Paris, and the capital of Germany is",
+    "def fibonacci(n):\n    if n < 2:\n        return n\n    return fibonacci(n - 1) + fibonacci(n - 2)\n\nprint(",
+    "Once upon a time, in a small village at the foot of the mountains, there lived an old baker who",
+    "Photosynthesis is the process by which green plants use sunlight, water and carbon dioxide to",
+    "To install the package, run pip install and then import it in your script. The first step is",
+    "Water boils at 100 degrees Celsius at sea level, but at higher altitudes the boiling point is",
+    "The quick brown fox jumps over the lazy dog. This sentence contains every letter of the alphabet and",
+    "In 1969, Neil Armstrong became the first person to walk on the Moon during the Apollo 11 mission,",
+]
+
+
+@pytest.mark.integration
+def test_quality_guard_int4_agrees_with_fp32_reference(real_model_path):
+    """The packed int4 + bf16 path against the dequantized fp32 model, position by position.
+
+    Measured here: 97.7% (325 positions). The loss is bf16 rounding, not the int4 packing (the dense
+    bf16 path scores the same); rounding only the weights or only the activations each keeps >= 99.4%.
+    The issue's 99% goal is not met; this bound guards against any regression below today's figure.
+    """
+    from stratum.engine import LLM
+    from stratum.sampling_params import SamplingParams
+
+    params = SamplingParams(max_tokens=1, temperature=0.0, return_logits=True)
+
+    def top1(**config) -> list[int]:
+        llm = LLM(str(real_model_path), num_kv_blocks=256, enable_prefix_cache=False, **config)
+        ids = [llm.engine.tokenizer.encode(p) for p in QUALITY_CORPUS]
+        seqs = [llm.engine.add_request(x, params, request_id=f"q{i}") for i, x in enumerate(ids)]
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+        return [int(s.logits[p].argmax()) for s in seqs for p in sorted(s.logits)]
+
+    reference = top1(dtype="float32", int4_max_tokens=0)
+    packed = top1(dtype="bfloat16", int4_max_tokens=1 << 20)  # every matmul on the packed kernel
+    assert len(reference) == len(packed) >= 300
+    agreement = sum(a == b for a, b in zip(reference, packed)) / len(reference)
+    assert agreement >= 0.97, f"top-1 agreement {agreement:.4f} < 0.97 over {len(reference)} positions"
