@@ -277,7 +277,8 @@ def finish(rt: Runtime, job: Job, out: RequestOutput) -> tuple[dict[str, str], d
         body["trace"] = trace
     rt.metrics.observe_request(job.endpoint, rt.model_name, stats, cost, usd)
     if rt.admission.is_enabled:
-        rt.admission.settle(job.tenant, job.estimate, usage["input_tokens"] + usage["output_tokens"], job.budget_reset_at)
+        uncached = usage["input_tokens"] + usage["cache_creation_input_tokens"]
+        rt.admission.settle(job.tenant, job.estimate, uncached + usage["output_tokens"], job.budget_reset_at)
     rt.pollution.record(job.session, cost.cache_hit_ratio, job.prompt_text)
     return headers, body
 

@@ -98,7 +98,8 @@ class TokenPricing:
     name: str = "tokens"
 
     def price(self, cost: CostFields, usage: dict[str, int]) -> float:
-        return (usage["input_tokens"] * self.input_per_mtok + usage["cache_read_input_tokens"] * self.cached_input_per_mtok
+        uncached = usage["input_tokens"] + usage["cache_creation_input_tokens"]
+        return (uncached * self.input_per_mtok + usage["cache_read_input_tokens"] * self.cached_input_per_mtok
                 + usage["output_tokens"] * self.output_per_mtok) / 1e6
 
     def describe(self) -> dict:
