@@ -99,17 +99,34 @@ def cmd_generate(args) -> int:
 
 
 def cmd_info(args) -> int:
+    """The hardware, and the kernel plan for a model with the measured times behind it."""
     import platform
 
     import torch
 
+    from stratum.layers.kernels import cpu_flags, cpu_name, select_plan
+    from stratum.layers.quant import is_packable
+    from stratum.models.loader import load_checkpoint
+    from stratum.models.registry import PullError, resolve_model_path, stratum_home
+
+    flags = cpu_flags()
     info = {
-        "python": platform.python_version(), "torch": torch.__version__, "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(), "cuda": torch.cuda.is_available(),
-        "bf16_amx": hasattr(torch.backends, "mkldnn") and torch.backends.mkldnn.is_available(),
+        "python": platform.python_version(), "torch": torch.__version__, "cpu": cpu_name(),
+        "cpu_count": os.cpu_count(), "cpu_features": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile"}),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "cuda": torch.cuda.is_available(),
     }
     if torch.cuda.is_available():
         info["cuda_device"] = torch.cuda.get_device_name(0)
+    try:
+        ck = load_checkpoint(resolve_model_path(args.model))
+    except (PullError, ValueError) as e:
+        info["plan_error"] = str(e)
+    else:
+        threads = args.threads or os.cpu_count() or 1
+        can_pack = any(is_packable(t.qtype) for t in ck.quantized.values())
+        plan = select_plan(stratum_home(), ck.config.hidden_size, ck.config.intermediate_size, threads, can_pack)
+        info["model"] = args.model
+        info["kernel_plan"] = plan.describe()
     print(json.dumps(info, indent=2))
     return 0
 
@@ -147,6 +164,14 @@ def cmd_bench(args, rest) -> int:
         from stratum.bench.offline import main as offline_main
 
         return offline_main(rest)
+    if args.kind == "serve":
+        from stratum.bench.serve import main as serve_main
+
+        return serve_main(rest)
+    if args.kind == "compare":
+        from stratum.bench.compare import main as compare_main
+
+        return compare_main(rest)
     print(f"unknown bench {args.kind!r}", file=sys.stderr)
     return 2
 
@@ -186,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--raw", action="store_true", help="no chat template")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("info", help="hardware and kernel choices")
+    p = sub.add_parser("info", help="hardware, and the kernel plan with its measured times")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--threads", type=int, default=None)
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("trace", help="decode an x-stratum-trace header")
@@ -201,8 +228,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-key", default=None)
     p.set_defaults(func=cmd_warmup)
 
-    p = sub.add_parser("bench", help="benchmarks: offline")
-    p.add_argument("kind", choices=["offline"])
+    p = sub.add_parser("bench", help="benchmarks: offline, serve, compare")
+    p.add_argument("kind", choices=["offline", "serve", "compare"])
     p.set_defaults(func=None)
 
     args, rest = parser.parse_known_args(argv)
