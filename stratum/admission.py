@@ -67,12 +67,20 @@ class CostAdmission:
             w.spent += estimate
             return Decision(True, self.budget, self.budget - w.spent, reset)
 
-    def settle(self, tenant: str, estimate: int, actual: int) -> None:
-        """Replace a charged estimate by the measured cost (in the window it was charged in, if still open)."""
+    def settle(self, tenant: str, estimate: int, actual: int, reset_at: float | None = None) -> None:
+        """Replace a charged estimate by the measured cost, in the window it was charged in, if still open.
+
+        Args:
+            reset_at: the admitting Decision's reset_at, which identifies that window; a request that
+                outlived its window must not change the tenant's next one.
+        """
         with self._lock:
             w = self._windows.get(tenant)
-            if w is not None:
-                w.spent = max(0, w.spent - estimate + actual)
+            if w is None or self.clock() >= w.start + self.window_s:
+                return
+            if reset_at is not None and w.start + self.window_s != reset_at:
+                return
+            w.spent = max(0, w.spent - estimate + actual)
 
     def _window(self, tenant: str, now: float) -> _Window:
         w = self._windows.get(tenant)

@@ -118,6 +118,8 @@ class BlockManager:
             return
         num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
         if num_full <= seq.num_inserted_blocks:
+            if pin_ttl_s > 0 and num_full:  # nothing new, but a prefix served by the cache is pinned all the same
+                self.cache.pin(seq.full_block_hashes()[:num_full], pin_ttl_s)
             return
         keys = seq.full_block_hashes()[:num_full]
         num_present = self.cache.insert(keys, seq.block_table[:num_full])

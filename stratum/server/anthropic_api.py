@@ -75,6 +75,7 @@ def event_stream(rt: pipeline.Runtime, job: pipeline.Job, stream: EngineStream, 
         emitted = ""
         held = ""  # text that may be the start of a tool call, not yet released
         in_call = prompt.is_forced_tool
+        call_meta = None  # the meta of the output where the tool call began, for the tool block's delta
         try:
             usage0 = {"input_tokens": 0, "output_tokens": 0, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
             if out is not None and out.stats is not None:
@@ -93,6 +94,8 @@ def event_stream(rt: pipeline.Runtime, job: pipeline.Job, stream: EngineStream, 
                         yield sse("ping", {"type": "ping"})
                         last_ping = time.monotonic()
                         continue
+                if out.state == "tool_use_prepared":
+                    call_meta = pipeline.stream_meta(out)
                 if out.delta_text and not in_call:
                     held += out.delta_text
                     cut = held.find(tool_fmt.OPEN) if prompt.tool_names else -1
@@ -132,7 +135,7 @@ def event_stream(rt: pipeline.Runtime, job: pipeline.Job, stream: EngineStream, 
                     "type": "tool_use", "id": tool_fmt.new_tool_id(), "name": name, "input": {}}})
                 yield sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
                     "type": "input_json_delta", "partial_json": json.dumps(args, ensure_ascii=False),
-                    "meta": pipeline.stream_meta(final)}})
+                    "meta": call_meta or pipeline.stream_meta(final)}})
                 yield sse("content_block_stop", {"type": "content_block_stop", "index": index})
                 index += 1
             reason, sequence = stop_reason(final, bool(calls))
@@ -148,6 +151,7 @@ def event_stream(rt: pipeline.Runtime, job: pipeline.Job, stream: EngineStream, 
             yield sse("error", {"type": "error", "error": {"type": "api_error", "message": str(e) or "stream failed"}})
         finally:
             await stream.close()
+            pipeline.release(rt, job)
 
     headers = {"cache-control": "no-cache", **pipeline.early_headers(first, job)}
     return StreamingResponse(events(), media_type="text/event-stream", headers=headers)

@@ -167,7 +167,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         msg_id = "msg_" + uuid.uuid4().hex[:24]
         if req.stream:
             return anthropic_api.event_stream(rt, job, stream, first, msg_id, req.model, settings.ping_interval_s)
-        out = await _collect(request, stream, first)
+        out = await _collect(request, stream, first, rt, job)
         headers, _ = pipeline.finish(rt, job, out)
         return JSONResponse(anthropic_api.message_body(msg_id, req.model, job.prompt, out), headers=headers)
 
@@ -190,7 +190,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return openai_api.chunk_stream(rt, job, stream, first, cid, req.model, include_usage, settings.ping_interval_s)
-        out = await _collect(request, stream, first)
+        out = await _collect(request, stream, first, rt, job)
         headers, _ = pipeline.finish(rt, job, out)
         return JSONResponse(openai_api.completion_body(cid, req.model, job.prompt, out), headers=headers)
 
@@ -201,12 +201,18 @@ async def _start(rt: pipeline.Runtime, job: pipeline.Job, request: Request, chat
                  settings: ServerSettings, default_max: bool = False) -> tuple[EngineStream, RequestOutput | None]:
     """Controls, compression, prompt, engine: returns the stream and its first output (prefill done), if it
     came within header_wait_s. Admission errors raised by the engine surface here as 4xx."""
+    try:
+        return await _start_admitted(rt, job, request, chat, sampling, settings, default_max)
+    except BaseException:
+        pipeline.release(rt, job)
+        raise
+
+
+async def _start_admitted(rt: pipeline.Runtime, job: pipeline.Job, request: Request, chat: ChatInput,
+                          sampling: SamplingParams, settings: ServerSettings, default_max: bool):
     engine = rt.engine.engine
     pipeline.apply_controls(job, request, chat.system_text)
-    mode = request.headers.get("x-stratum-context-mode", "").strip().lower()
-    if mode and mode != "compressive":
-        raise InvalidRequest(f"X-Stratum-Context-Mode must be compressive, not {mode!r}")
-    if mode == "compressive":
+    if request.headers.get("x-stratum-context-mode", "").strip().lower() == "compressive":
         chat = ChatInput(await pipeline.compress(rt, job, chat.messages, request.state.request_id), chat.tools,
                          chat.forced_tool, chat.system_text)
     prompt = build_prompt(engine.chat_template, chat)
@@ -300,8 +306,9 @@ async def _next(stream: EngineStream, timeout: float | None = None):
         raise EngineUnavailable(str(e)) from None
 
 
-async def _collect(request: Request, stream: EngineStream, first: RequestOutput | None) -> RequestOutput:
-    """Run a non-streaming request to the end; a client disconnect aborts it."""
+async def _collect(request: Request, stream: EngineStream, first: RequestOutput | None, rt: pipeline.Runtime,
+                   job: pipeline.Job) -> RequestOutput:
+    """Run a non-streaming request to the end; a client disconnect aborts it (and gives back its charge)."""
     try:
         out = first
         while out is None or not out.finished:
@@ -312,6 +319,10 @@ async def _collect(request: Request, stream: EngineStream, first: RequestOutput 
             raise APIError(out.error or "generation failed")
         return out
     except StopAsyncIteration:
+        pipeline.release(rt, job)
         raise APIError("the request ended without a result") from None
+    except BaseException:
+        pipeline.release(rt, job)
+        raise
     finally:
         await stream.close()

@@ -94,6 +94,7 @@ def chunk_stream(rt: pipeline.Runtime, job: pipeline.Job, stream: EngineStream, 
             yield f"data: {json.dumps({'error': {'type': 'api_error', 'message': str(e)}})}\n\n".encode()
         finally:
             await stream.close()
+            pipeline.release(rt, job)
 
     headers = {"cache-control": "no-cache", **pipeline.early_headers(first, job)}
     return StreamingResponse(events(), media_type="text/event-stream", headers=headers)

@@ -75,6 +75,7 @@ class Job:
     prompt: Prompt | None = None
     prompt_text: str = ""
     compression: dict[str, Any] | None = None
+    is_settled: bool = False  # the admission charge was replaced by the measured cost, or given back
     cpu0: float = field(default_factory=time.process_time)
     wall0: float = field(default_factory=time.perf_counter)
 
@@ -100,6 +101,7 @@ def admit(rt: Runtime, request: Request, endpoint: str, prompt_chars: int, max_t
     engine = rt.engine
     if not engine.is_alive:
         raise EngineUnavailable("the engine is not running")
+    check_control_headers(request)
     if engine.num_waiting >= engine.engine.config.scheduler.max_waiting:
         rt.metrics.rejections.labels("queue_full").inc()
         raise Overloaded(f"the waiting queue is full ({engine.engine.config.scheduler.max_waiting} requests)",
@@ -132,6 +134,24 @@ def admit(rt: Runtime, request: Request, endpoint: str, prompt_chars: int, max_t
     return job
 
 
+def check_control_headers(request: Request) -> None:
+    """Reject malformed X-Stratum-* control headers before admission charges anything."""
+    mode = request.headers.get("x-stratum-mode", "").strip().lower()
+    if mode and mode not in ("aggressive", "bypass", "default"):
+        raise InvalidRequest(f"X-Stratum-Mode must be aggressive, bypass or default, not {mode!r}")
+    context = request.headers.get("x-stratum-context-mode", "").strip().lower()
+    if context and context != "compressive":
+        raise InvalidRequest(f"X-Stratum-Context-Mode must be compressive, not {context!r}")
+
+
+def release(rt: Runtime, job: Job) -> None:
+    """A request that ends without `finish` (refused after admission, aborted, disconnected) gives its
+    charged estimate back: what it actually cost was not measured, so it is not charged."""
+    if not job.is_settled and rt.admission.is_enabled:
+        rt.admission.settle(job.tenant, job.estimate, 0, job.budget_reset_at)
+    job.is_settled = True
+
+
 def apply_controls(job: Job, request: Request, system_text: str) -> None:
     """System-prompt hints first, then headers, which override them."""
     lowered = system_text.lower()
@@ -143,10 +163,8 @@ def apply_controls(job: Job, request: Request, system_text: str) -> None:
         job.is_high_value = True
         job.priority = TOP_PRIORITY
     mode = request.headers.get("x-stratum-mode", "").strip().lower()
-    if mode in ("aggressive", "bypass", "default"):
+    if mode:
         job.cache_mode = mode
-    elif mode:
-        raise InvalidRequest(f"X-Stratum-Mode must be aggressive, bypass or default, not {mode!r}")
     debug = request.headers.get("x-stratum-debug", "").strip().lower()
     if debug in ("true", "1", "full"):
         job.debug = "full" if debug == "full" else "true"
@@ -276,9 +294,10 @@ def finish(rt: Runtime, job: Job, out: RequestOutput) -> tuple[dict[str, str], d
         headers["x-stratum-trace"] = trace
         body["trace"] = trace
     rt.metrics.observe_request(job.endpoint, rt.model_name, stats, cost, usd)
-    if rt.admission.is_enabled:
+    if rt.admission.is_enabled and not job.is_settled:
         uncached = usage["input_tokens"] + usage["cache_creation_input_tokens"]
         rt.admission.settle(job.tenant, job.estimate, uncached + usage["output_tokens"], job.budget_reset_at)
+    job.is_settled = True
     rt.pollution.record(job.session, cost.cache_hit_ratio, job.prompt_text)
     return headers, body
 

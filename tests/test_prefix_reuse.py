@@ -1,0 +1,115 @@
+"""Twenty requests that share a long system prompt, submitted together, compute that prompt once.
+
+With block size 16 a 600-token shared prompt is 37 full blocks (592 tokens) and 8 tokens in a block
+that each request completes with its own suffix, so:
+
+    request 0:      computes 600 + suffix_0                  (cached 0)
+    requests 1-19:  compute  8 + suffix_i                    (cached 592: shared blocks 0..36)
+    total:          600 + sum(suffixes) + 19 * 8
+
+The first request's 600+ tokens do not fit one step's budget (512); the others wait for its chunks
+(in-flight prefix dedup) instead of computing the same blocks alongside it.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from stratum.config import SchedulerConfig
+from stratum.engine import LLM
+from stratum.sampling_params import SamplingParams
+
+BS = 16
+SHARED = 600
+NUM_REQUESTS = 20
+
+
+def tiny_llm(path, budget: int = 512) -> LLM:
+    return LLM(str(path), num_kv_blocks=256, block_size=BS, dtype="float32", device="cpu", num_threads=1,
+               scheduler=SchedulerConfig(max_num_batched_tokens=budget))
+
+
+def shared_prompt_requests(seed: int = 0) -> tuple[list[int], list[list[int]]]:
+    rng = random.Random(seed)
+    system = [rng.randrange(3, 460) for _ in range(SHARED)]
+    suffixes = [[rng.randrange(3, 460) for _ in range(5 + i)] for i in range(NUM_REQUESTS)]  # 5..24 tokens
+    return system, suffixes
+
+
+def test_twenty_requests_compute_a_shared_600_token_prompt_once(tiny_model_dir):
+    llm = tiny_llm(tiny_model_dir)
+    system, suffixes = shared_prompt_requests()
+    outs = llm.generate([system + s for s in suffixes], SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))
+    shared_cached = SHARED // BS * BS
+    assert shared_cached == 592
+
+    cached = [o.stats.num_cached_tokens for o in outs]
+    computed = [o.stats.num_prompt_tokens_computed for o in outs]
+    assert cached == [0] + [592] * (NUM_REQUESTS - 1)
+    assert computed == [SHARED + len(suffixes[0])] + [SHARED - 592 + len(s) for s in suffixes[1:]]
+    assert sum(computed) == SHARED + sum(len(s) for s in suffixes) + (NUM_REQUESTS - 1) * 8 == 1042
+    for o, s in zip(outs, suffixes):
+        assert o.stats.num_prompt_tokens == SHARED + len(s)
+        assert o.stats.num_cached_tokens + o.stats.num_prompt_tokens_computed == o.stats.num_prompt_tokens
+        assert o.stats.num_preemptions == 0 and len(o.token_ids) == 4
+
+    engine = llm.engine
+    # every forward token is accounted for: the prompt tokens above plus 3 computed decodes per request
+    assert sum(st.num_batched_tokens for st in engine.step_stats) == sum(computed) + NUM_REQUESTS * 3
+    assert engine.block_manager.num_used_blocks == 0
+    engine.block_manager.check_integrity()
+
+
+def test_the_shared_prompt_is_computed_once_even_when_it_fits_one_step(tiny_model_dir):
+    llm = tiny_llm(tiny_model_dir, budget=4096)
+    system, suffixes = shared_prompt_requests(seed=1)
+    outs = llm.generate([system + s for s in suffixes], SamplingParams(max_tokens=1, temperature=0.0, ignore_eos=True))
+    assert [o.stats.num_cached_tokens for o in outs] == [0] + [592] * (NUM_REQUESTS - 1)
+    assert sum(o.stats.num_prompt_tokens_computed for o in outs) == 600 + sum(map(len, suffixes)) + 19 * 8
+
+
+def test_a_second_wave_reuses_the_first_waves_prompt_blocks(tiny_model_dir):
+    llm = tiny_llm(tiny_model_dir)
+    system, suffixes = shared_prompt_requests(seed=2)
+    llm.generate([system + suffixes[0]], SamplingParams(max_tokens=1, temperature=0.0))
+    outs = llm.generate([system + s for s in suffixes[1:]], SamplingParams(max_tokens=1, temperature=0.0))
+    assert [o.stats.num_cached_tokens for o in outs] == [592] * (NUM_REQUESTS - 1)
+    assert [o.stats.num_prompt_tokens_computed for o in outs] == [8 + len(s) for s in suffixes[1:]]
+
+
+def test_tenants_with_different_salts_each_compute_the_prompt(tiny_model_dir):
+    engine = tiny_llm(tiny_model_dir).engine
+    system, suffixes = shared_prompt_requests(seed=3)
+    seqs = [engine.add_request(system + s, SamplingParams(max_tokens=1, temperature=0.0),
+                               request_id=f"r{i}", cache_salt=f"tenant-{i % 2}")
+            for i, s in enumerate(suffixes)]
+    while engine.has_unfinished():
+        engine.step()
+    stats = [engine.request_stats(s) for s in seqs]
+    # one full computation per tenant (requests 0 and 1), every other request hits its own tenant's copy
+    assert [s.num_cached_tokens for s in stats] == [0, 0] + [592] * (NUM_REQUESTS - 2)
+    assert sum(s.num_prompt_tokens_computed for s in stats) == 2 * 600 + sum(map(len, suffixes)) + 18 * 8
+
+
+@pytest.mark.integration
+def test_real_chat_requests_share_a_long_system_prompt(real_model_path):
+    llm = LLM(str(real_model_path), num_kv_blocks=512, block_size=BS, dtype="float32", device="cpu", num_threads=1)
+    sentence = "Every answer must be short, correct and polite, and it must cite the section of the manual it uses. "
+    system_text = sentence * 30
+    questions = [f"Question number {i}: how do I reset the device to its factory settings, step {i}?"
+                 for i in range(NUM_REQUESTS)]
+    prompts = [llm.engine.chat_template.encode([{"role": "system", "content": system_text},
+                                               {"role": "user", "content": q}]) for q in questions]
+    common = 0
+    while all(len(p) > common and p[common] == prompts[0][common] for p in prompts):
+        common += 1
+    assert 550 <= common <= 700, common  # a ~600-token shared system prompt
+    shared_cached = common // BS * BS
+
+    outs = llm.generate(prompts, SamplingParams(max_tokens=2, temperature=0.0))
+    assert [o.stats.num_cached_tokens for o in outs] == [0] + [shared_cached] * (NUM_REQUESTS - 1)
+    computed = [o.stats.num_prompt_tokens_computed for o in outs]
+    assert computed == [len(prompts[0])] + [len(p) - shared_cached for p in prompts[1:]]
+    assert sum(computed) == sum(map(len, prompts)) - (NUM_REQUESTS - 1) * shared_cached
