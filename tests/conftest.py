@@ -44,7 +44,10 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
         cmd = [sys.executable, "-m", "stratum.cli", "serve", "--model", model, "--port", str(self.port), *extra]
-        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})})
+        # One engine thread: the test process and other servers share the same few cores, and
+        # oversubscribed threads spin-wait (measured ~10x slower steps on 2 cores).
+        env = {"STRATUM_NUM_THREADS": "1", **os.environ, **(env or {})}
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self, timeout: float = 120.0) -> "ServerProcess":
         import time
