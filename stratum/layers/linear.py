@@ -25,9 +25,11 @@ class Linear(nn.Module):
         self.int4_max_tokens = 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [T, in] in the activation dtype (fp32 residual stream); the matmul runs in the weight's dtype
+        """x: [T, in], any float dtype. Returns [T, out] in the weight's dtype: the matmul runs there,
+        and adding the result to the fp32 residual stream promotes it back."""
+        w = self.weight
+        x = x.to(w.dtype)
         if self.int4 is not None and x.shape[0] <= self.int4_max_tokens:
             y = self.int4.matmul(x)
             return y if self.bias is None else y + self.bias
-        w = self.weight
-        return F.linear(x.to(w.dtype), w, None if self.bias is None else self.bias.to(w.dtype)).to(x.dtype)
+        return F.linear(x, w, self.bias)

@@ -55,8 +55,8 @@ class Int4Weight:
         self.dtype = dtype
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [M, K] -> [M, N]
-        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(self.dtype), self.packed, GROUP_SIZE, self.scale_zeros).to(x.dtype)
+        # x: [M, K] -> [M, N] in self.dtype
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(self.dtype), self.packed, GROUP_SIZE, self.scale_zeros)
 
     @property
     def nbytes(self) -> int:
