@@ -98,12 +98,20 @@ class Scheduler:
         self.running.sort(key=self.sort_key)
         decodes = [s for s in self.running if not s.is_prefilling]
         prefills = [s for s in self.running if s.is_prefilling]
+        # A prefill that is already running takes at most half the step's budget while a short prompt
+        # waits, so that prompt starts now instead of after all of a long document's chunks.
+        half = self.config.max_num_batched_tokens // 2
+        has_short_waiting = len(self.running) < self.config.max_num_seqs and any(
+            s.num_tokens <= half for s in self.waiting[:8])
+        prefill_cap = half if has_short_waiting else self.config.max_num_batched_tokens
         for seq in decodes + prefills:
             if budget <= 0:
                 break
             if seq.status is not SequenceStatus.RUNNING:  # preempted earlier in this loop
                 continue
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if seq.is_prefilling:
+                n = min(n, max(1, prefill_cap))
             if not self._allocate_or_preempt(seq, n, out):
                 continue
             out.scheduled.append(ScheduledSeq(seq, n))

@@ -343,6 +343,24 @@ def test_a_request_waits_one_step_for_a_prefix_being_computed():
     assert b.num_cached_tokens == 12 and b.block_table[:3] == a_table[:3]
 
 
+def test_a_short_prompt_is_not_held_behind_a_long_prefill():
+    sched, runner = make_scheduler(num_blocks=64, block_size=4, budget=16)
+    sched.add(make_seq("long", list(range(100, 140)), max_tokens=1))
+    assert plan(runner.step()) == [("long", 16)]
+    sched.add(make_seq("short", [1, 2, 3, 4, 5], max_tokens=1))
+    # the running prefill keeps half the budget; the short prompt starts in the same step
+    assert plan(runner.step()) == [("long", 8), ("short", 5)]
+    assert plan(runner.step()) == [("long", 16)]  # nobody short waits: the whole budget again
+
+
+def test_a_long_prompt_waiting_does_not_slow_a_running_prefill():
+    sched, runner = make_scheduler(num_blocks=64, block_size=4, budget=16)
+    sched.add(make_seq("a", list(range(100, 140)), max_tokens=1))
+    sched.add(make_seq("b", list(range(200, 240)), max_tokens=1))
+    assert plan(runner.step()) == [("a", 16)]
+    assert plan(runner.step()) == [("a", 16)]
+
+
 def test_in_flight_dedup_waits_through_a_chunked_prefix():
     sched, runner = make_scheduler(block_size=4, budget=8)
     shared = list(range(16))
