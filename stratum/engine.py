@@ -141,7 +141,7 @@ class LLMEngine:
         model.cast_weights(self.dtype)
         self.model = model.to(device=self.device).eval()
         checkpoint.weights.clear()  # the model holds them now
-        self.int4_bytes = attach_int4(self.model, checkpoint.quantized, self.kernel_plan.int4_max_tokens)
+        self.int4_bytes = attach_int4(self.model, checkpoint.quantized, self.kernel_plan.int4_max_tokens, checkpoint.cache_dir)
         checkpoint.quantized.clear()
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(config.kv_cache_memory_mb)
         fault = os.environ.get("STRATUM_FAULT_INJECT") or None  # tests: "scheduler" or "cache"

@@ -148,25 +148,43 @@ _FUSED = {
 }
 
 
-def attach_int4(model, quantized: dict, max_tokens: int) -> int:
+def attach_int4(model, quantized: dict, max_tokens: int, cache_dir: Path | None = None) -> int:
     """Give every projection whose parts are all GGUF Q4 tensors a packed int4 copy.
+
+    Packing is done once per checkpoint and kept in cache_dir/int4.pt when a cache is given.
 
     Returns:
         The bytes of packed weights attached (0 when nothing was packable).
     """
     if max_tokens <= 0:
         return 0
-    total = 0
+    cache = cache_dir / "int4.pt" if cache_dir is not None else None
+    packed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    if cache is not None and cache.exists():
+        try:
+            packed = torch.load(cache, weights_only=True)
+        except (OSError, RuntimeError, ValueError):
+            packed = {}
+    total, fresh = 0, not packed
     for i, layer in enumerate(model.layers):
         for fused, parts in _FUSED.items():
-            names = [f"model.layers.{i}.{p}.weight" for p in parts]
-            tensors = [quantized.get(n) for n in names]
-            if any(t is None or not is_packable(t.qtype) for t in tensors):
-                continue
-            unpacked = [unpack_q4(t.qtype, t.data, t.shape) for t in tensors]
-            q, scale, zero = (torch.cat([u[j] for u in unpacked]) for j in range(3))
             module: Linear = layer.get_submodule(fused)
-            module.int4 = Int4Weight(q, scale, zero)
+            key = f"layers.{i}.{fused}"
+            if key in packed:
+                module.int4 = Int4Weight.from_packed(*packed[key], module.out_features, module.in_features)
+            else:
+                tensors = [quantized.get(f"model.layers.{i}.{p}.weight") for p in parts]
+                if any(t is None or not is_packable(t.qtype) for t in tensors):
+                    continue
+                unpacked = [unpack_q4(t.qtype, t.data, t.shape) for t in tensors]
+                q, scale, zero = (torch.cat([u[j] for u in unpacked]) for j in range(3))
+                module.int4 = Int4Weight(q, scale, zero)
+                packed[key] = (module.int4.packed, module.int4.scale_zeros)
             module.int4_max_tokens = max_tokens
             total += module.int4.nbytes
+    if cache is not None and fresh and packed:
+        try:
+            torch.save(packed, cache)
+        except OSError:
+            pass  # only costs the packing time on the next start
     return total

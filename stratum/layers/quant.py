@@ -54,6 +54,13 @@ class Int4Weight:
         self.scale_zeros = torch.stack([scale, zero], dim=-1).transpose(0, 1).contiguous().to(dtype)
         self.dtype = dtype
 
+    @classmethod
+    def from_packed(cls, packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int, in_features: int) -> "Int4Weight":
+        w = cls.__new__(cls)
+        w.out_features, w.in_features = out_features, in_features
+        w.packed, w.scale_zeros, w.dtype = packed, scale_zeros, scale_zeros.dtype
+        return w
+
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         # x: [M, K] -> [M, N] in self.dtype
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(self.dtype), self.packed, GROUP_SIZE, self.scale_zeros)

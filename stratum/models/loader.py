@@ -62,6 +62,7 @@ class Checkpoint:
     chat_template: str | None
     path: Path
     quantized: dict[str, QuantizedTensor] = field(default_factory=dict)
+    cache_dir: Path | None = None  # where derived forms of this checkpoint may be kept (GGUF only)
 
 
 class ModelLoadError(ValueError):
@@ -119,6 +120,7 @@ def load_gguf(path: Path) -> Checkpoint:
     if cache_dir is not None:
         try:
             _save_cached(cache_dir, checkpoint)
+            checkpoint.cache_dir = cache_dir
         except OSError as e:  # a read-only or full disk only costs speed
             log.warning("could not write checkpoint cache %s: %s", cache_dir, e)
     return checkpoint
@@ -172,7 +174,7 @@ def _load_cached(cache_dir: Path, path: Path) -> Checkpoint:
     raw = load_file(str(cache_dir / "quantized.safetensors"))
     quantized = {k: QuantizedTensor(q["qtype"], raw[k].numpy(), tuple(q["shape"])) for k, q in meta["quantized"].items()}
     weights = load_file(str(cache_dir / "weights.safetensors"))
-    return Checkpoint(ModelConfig(**cfg), weights, tokenizer, meta["chat_template"], path, quantized)
+    return Checkpoint(ModelConfig(**cfg), weights, tokenizer, meta["chat_template"], path, quantized, cache_dir)
 
 
 def _read_gguf(path: Path) -> Checkpoint:
