@@ -39,6 +39,18 @@ class EngineDeadError(RuntimeError):
     """The engine loop has stopped; no request can be served."""
 
 
+class OrchestrationError(RuntimeError):
+    """Scheduling or prefix-cache logic raised: the engine can go on in basic mode."""
+
+
+class StepError(RuntimeError):
+    """The model step itself raised; the requests in it cannot go on."""
+
+    def __init__(self, request_ids: list[str], cause: Exception):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.request_ids = request_ids
+
+
 @dataclass(slots=True)
 class RequestStats:
     """Per-request figures, taken by the code that did the work (perf_counter seconds)."""
@@ -52,6 +64,7 @@ class RequestStats:
     arrival_time: float
     first_scheduled_time: float | None
     first_token_time: float | None
+    prefill_done_time: float | None
     finish_time: float | None
     token_times: list[float]
     kv_sparsity: float | None = None
@@ -66,9 +79,11 @@ class RequestStats:
 
     @property
     def prefill_s(self) -> float | None:
-        if self.first_scheduled_time is None or self.first_token_time is None:
+        """First scheduled prefill chunk -> first sampled token (a prefill-only request: -> end of prefill)."""
+        end = self.first_token_time if self.first_token_time is not None else self.prefill_done_time
+        if self.first_scheduled_time is None or end is None:
             return None
-        return self.first_token_time - self.first_scheduled_time
+        return end - self.first_scheduled_time
 
 
 @dataclass(slots=True)
@@ -255,10 +270,25 @@ class LLMEngine:
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """schedule -> run -> postprocess.
+
+        Raises:
+            OrchestrationError: scheduling or prefix-cache logic failed (the caller may degrade).
+            StepError: the model step failed; it names the requests that were in it.
+        """
         t0 = time.perf_counter()
-        sched = self.scheduler.schedule()
-        result = self.runner.execute(sched)
-        outputs = self._postprocess(sched, result.sampled)
+        try:
+            sched = self.scheduler.schedule()
+        except Exception as e:
+            raise OrchestrationError(f"scheduler: {type(e).__name__}: {e}") from e
+        try:
+            result = self.runner.execute(sched)
+        except Exception as e:
+            raise StepError([s.seq.request_id for s in sched.scheduled], e) from e
+        try:
+            outputs = self._postprocess(sched, result.sampled)
+        except Exception as e:
+            raise OrchestrationError(f"postprocess: {type(e).__name__}: {e}") from e
         step_s = time.perf_counter() - t0
         if not sched.is_empty:
             self.num_steps += 1
@@ -278,6 +308,8 @@ class LLMEngine:
             prompt_left = max(0, seq.num_prompt_tokens - seq.num_computed_tokens)
             seq.num_prompt_tokens_computed += min(item.num_new_tokens, prompt_left)
             seq.num_computed_tokens += item.num_new_tokens
+            if seq.prefill_done_time is None and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                seq.prefill_done_time = now
             policy = seq.cache_policy
             in_prompt = seq.num_computed_tokens <= seq.num_prompt_tokens
             bm.cache_computed_blocks(seq, policy.pin_ttl_s if in_prompt or policy.pin_output else 0.0)
@@ -377,6 +409,7 @@ class LLMEngine:
             arrival_time=seq.arrival_time,
             first_scheduled_time=seq.first_scheduled_time,
             first_token_time=seq.first_token_time,
+            prefill_done_time=seq.prefill_done_time,
             finish_time=seq.finish_time,
             token_times=list(seq.token_times),
             kv_sparsity=seq.kv_sparsity,
@@ -557,18 +590,22 @@ class AsyncEngine:
                 continue
             try:
                 outputs = self.engine.step()
-            except Exception as e:
-                log.exception("engine step failed")
+            except StepError as e:  # fail the requests of that step, keep serving the rest
+                log.exception("model step failed")
+                self._fail(e.request_ids, e)
+                continue
+            except OrchestrationError as e:
+                log.exception("orchestration failed")
                 if self.engine.mode == "normal":  # degrade, keep every request, and go on serving
-                    self.engine.enter_basic_mode(f"{type(e).__name__}: {e}")
+                    self.engine.enter_basic_mode(str(e))
                 else:  # already basic: fail the requests in flight, never the process
-                    self._fail_all(e)
+                    self._fail(list(self.engine.requests), e)
                 continue
             for out in outputs:
                 self._deliver(out.request_id, out)
 
-    def _fail_all(self, error: Exception) -> None:
-        for rid in list(self.engine.requests):
+    def _fail(self, request_ids: list[str], error: Exception) -> None:
+        for rid in request_ids:
             self.engine.abort(rid)
             self._deliver(rid, RuntimeError(f"engine step failed: {error}"))
 

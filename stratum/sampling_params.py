@@ -5,6 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+# Temperatures below this sample as greedy: dividing logits by them overflows to inf/nan.
+_GREEDY_TEMPERATURE = 1e-5
+
+
 class InvalidRequestError(ValueError):
     """A request's parameters are out of range; the message names the field and the limit."""
 
@@ -44,4 +48,4 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < _GREEDY_TEMPERATURE or self.top_k == 1

@@ -78,6 +78,7 @@ class Sequence:
     arrival_time: float = field(default_factory=time.perf_counter)
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    prefill_done_time: float | None = None  # the step that computed the last prompt token ended
     token_times: list[float] = field(default_factory=list)
     finish_time: float | None = None
     # Telemetry, produced by the code that does the work:

@@ -7,6 +7,7 @@ import hashlib
 import hmac
 import json
 import logging
+import time
 import uuid
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
@@ -29,6 +30,7 @@ from stratum.telemetry.cost import ArticleFormula, PricingModel
 log = logging.getLogger("stratum.server")
 
 OPEN_PATHS = ("/health", "/metrics", "/docs", "/openapi.json")
+_DISCONNECT_CHECK_S = 0.5
 NEGOTIATION_VERSION = "v1"
 
 
@@ -69,21 +71,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     app.state.runtime = rt
     digests = settings.key_digests
 
-    @app.middleware("http")
-    async def envelope(request: Request, call_next):
-        request_id = "req_" + uuid.uuid4().hex[:24]
-        request.state.request_id = request_id
-        try:
-            length = request.headers.get("content-length")
-            if length is not None and (not length.isdigit() or int(length) > settings.max_body_bytes):
-                raise RequestTooLarge(f"request body exceeds {settings.max_body_bytes} bytes")
-            if digests and not request.url.path.startswith(OPEN_PATHS) and request.method != "OPTIONS":
-                _authenticate(request, digests)
-            response = await call_next(request)
-        except APIError as e:
-            response = _error_response(e, request_id)
-        response.headers["request-id"] = request_id
-        return response
+    app.add_middleware(Envelope, max_body_bytes=settings.max_body_bytes, digests=digests)
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, e: APIError):
@@ -197,6 +185,39 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     return app
 
 
+class Envelope:
+    """Pure ASGI middleware: a request id on every response, the body-size limit and authentication,
+    before any route runs. (Not BaseHTTPMiddleware: it hides client disconnects from the routes.)"""
+
+    def __init__(self, app, max_body_bytes: int, digests: tuple[bytes, ...]):
+        self.app = app
+        self.max_body_bytes = max_body_bytes
+        self.digests = digests
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request_id = "req_" + uuid.uuid4().hex[:24]
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                headers = [(k, v) for k, v in message.get("headers", []) if k.lower() != b"request-id"]
+                message = {**message, "headers": headers + [(b"request-id", request_id.encode())]}
+            await send(message)
+
+        request = Request(scope)
+        try:
+            length = request.headers.get("content-length")
+            if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
+                raise RequestTooLarge(f"request body exceeds {self.max_body_bytes} bytes")
+            if self.digests and not scope["path"].startswith(OPEN_PATHS) and scope["method"] != "OPTIONS":
+                _authenticate(request, self.digests)
+        except APIError as e:
+            return await _error_response(e, request_id)(scope, receive, send_with_id)
+        await self.app(scope, receive, send_with_id)
+
+
 async def _start(rt: pipeline.Runtime, job: pipeline.Job, request: Request, chat: ChatInput, sampling: SamplingParams,
                  settings: ServerSettings, default_max: bool = False) -> tuple[EngineStream, RequestOutput | None]:
     """Controls, compression, prompt, engine: returns the stream and its first output (prefill done), if it
@@ -258,8 +279,8 @@ async def _read_json(request: Request, settings: ServerSettings) -> dict[str, An
         data = json.loads(bytes(body))
     except UnicodeDecodeError:
         raise InvalidRequest("request body is not valid UTF-8") from None
-    except ValueError as e:
-        raise InvalidRequest(f"request body is not valid JSON: {e}") from None
+    except (ValueError, RecursionError) as e:
+        raise InvalidRequest(f"request body is not valid JSON: {type(e).__name__}: {e}"[:300]) from None
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object")
     try:
@@ -311,10 +332,13 @@ async def _collect(request: Request, stream: EngineStream, first: RequestOutput 
     """Run a non-streaming request to the end; a client disconnect aborts it (and gives back its charge)."""
     try:
         out = first
+        next_check = time.monotonic() + _DISCONNECT_CHECK_S
         while out is None or not out.finished:
-            out = await _next(stream, timeout=0.5)
-            if out is None and await request.is_disconnected():
-                raise EngineUnavailable("client disconnected")
+            out = await _next(stream, timeout=_DISCONNECT_CHECK_S)
+            if time.monotonic() >= next_check:  # checked while tokens flow too, not only in pauses
+                next_check = time.monotonic() + _DISCONNECT_CHECK_S
+                if await request.is_disconnected():
+                    raise EngineUnavailable("client disconnected")
         if out.finish_reason == "error":
             raise APIError(out.error or "generation failed")
         return out

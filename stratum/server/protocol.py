@@ -4,13 +4,30 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 _TOOL_NAME = r"^[a-zA-Z0-9_-]{1,128}$"
 
 
+def _check_object_schema(v: dict[str, Any]) -> dict[str, Any]:
+    if v.get("type") != "object":
+        raise ValueError("a tool's schema must have type 'object'")
+    return v
+
+
+def _check_messages(messages: list, tools: list | None) -> None:
+    """Anthropic's rules: non-empty content except a final assistant turn; unique tool names."""
+    for i, m in enumerate(messages):
+        if not m.content and not (i == len(messages) - 1 and m.role == "assistant"):
+            raise ValueError(f"messages.{i}: content must be non-empty (only a final assistant message may be empty)")
+    names = [t.name for t in tools or []]
+    if len(names) != len(set(names)):
+        raise ValueError("tools: tool names must be unique")
+
+
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=False)
+    # strict: "8" is not an int and true is not a number, as in the real APIs (whole numbers still pass as floats)
+    model_config = ConfigDict(extra="forbid", strict=True)
 
 
 class CacheControl(_Strict):
@@ -59,9 +76,7 @@ class Tool(_Strict):
     @field_validator("input_schema")
     @classmethod
     def _object_schema(cls, v: dict[str, Any]) -> dict[str, Any]:
-        if v.get("type") != "object":
-            raise ValueError("input_schema.type must be 'object'")
-        return v
+        return _check_object_schema(v)
 
 
 class ToolChoice(_Strict):
@@ -88,12 +103,17 @@ class MessagesRequest(_Strict):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     ignore_eos: bool = False  # vLLM's extension, for benchmarks
-    seed: int | None = None  # extension: reproducible sampling
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # extension: reproducible sampling
     # Accepted for compatibility and ignored: no effect on a local model.
     service_tier: str | None = None
     thinking: Any = None
     container: Any = None
     mcp_servers: Any = None
+
+    @model_validator(mode="after")
+    def _rules(self):
+        _check_messages(self.messages, self.tools)
+        return self
 
 
 class CountTokensRequest(_Strict):
@@ -104,10 +124,15 @@ class CountTokensRequest(_Strict):
     tool_choice: ToolChoice | None = None
     thinking: Any = None
 
+    @model_validator(mode="after")
+    def _rules(self):
+        _check_messages(self.messages, self.tools)
+        return self
+
 
 # ---- OpenAI chat completions ---------------------------------------------------------------------
 class _Loose(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
 class OAIContentPart(_Loose):
@@ -139,6 +164,11 @@ class OAIFunction(_Loose):
     description: str | None = None
     parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
 
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return _check_object_schema(v)
+
 
 class OAITool(_Loose):
     type: Literal["function"]
@@ -161,7 +191,7 @@ class ChatCompletionRequest(_Loose):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: OAIStreamOptions | None = None
-    seed: int | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
     user: str | None = Field(default=None, max_length=256)
     tools: list[OAITool] | None = None
     tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None

@@ -9,9 +9,10 @@ Every field is measured by the code that did the work (see docs/telemetry.md):
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
-from stratum.engine import RequestStats
+if TYPE_CHECKING:  # keep this module importable without torch (the client parses the same header)
+    from stratum.engine import RequestStats
 
 
 @dataclass(frozen=True, slots=True)
@@ -21,7 +22,7 @@ class CostFields:
     kv_sparsity: float | None  # None when no sample was taken (a request that never sampled)
 
     @classmethod
-    def from_stats(cls, s: RequestStats) -> "CostFields":
+    def from_stats(cls, s: "RequestStats") -> "CostFields":
         ratio = s.num_cached_tokens / s.num_prompt_tokens if s.num_prompt_tokens else 0.0
         latency = round(s.prefill_s * 1e6) if s.prefill_s is not None else 0
         return cls(round(ratio, 4), latency, None if s.kv_sparsity is None else round(s.kv_sparsity, 4))

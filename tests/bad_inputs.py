@@ -1,0 +1,327 @@
+"""A corpus of bad HTTP requests, each with the 4xx status and error type it must get.
+
+`server` picks the server a case goes to: "tiny" (no key, default body limit) or "guarded"
+(GUARDED_KEY required and a MAX_BODY_BYTES body limit). Guarded cases that are not about the key
+send the right key, so only the thing under test is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+GUARDED_KEY = "sk-stratum-test-key"
+MAX_BODY_BYTES = 4096
+CONTEXT_LENGTH = 2048  # the tiny model's max_position_embeddings
+
+INVALID = "invalid_request_error"
+NOT_FOUND = "not_found_error"
+AUTH = "authentication_error"
+TOO_LARGE = "request_too_large"
+
+
+@dataclass(frozen=True)
+class BadRequest:
+    """Args:
+        body: sent as JSON (json.dumps, so lone surrogates go out as \\ud800 escapes) unless `raw` is set.
+        raw: exact body bytes.
+        is_chunked: send the body with Transfer-Encoding: chunked, so there is no Content-Length.
+        message_has: substrings the error message must contain.
+    """
+
+    name: str
+    path: str
+    body: Any = None
+    raw: bytes | None = None
+    method: str = "POST"
+    headers: dict[str, str] = field(default_factory=dict)
+    status: int = 400
+    error_type: str = INVALID
+    server: str = "tiny"
+    is_chunked: bool = False
+    message_has: tuple[str, ...] = ()
+
+    def content(self) -> bytes | None:
+        if self.raw is not None:
+            return self.raw
+        if self.body is None:
+            return None
+        return json.dumps(self.body).encode()
+
+
+MESSAGE = {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+CHAT = {"model": "tiny", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}]}
+COUNT = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}]}
+TOOL = {"name": "get_weather", "description": "weather", "input_schema": {"type": "object", "properties": {}}}
+OAI_TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
+JSON_HEADERS = {"content-type": "application/json"}
+KEYED = {"x-api-key": GUARDED_KEY, **JSON_HEADERS}
+
+
+def _with(base: dict, **changes) -> dict:
+    return {**base, **changes}
+
+
+def _without(base: dict, key: str) -> dict:
+    return {k: v for k, v in base.items() if k != key}
+
+
+def _content(content) -> dict:
+    return _with(MESSAGE, messages=[{"role": "user", "content": content}])
+
+
+def _message(**fields) -> dict:
+    return _with(MESSAGE, messages=[fields])
+
+
+def _messages_cases() -> list[BadRequest]:
+    p = "/v1/messages"
+    raw = {
+        "malformed json": b"{not json",
+        "truncated json": b'{"model": "tiny", "max_tokens": 8,',
+        "empty body": b"",
+        "not utf-8": b"\xff\xfe\xfa",
+        "trailing garbage": json.dumps(MESSAGE).encode() + b" garbage",
+        "json null": b"null",
+        "json array": b"[]",
+        "json string": b'"hello"',
+        "json number": b"42",
+        "json true": b"true",
+        "deeply nested json": b"[" * 100_000 + b"]" * 100_000,
+        "temperature NaN": b'{"model": "tiny", "max_tokens": 8, "temperature": NaN, "messages": [{"role": "user", "content": "hi"}]}',
+        "temperature Infinity": b'{"model": "tiny", "max_tokens": 8, "temperature": Infinity, "messages": [{"role": "user", "content": "hi"}]}',
+        "max_tokens 1e400": b'{"model": "tiny", "max_tokens": 1e400, "messages": [{"role": "user", "content": "hi"}]}',
+        "max_tokens 5000 digits": b'{"model": "tiny", "max_tokens": ' + b"9" * 5000 + b', "messages": [{"role": "user", "content": "hi"}]}',
+    }
+    cases = [BadRequest(f"messages: {name}", p, raw=body, headers=JSON_HEADERS) for name, body in raw.items()]
+    bodies = {
+        # lone surrogates anywhere a string goes
+        "surrogate in content": _content("\ud800"),
+        "low surrogate in content": _content("abc\udfffdef"),
+        "surrogate in text block": _content([{"type": "text", "text": "\ud800"}]),
+        "surrogate in system": _with(MESSAGE, system="\ud83d"),
+        "surrogate in model": _with(MESSAGE, model="tiny\ud800"),
+        "surrogate in stop_sequences": _with(MESSAGE, stop_sequences=["\udc00"]),
+        "surrogate in tool description": _with(MESSAGE, tools=[_with(TOOL, description="\ud800")]),
+        "surrogate in tool_use input": _with(MESSAGE, messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "\ud800"}}]}]),
+        # model
+        "model is a number": _with(MESSAGE, model=123),
+        "model is null": _with(MESSAGE, model=None),
+        "model is empty": _with(MESSAGE, model=""),
+        "model missing": _without(MESSAGE, "model"),
+        # max_tokens
+        "max_tokens missing": _without(MESSAGE, "max_tokens"),
+        "max_tokens is a string": _with(MESSAGE, max_tokens="8"),
+        "max_tokens is a fraction": _with(MESSAGE, max_tokens=8.5),
+        "max_tokens is null": _with(MESSAGE, max_tokens=None),
+        "max_tokens is a bool": _with(MESSAGE, max_tokens=True),
+        "max_tokens is a list": _with(MESSAGE, max_tokens=[8]),
+        "max_tokens negative": _with(MESSAGE, max_tokens=-1),
+        # messages
+        "messages missing": _without(MESSAGE, "messages"),
+        "messages is a string": _with(MESSAGE, messages="hi"),
+        "messages is an object": _with(MESSAGE, messages={"role": "user", "content": "hi"}),
+        "messages empty": _with(MESSAGE, messages=[]),
+        "message is a string": _with(MESSAGE, messages=["hi"]),
+        "message is null": _with(MESSAGE, messages=[None]),
+        "message without role": _with(MESSAGE, messages=[{"content": "hi"}]),
+        "message without content": _message(role="user"),
+        "role system": _message(role="system", content="hi"),
+        "role tool": _message(role="tool", content="hi"),
+        "role capitalised": _message(role="User", content="hi"),
+        "role is a number": _message(role=1, content="hi"),
+        "message with unknown field": _message(role="user", content="hi", name="bob"),
+        "empty user content": _content(""),
+        "empty content list": _content([]),
+        # content blocks
+        "content is a number": _content(5),
+        "content is null": _content(None),
+        "content is one object": _content({"type": "text", "text": "hi"}),
+        "content list of strings": _content(["hi"]),
+        "unknown block type": _content([{"type": "bogus", "text": "hi"}]),
+        "image block": _content([{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]),
+        "document block": _content([{"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "x"}}]),
+        "block without type": _content([{"text": "hi"}]),
+        "text block without text": _content([{"type": "text"}]),
+        "text block text is a number": _content([{"type": "text", "text": 5}]),
+        "text block with unknown field": _content([{"type": "text", "text": "hi", "colour": "red"}]),
+        "bad cache_control type": _content([{"type": "text", "text": "hi", "cache_control": {"type": "forever"}}]),
+        "tool_use block without id": _with(MESSAGE, messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+            {"type": "tool_use", "name": "get_weather", "input": {}}]}]),
+        "tool_use input is a string": _with(MESSAGE, messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "t1", "name": "get_weather", "input": "{}"}]}]),
+        "tool_result without tool_use_id": _content([{"type": "tool_result", "content": "22C"}]),
+        "tool_result content is a number": _content([{"type": "tool_result", "tool_use_id": "t1", "content": 22}]),
+        # system
+        "system is a number": _with(MESSAGE, system=5),
+        "system is one object": _with(MESSAGE, system={"type": "text", "text": "x"}),
+        "system list of strings": _with(MESSAGE, system=["x"]),
+        "system image block": _with(MESSAGE, system=[{"type": "image", "source": {}}]),
+        # sampling
+        "temperature 1.5": _with(MESSAGE, temperature=1.5),
+        "temperature negative": _with(MESSAGE, temperature=-0.1),
+        "temperature is a word": _with(MESSAGE, temperature="hot"),
+        "top_p 0": _with(MESSAGE, top_p=0),
+        "top_p above 1": _with(MESSAGE, top_p=1.5),
+        "top_p negative": _with(MESSAGE, top_p=-0.5),
+        "top_k -1": _with(MESSAGE, top_k=-1),
+        "top_k fraction": _with(MESSAGE, top_k=1.5),
+        "top_k is a word": _with(MESSAGE, top_k="ten"),
+        "stop_sequences is a string": _with(MESSAGE, stop_sequences="STOP"),
+        "stop_sequences has a number": _with(MESSAGE, stop_sequences=[1]),
+        "stop_sequences has empty string": _with(MESSAGE, stop_sequences=[""]),
+        "stream is a word": _with(MESSAGE, stream="yes"),
+        "stream is 2": _with(MESSAGE, stream=2),
+        "seed is a word": _with(MESSAGE, seed="lucky"),
+        "seed is a fraction": _with(MESSAGE, seed=1.5),
+        "seed beyond 64 bits": _with(MESSAGE, seed=2**70),
+        "seed below -2**63": _with(MESSAGE, seed=-(2**70)),
+        "ignore_eos is a word": _with(MESSAGE, ignore_eos="maybe"),
+        # metadata and unknown fields
+        "metadata is a string": _with(MESSAGE, metadata="x"),
+        "metadata user_id is a number": _with(MESSAGE, metadata={"user_id": 5}),
+        "metadata unknown field": _with(MESSAGE, metadata={"session": "x"}),
+        "metadata user_id too long": _with(MESSAGE, metadata={"user_id": "u" * 300}),
+        "unknown top-level field": _with(MESSAGE, frequency_penalty=0.5),
+        # tools
+        "tools is a string": _with(MESSAGE, tools="get_weather"),
+        "tools is an object": _with(MESSAGE, tools=TOOL),
+        "tool without input_schema": _with(MESSAGE, tools=[_without(TOOL, "input_schema")]),
+        "tool without name": _with(MESSAGE, tools=[_without(TOOL, "name")]),
+        "tool name with a space": _with(MESSAGE, tools=[_with(TOOL, name="get weather")]),
+        "tool name empty": _with(MESSAGE, tools=[_with(TOOL, name="")]),
+        "tool name too long": _with(MESSAGE, tools=[_with(TOOL, name="t" * 129)]),
+        "tool schema type string": _with(MESSAGE, tools=[_with(TOOL, input_schema={"type": "string"})]),
+        "tool schema without type": _with(MESSAGE, tools=[_with(TOOL, input_schema={"properties": {}})]),
+        "tool schema is a string": _with(MESSAGE, tools=[_with(TOOL, input_schema="object")]),
+        "tool description is a number": _with(MESSAGE, tools=[_with(TOOL, description=5)]),
+        "duplicate tool names": _with(MESSAGE, tools=[TOOL, TOOL]),
+        "tool_choice names an unknown tool": _with(MESSAGE, tools=[TOOL], tool_choice={"type": "tool", "name": "nope"}),
+        "tool_choice tool without name": _with(MESSAGE, tools=[TOOL], tool_choice={"type": "tool"}),
+        "tool_choice any without tools": _with(MESSAGE, tool_choice={"type": "any"}),
+        "tool_choice tool without tools": _with(MESSAGE, tool_choice={"type": "tool", "name": "get_weather"}),
+        "tool_choice unknown type": _with(MESSAGE, tools=[TOOL], tool_choice={"type": "sometimes"}),
+        "tool_choice is a string": _with(MESSAGE, tools=[TOOL], tool_choice="auto"),
+        "disable_parallel_tool_use is a word": _with(MESSAGE, tools=[TOOL], tool_choice={"type": "auto", "disable_parallel_tool_use": "no"}),
+    }
+    cases += [BadRequest(f"messages: {name}", p, body=body) for name, body in bodies.items()]
+    cases += [
+        BadRequest("messages: unknown model", p, _with(MESSAGE, model="claude-opus-9"), status=404, error_type=NOT_FOUND,
+                   message_has=("claude-opus-9",)),
+        BadRequest("messages: max_tokens over the context", p, _with(MESSAGE, max_tokens=5000),
+                   message_has=("5000", str(CONTEXT_LENGTH))),
+        BadRequest("messages: prompt over the context", p, _content("the capital of Japan is Tokyo. " * 400),
+                   message_has=(str(CONTEXT_LENGTH), "tokens")),
+        BadRequest("messages: prompt + max_tokens just over", p, _with(MESSAGE, max_tokens=CONTEXT_LENGTH),
+                   message_has=(str(CONTEXT_LENGTH),)),
+        BadRequest("messages: stream over the context", p, _with(MESSAGE, max_tokens=5000, stream=True),
+                   message_has=("5000", str(CONTEXT_LENGTH))),
+    ]
+    return cases
+
+
+def _count_tokens_cases() -> list[BadRequest]:
+    p = "/v1/messages/count_tokens"
+    return [
+        BadRequest("count_tokens: malformed json", p, raw=b"{", headers=JSON_HEADERS),
+        BadRequest("count_tokens: unknown model", p, _with(COUNT, model="nope"), status=404, error_type=NOT_FOUND),
+        BadRequest("count_tokens: messages missing", p, _without(COUNT, "messages")),
+        BadRequest("count_tokens: messages empty", p, _with(COUNT, messages=[])),
+        BadRequest("count_tokens: max_tokens is not a field", p, _with(COUNT, max_tokens=8)),
+        BadRequest("count_tokens: lone surrogate", p, _with(COUNT, messages=[{"role": "user", "content": "\ud800"}])),
+        BadRequest("count_tokens: bad role", p, _with(COUNT, messages=[{"role": "robot", "content": "hi"}])),
+        BadRequest("count_tokens: unknown tool in tool_choice", p, _with(COUNT, tools=[TOOL], tool_choice={"type": "tool", "name": "nope"})),
+        BadRequest("count_tokens: bad tool schema", p, _with(COUNT, tools=[_with(TOOL, input_schema={"type": "array"})])),
+    ]
+
+
+def _chat_cases() -> list[BadRequest]:
+    p = "/v1/chat/completions"
+    bodies = {
+        "messages missing": _without(CHAT, "messages"),
+        "messages empty": _with(CHAT, messages=[]),
+        "bad role": _with(CHAT, messages=[{"role": "robot", "content": "hi"}]),
+        "content is a number": _with(CHAT, messages=[{"role": "user", "content": 5}]),
+        "image_url part": _with(CHAT, messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]),
+        "lone surrogate": _with(CHAT, messages=[{"role": "user", "content": "\udbff"}]),
+        "model is a number": _with(CHAT, model=7),
+        "temperature 2.5": _with(CHAT, temperature=2.5),
+        "top_p 0": _with(CHAT, top_p=0),
+        "top_k -1": _with(CHAT, top_k=-1),
+        "n is 2": _with(CHAT, n=2),
+        "max_tokens negative": _with(CHAT, max_tokens=-1),
+        "max_completion_tokens negative": _with(CHAT, max_completion_tokens=-5),
+        "stop is a number": _with(CHAT, stop=5),
+        "stop has empty string": _with(CHAT, stop=[""]),
+        "stream_options is a number": _with(CHAT, stream_options=5),
+        "tools is an object": _with(CHAT, tools=OAI_TOOL),
+        "tool type not function": _with(CHAT, tools=[_with(OAI_TOOL, type="retrieval")]),
+        "tool name with a space": _with(CHAT, tools=[{"type": "function", "function": {"name": "get weather"}}]),
+        "tool parameters type string": _with(CHAT, tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]),
+        "tool_choice unknown word": _with(CHAT, tools=[OAI_TOOL], tool_choice="sometimes"),
+        "tool_choice names an unknown function": _with(CHAT, tools=[OAI_TOOL], tool_choice={"type": "function", "function": {"name": "nope"}}),
+        "tool_choice required without tools": _with(CHAT, tool_choice="required"),
+        "seed beyond 64 bits": _with(CHAT, seed=2**70),
+    }
+    cases = [BadRequest(f"chat: {name}", p, body=body) for name, body in bodies.items()]
+    cases += [
+        BadRequest("chat: malformed json", p, raw=b"{'single': 'quotes'}", headers=JSON_HEADERS),
+        BadRequest("chat: json array", p, raw=b"[{}]", headers=JSON_HEADERS),
+        BadRequest("chat: unknown model", p, _with(CHAT, model="gpt-9"), status=404, error_type=NOT_FOUND),
+        BadRequest("chat: max_tokens over the context", p, _with(CHAT, max_tokens=4000), message_has=("4000", str(CONTEXT_LENGTH))),
+    ]
+    return cases
+
+
+def _route_cases() -> list[BadRequest]:
+    return [
+        BadRequest("route: unknown GET", "/v2/everything", method="GET", status=404, error_type=NOT_FOUND),
+        BadRequest("route: unknown POST", "/v1/complete", body={"prompt": "hi"}, status=404, error_type=NOT_FOUND),
+        BadRequest("route: unknown model id", "/v1/models/nope", method="GET", status=404, error_type=NOT_FOUND),
+        BadRequest("route: GET on messages", "/v1/messages", method="GET", status=405),
+        BadRequest("route: DELETE on models", "/v1/models", method="DELETE", status=405),
+    ]
+
+
+def _guarded_cases() -> list[BadRequest]:
+    p = "/v1/messages"
+    big = _content("x" * (MAX_BODY_BYTES + 100))
+    auth = [
+        BadRequest("auth: no key", p, MESSAGE),
+        BadRequest("auth: wrong x-api-key", p, MESSAGE, headers={"x-api-key": "sk-wrong"}),
+        BadRequest("auth: key in the wrong case", p, MESSAGE, headers={"x-api-key": GUARDED_KEY.upper()}),
+        BadRequest("auth: empty x-api-key", p, MESSAGE, headers={"x-api-key": ""}),
+        BadRequest("auth: wrong bearer", p, MESSAGE, headers={"authorization": "Bearer sk-wrong"}),
+        BadRequest("auth: bearer without a key", p, MESSAGE, headers={"authorization": "Bearer"}),
+        BadRequest("auth: basic scheme", p, MESSAGE, headers={"authorization": "Basic " + GUARDED_KEY}),
+        BadRequest("auth: key with a suffix", p, MESSAGE, headers={"x-api-key": GUARDED_KEY + "x"}),
+        BadRequest("auth: no key on chat", "/v1/chat/completions", CHAT),
+        BadRequest("auth: wrong bearer on chat", "/v1/chat/completions", CHAT, headers={"authorization": "Bearer sk-wrong"}),
+        BadRequest("auth: no key on count_tokens", "/v1/messages/count_tokens", COUNT),
+        BadRequest("auth: no key on models", "/v1/models", method="GET"),
+        BadRequest("auth: no key on a model", "/v1/models/tiny", method="GET"),
+        BadRequest("auth: no key, bad json", p, raw=b"{oops", headers=JSON_HEADERS),
+    ]
+    auth = [replace(c, status=401, error_type=AUTH, server="guarded") for c in auth]
+    size = [
+        BadRequest("size: body over the limit", p, big, headers=KEYED),
+        BadRequest("size: chunked body over the limit", p, big, headers=KEYED, is_chunked=True),
+        BadRequest("size: chat body over the limit", "/v1/chat/completions",
+                   _with(CHAT, messages=[{"role": "user", "content": "y" * (MAX_BODY_BYTES + 1)}]), headers=KEYED),
+        BadRequest("size: chunked count_tokens over the limit", "/v1/messages/count_tokens",
+                   _with(COUNT, messages=[{"role": "user", "content": "z" * MAX_BODY_BYTES}]), headers=KEYED, is_chunked=True),
+        BadRequest("size: junk over the limit", p, raw=b"\x00" * (MAX_BODY_BYTES * 4), headers=KEYED),
+    ]
+    size = [replace(c, status=413, error_type=TOO_LARGE, server="guarded") for c in size]
+    keyed_but_bad = [
+        BadRequest("guarded: right key, bad temperature", p, _with(MESSAGE, temperature=3), headers=KEYED, server="guarded"),
+        BadRequest("guarded: right bearer, unknown model", p, _with(MESSAGE, model="nope"),
+                   headers={"authorization": "Bearer " + GUARDED_KEY}, status=404, error_type=NOT_FOUND, server="guarded"),
+    ]
+    return auth + size + keyed_but_bad
+
+
+CORPUS: list[BadRequest] = _messages_cases() + _count_tokens_cases() + _chat_cases() + _route_cases() + _guarded_cases()
+assert len({c.name for c in CORPUS}) == len(CORPUS), "case names must be unique"
