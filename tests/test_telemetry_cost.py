@@ -19,7 +19,8 @@ import anthropic
 import httpx
 import pytest
 
-from stratum.telemetry.cost import ArticleFormula, CostFields, TokenPricing, parse_cost_header, pricing_from_spec
+from stratum.client.cost import parse_stratum_cost
+from stratum.telemetry.cost import ArticleFormula, CostFields, TokenPricing, pricing_from_spec
 from tests.conftest import ServerProcess
 
 BLOCK = 16  # EngineConfig.block_size
@@ -130,15 +131,17 @@ def long_text(n_words: int, tag: str = "w") -> str:
 
 # ---- units: the header and the pricing formulas ---------------------------------------------------------
 def test_cost_header_round_trip_and_docs_example():
+    """The server writes the header (CostFields), the client parses it (parse_stratum_cost)."""
     doc = "cache_hit_ratio=0.82,prefill_latency_us=14200,kv_sparsity=0.33"
-    fields = parse_cost_header(doc)
-    assert fields == CostFields(0.82, 14200, 0.33)
-    assert fields.header() == doc
+    assert CostFields(0.82, 14200, 0.33).header() == doc
+    parsed = parse_stratum_cost(doc)
+    assert (parsed.cache_hit_ratio, parsed.prefill_latency_us, parsed.kv_sparsity) == (0.82, 14200, 0.33)
+    assert parsed.header() == doc
     unmeasured = CostFields(0.5, 10, None)
     assert unmeasured.header() == "cache_hit_ratio=0.5,prefill_latency_us=10"
-    assert parse_cost_header(unmeasured.header()) == unmeasured
+    assert parse_stratum_cost(unmeasured.header()).kv_sparsity is None
     with pytest.raises(ValueError):
-        parse_cost_header("cache_hit_ratio")
+        parse_stratum_cost("cache_hit_ratio")
 
 
 def test_article_formula_matches_docs():

@@ -4,11 +4,10 @@ engine, so an application can parse costs without the runtime installed."""
 
 from __future__ import annotations
 
-import base64
-import binascii
-import json
 from dataclasses import asdict, dataclass, field
 from typing import Any, Mapping
+
+from stratum.telemetry.trace import decode_trace  # noqa: F401  (re-exported: the server's own decoder)
 
 COST_HEADER = "x-stratum-cost"
 TRACE_HEADER = "x-stratum-trace"
@@ -86,17 +85,6 @@ def parse_stratum_cost(header: str) -> StratumCost:
         return StratumCost.from_dict(fields)
     except ValueError as e:
         raise ValueError(f"malformed x-stratum-cost {header!r}: {e}") from None
-
-
-def decode_trace(value: str) -> dict[str, Any]:
-    """Decode an `x-stratum-trace` value (base64 of a JSON document). Raises ValueError if it is not one."""
-    try:
-        doc = json.loads(base64.b64decode(value, validate=True))
-    except (binascii.Error, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ValueError(f"x-stratum-trace is not base64 JSON: {e}") from None
-    if not isinstance(doc, dict):
-        raise ValueError("x-stratum-trace does not hold a JSON object")
-    return doc
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,13 +176,3 @@ class StratumInfo:
             "usage": dict(self.usage), "num_metas": len(self.metas),
             "retries": [asdict(r) for r in self.retries], "is_final": self.is_final,
         }
-
-
-def article_price(cost: StratumCost, base_rate: float = 0.001, latency_premium: float = 0.0001,
-                  hit_discount: float = 1.0, sparsity_penalty: float = 0.02) -> float:
-    """The server's default `--pricing article` formula (docs/telemetry.md), for responses that do not carry
-    the server's own `final_cost_estimate` (non-streaming ones without X-Stratum-Debug). An unmeasured
-    kv_sparsity counts as 1."""
-    sparsity = 1.0 if cost.kv_sparsity is None else cost.kv_sparsity
-    return (base_rate + (cost.prefill_latency_us / 10000) * latency_premium
-            - cost.cache_hit_ratio * 0.0005 * hit_discount + (1 - sparsity) * sparsity_penalty)

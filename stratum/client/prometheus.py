@@ -18,7 +18,8 @@ from typing import Callable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
-from stratum.client.cost import StratumCost, StratumInfo, article_price
+from stratum.client.cost import StratumCost, StratumInfo
+from stratum.telemetry.cost import ArticleFormula
 from stratum.client.retry import RetryEvent
 
 _RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
@@ -35,7 +36,7 @@ class ClientMetrics:
     """
 
     def __init__(self, registry: CollectorRegistry,
-                 pricing: Callable[[StratumCost, Mapping[str, int]], float] = lambda cost, usage: article_price(cost)):
+                 pricing: Callable[[StratumCost, Mapping[str, int]], float] = ArticleFormula().price):
         self.pricing = pricing
         self.cost = Counter("stratum_client_cost_dollars", "USD reported (or priced) per Stratum response",
                             ["model", "cache_hit"], registry=registry)

@@ -38,21 +38,6 @@ class CostFields:
         return asdict(self)
 
 
-def parse_cost_header(value: str) -> CostFields:
-    """Inverse of CostFields.header. Raises ValueError on a malformed header."""
-    fields: dict[str, str] = {}
-    for part in value.split(","):
-        key, sep, val = part.strip().partition("=")
-        if not sep:
-            raise ValueError(f"malformed x-stratum-cost part {part!r}")
-        fields[key] = val
-    return CostFields(
-        cache_hit_ratio=float(fields["cache_hit_ratio"]),
-        prefill_latency_us=int(float(fields["prefill_latency_us"])),
-        kv_sparsity=float(fields["kv_sparsity"]) if "kv_sparsity" in fields else None,
-    )
-
-
 class PricingModel(Protocol):
     name: str
 

@@ -3,18 +3,21 @@
 from __future__ import annotations
 
 import base64
+import binascii
 import json
 import os
 import uuid
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from stratum.engine import RequestStats
 from stratum.telemetry.cost import CostFields, PricingModel
+
+if TYPE_CHECKING:  # importable without torch: the client decodes traces with this module
+    from stratum.engine import RequestStats
 
 TRACE_VERSION = "1"
 
 
-def build_trace(stats: RequestStats, cost: CostFields, usage: dict[str, int], pricing: PricingModel,
+def build_trace(stats: "RequestStats", cost: CostFields, usage: dict[str, int], pricing: PricingModel,
                 extra: dict[str, Any] | None = None, hardware: dict[str, Any] | None = None) -> dict[str, Any]:
     """Steps: queue, prefill, decode_loop; final_cost_estimate from the reported fields only."""
     queue_us = round((stats.queue_s or 0.0) * 1e6)
@@ -53,7 +56,7 @@ def decode_trace(value: str) -> dict[str, Any]:
     """Raises ValueError when value is not base64 of a JSON object."""
     try:
         doc = json.loads(base64.b64decode(value.strip(), validate=True))
-    except Exception as e:
+    except (binascii.Error, UnicodeDecodeError, ValueError) as e:
         raise ValueError(f"not a Stratum trace: {e}") from None
     if not isinstance(doc, dict):
         raise ValueError("not a Stratum trace: not a JSON object")
