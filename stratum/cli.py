@@ -159,21 +159,14 @@ def cmd_warmup(args) -> int:
     return 0 if report["failed"] == 0 else 1
 
 
+BENCHMARKS = ("offline", "serve", "compare", "roofline")
+
+
 def cmd_bench(args, rest) -> int:
-    if args.kind == "offline":
-        from stratum.bench.offline import main as offline_main
+    """Each benchmark is a program of its own, `stratum.bench.<kind>.main(argv)`."""
+    import importlib
 
-        return offline_main(rest)
-    if args.kind == "serve":
-        from stratum.bench.serve import main as serve_main
-
-        return serve_main(rest)
-    if args.kind == "compare":
-        from stratum.bench.compare import main as compare_main
-
-        return compare_main(rest)
-    print(f"unknown bench {args.kind!r}", file=sys.stderr)
-    return 2
+    return importlib.import_module(f"stratum.bench.{args.kind}").main(rest)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,8 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-key", default=None)
     p.set_defaults(func=cmd_warmup)
 
-    p = sub.add_parser("bench", help="benchmarks: offline, serve, compare")
-    p.add_argument("kind", choices=["offline", "serve", "compare"])
+    p = sub.add_parser("bench", help="benchmarks: offline, serve, compare, roofline (each takes --help)", add_help=False)
+    p.add_argument("kind", choices=BENCHMARKS)
     p.set_defaults(func=None)
 
     args, rest = parser.parse_known_args(argv)

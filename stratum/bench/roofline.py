@@ -1,0 +1,101 @@
+"""`stratum bench roofline`: how close single-stream decode runs to this machine's memory bandwidth.
+
+Decode at batch 1 must read every weight once per token, so bytes read ÷ bandwidth is the floor of
+the step time. Reports the measured bandwidth (copy and read), the bytes one decode step reads with
+the kernels the engine chose, the measured step time, and floor ÷ step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+
+def measure_bandwidth(megabytes: int = 512, reps: int = 5) -> dict[str, float]:
+    """Best-of-reps GB/s for a tensor copy (read + write) and a sum (read only)."""
+    n = megabytes * 2**20 // 4
+    a = torch.ones(n)
+    b = torch.empty(n)
+    best_copy = best_read = float("inf")
+    for _ in range(reps):
+        t = time.perf_counter()
+        b.copy_(a)
+        best_copy = min(best_copy, time.perf_counter() - t)
+        t = time.perf_counter()
+        a.sum()
+        best_read = min(best_read, time.perf_counter() - t)
+    size = n * 4
+    return {"copy_gb_s": round(2 * size / best_copy / 1e9, 2), "read_gb_s": round(size / best_read / 1e9, 2)}
+
+
+def decode_bytes(engine) -> int:
+    """Bytes of weights one batch-1 decode step reads, with the engine's kernels."""
+    from stratum.layers.linear import Linear
+
+    total = 0
+    for module in engine.model.modules():
+        if isinstance(module, Linear):
+            if module.int4 is not None and module.int4_max_tokens >= 1:
+                total += module.int4.nbytes
+            else:
+                total += module.weight.numel() * module.weight.element_size()
+        elif isinstance(module, torch.nn.Module) and hasattr(module, "eps"):  # RMSNorm
+            total += module.weight.numel() * module.weight.element_size()
+    lm_head = engine.model.lm_head.weight if engine.model.lm_head is not None else engine.model.embed_tokens.weight
+    return total + lm_head.numel() * lm_head.element_size()
+
+
+def measure_decode_step(engine, num_steps: int = 64) -> float:
+    """Median wall time of a batch-1 decode step (the whole engine step: schedule, forward, sampling)."""
+    from stratum.sampling_params import SamplingParams
+
+    ids = engine.tokenizer.encode("Write a long story about a dragon who learns to bake bread.")
+    engine.add_request(ids, SamplingParams(max_tokens=num_steps + 8, temperature=0.0, ignore_eos=True), request_id="roofline")
+    for _ in range(4):  # prefill and warm-up
+        engine.step()
+    times = []
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def run(model: str, dtype: str = "auto") -> dict:
+    from stratum.config import EngineConfig
+    from stratum.engine import LLMEngine
+
+    engine = LLMEngine(EngineConfig(model=model, dtype=dtype))
+    bw = measure_bandwidth()
+    weight_bytes = decode_bytes(engine)
+    step_s = measure_decode_step(engine)
+    floor_s = weight_bytes / (bw["read_gb_s"] * 1e9)
+    return {
+        "model": model, "kernels": engine.kernel_choices, "bandwidth": bw,
+        "decode_weight_bytes": weight_bytes, "decode_weight_mib": round(weight_bytes / 2**20, 1),
+        "decode_step_ms": round(step_s * 1e3, 3), "decode_tokens_per_s": round(1 / step_s, 1),
+        "bandwidth_floor_ms": round(floor_s * 1e3, 3), "floor_over_step": round(floor_s / step_s, 3),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="stratum bench roofline", description=__doc__)
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--output", default=None)
+    args = p.parse_args(argv)
+    result = run(args.model, args.dtype)
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
