@@ -125,45 +125,61 @@ def paged_attention(
     return out.to(dtype)
 
 
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """cache [N, KVH, D], slots [B, L] -> [B, KVH, L, D] contiguous.
+
+    index_select on the flattened pool is several times faster than advanced indexing, and a
+    contiguous [L, D] per (sequence, head) keeps the batched matmuls below on their fast path.
+    """
+    num_seqs, length = slots.shape
+    num_kv_heads, head_dim = cache.shape[1:]
+    rows = torch.index_select(cache.view(cache.shape[0], -1), 0, slots.flatten())
+    return rows.view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2).contiguous()
+
+
+def _suffix_scores(q, k_cache, meta: AttentionMetadata, scale: float):
+    """Masked scores of each decode query against its own gathered slots: [B, KVH, G, L] fp32."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    kd = _gather(k_cache, meta.decode_slots)  # [B, KVH, L, D]
+    qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, KVH, G, D]
+    scores = torch.matmul(qg, kd.transpose(-1, -2)).float() * scale
+    return scores.masked_fill(~meta.decode_mask.view(num_seqs, 1, 1, -1), float("-inf"))
+
+
 def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    kd = k_cache[meta.decode_slots].transpose(1, 2)  # [B, KVH, L, D]
-    vd = v_cache[meta.decode_slots].transpose(1, 2)
-    o = F.scaled_dot_product_attention(
-        q.unsqueeze(2), kd, vd, attn_mask=meta.decode_mask, scale=scale, enable_gqa=True
-    )  # [B, H, 1, D]
-    return o.squeeze(2)
+    # q: [B, H, D]; one query per sequence, so plain batched matmuls beat the flash kernel here
+    num_seqs, num_heads, head_dim = q.shape
+    probs = torch.softmax(_suffix_scores(q, k_cache, meta, scale), dim=-1).to(q.dtype)  # [B, KVH, G, L]
+    out = torch.matmul(probs, _gather(v_cache, meta.decode_slots))  # [B, KVH, G, D]
+    return out.reshape(num_seqs, num_heads, head_dim)
 
 
 def _decode_cascade(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    # q: [B, H, D] -> grouped by KV head: [KVH, B*G, D], G query heads per KV head
+    """Shared prefix once for the whole batch, each sequence's own suffix, merged by log-sum-exp."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     group = num_heads // num_kv_heads
-    dtype = q.dtype
-    qf = q.float()
-    qg = qf.view(num_seqs, num_kv_heads, group, head_dim).permute(1, 0, 2, 3).reshape(num_kv_heads, -1, head_dim)
-    ks = k_cache[meta.shared_slots].float().permute(1, 2, 0)  # [KVH, D, P]
-    vs = v_cache[meta.shared_slots].float().transpose(0, 1)  # [KVH, P, D]
-    s1 = torch.matmul(qg, ks) * scale  # [KVH, B*G, P]
+    # shared part: q grouped by KV head, [KVH, B*G, D] against the prefix [KVH, P, D]
+    qs = q.view(num_seqs, num_kv_heads, group, head_dim).transpose(0, 1).reshape(num_kv_heads, -1, head_dim)
+    ks = k_cache.index_select(0, meta.shared_slots).transpose(0, 1)  # [KVH, P, D]
+    vs = v_cache.index_select(0, meta.shared_slots).transpose(0, 1)
+    s1 = torch.matmul(qs, ks.transpose(-1, -2)).float() * scale  # [KVH, B*G, P]
     m1 = s1.amax(-1, keepdim=True)
     p1 = torch.exp(s1 - m1)
     l1 = p1.sum(-1, keepdim=True)
-    o1 = torch.matmul(p1, vs)  # [KVH, B*G, D]
-    o1 = o1.view(num_kv_heads, num_seqs, group, head_dim).permute(1, 0, 2, 3)  # [B, KVH, G, D]
-    m1 = m1.view(num_kv_heads, num_seqs, group, 1).permute(1, 0, 2, 3)
-    l1 = l1.view(num_kv_heads, num_seqs, group, 1).permute(1, 0, 2, 3)
+    o1 = torch.matmul(p1.to(q.dtype), vs).float()  # [KVH, B*G, D]
 
-    kd = k_cache[meta.decode_slots].float()  # [B, L, KVH, D]
-    vd = v_cache[meta.decode_slots].float()
-    qb = qf.view(num_seqs, num_kv_heads, group, head_dim)
-    s2 = torch.einsum("bhgd,blhd->bhgl", qb, kd) * scale  # [B, KVH, G, L]
-    s2 = s2.masked_fill(~meta.decode_mask.view(num_seqs, 1, 1, -1), float("-inf"))
+    def per_seq(x):  # [KVH, B*G, X] -> [B, KVH, G, X]
+        return x.view(num_kv_heads, num_seqs, group, -1).transpose(0, 1)
+
+    o1, m1, l1 = per_seq(o1), per_seq(m1), per_seq(l1)
+    s2 = _suffix_scores(q, k_cache, meta, scale)  # [B, KVH, G, L]
     m2 = s2.amax(-1, keepdim=True)
     p2 = torch.exp(s2 - m2)
     l2 = p2.sum(-1, keepdim=True)
-    o2 = torch.einsum("bhgl,blhd->bhgd", p2, vd)
-
+    o2 = torch.matmul(p2.to(q.dtype), _gather(v_cache, meta.decode_slots)).float()  # [B, KVH, G, D]
     m = torch.maximum(m1, m2)
     w1, w2 = torch.exp(m1 - m), torch.exp(m2 - m)
-    o = (o1 * w1 + o2 * w2) / (l1 * w1 + l2 * w2)
-    return o.reshape(num_seqs, num_heads, head_dim).to(dtype)
+    out = (o1 * w1 + o2 * w2) / (l1 * w1 + l2 * w2)
+    return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
