@@ -23,7 +23,7 @@ from stratum.block_manager import BlockManager
 from stratum.config import EngineConfig, SchedulerConfig
 from stratum.detokenizer import Detokenizer
 from stratum.layers.kernels import KernelPlan, attach_int4, select_plan
-from stratum.layers.quant import is_packable
+from stratum.layers.quant import Int8Weight, is_packable
 from stratum.model_runner import ModelRunner
 from stratum.models.chat_template import ChatTemplate
 from stratum.models.llama import LlamaForCausalLM
@@ -157,6 +157,9 @@ class LLMEngine:
         self.model = model.to(device=self.device).eval()
         checkpoint.weights.clear()  # the model holds them now
         self.int4_bytes = attach_int4(self.model, checkpoint.quantized, self.kernel_plan.int4_max_tokens, checkpoint.cache_dir)
+        if self.device.type == "cpu" and self.dtype == torch.bfloat16:  # the low-latency hint's output projection
+            head = self.model.lm_head.weight if self.model.lm_head is not None else self.model.embed_tokens.weight
+            self.model.lm_head_int8 = Int8Weight(head)
         checkpoint.quantized.clear()
         num_blocks = config.num_kv_blocks or self._blocks_for_memory(config.kv_cache_memory_mb)
         fault = os.environ.get("STRATUM_FAULT_INJECT") or None  # tests: "scheduler" or "cache"
@@ -193,6 +196,7 @@ class LLMEngine:
     def kernel_choices(self) -> dict:
         plan = self.kernel_plan
         return {"dtype": plan.dtype, "int4_max_tokens": plan.int4_max_tokens, "int4_mb": round(self.int4_bytes / 2**20, 1),
+                "low_latency_lm_head": "int8" if self.model.lm_head_int8 is not None else None,
                 "threads": plan.threads, "attention": "paged-gather+cascade (torch sdpa)", "source": plan.source}
 
     def _blocks_for_memory(self, megabytes: int) -> int:
@@ -228,6 +232,7 @@ class LLMEngine:
         cache_policy: CachePolicy | None = None,
         tool_marker: str | None = None,
         pin_prefixes: list[tuple[int, float]] | None = None,
+        low_latency: bool = False,
     ) -> Sequence:
         """Validate and queue one request.
 
@@ -245,7 +250,7 @@ class LLMEngine:
         seq = Sequence(
             request_id, list(prompt_token_ids), sampling, self.config.block_size,
             priority=priority, cache_salt=cache_salt, cache_policy=cache_policy or CachePolicy(),
-            tool_marker=tool_marker, pin_prefixes=list(pin_prefixes or []),
+            tool_marker=tool_marker, pin_prefixes=list(pin_prefixes or []), is_low_latency=low_latency,
         )
         if sampling.seed is not None:
             seq.generator = torch.Generator().manual_seed(sampling.seed)

@@ -51,14 +51,14 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Run one step. Sequences whose computed tokens reach num_tokens sample their next token."""
         input_ids, positions, meta, logit_rows, samplers, recorders = self._prepare(sched)
+        fast_rows = [j for seq, j in samplers if seq.is_low_latency]
         t0 = time.perf_counter()
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
         if meta.probe is not None:
             for seq, values in zip(meta.probe.seqs, meta.probe.results):
                 seq.coverage_sum += sum(values) / len(values)
                 seq.coverage_count += 1
-        rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
-        logits = self.model.compute_logits(hidden[rows]) if logit_rows else None
+        logits = self._logits(hidden, logit_rows, fast_rows) if logit_rows else None
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         t1 = time.perf_counter()
@@ -76,6 +76,20 @@ class ModelRunner:
             out.sampled = {s.request_id: t for s, t in zip(seqs, tokens)}
         out.sample_s = time.perf_counter() - t1
         return out
+
+    def _logits(self, hidden: torch.Tensor, logit_rows: list[int], fast_rows: list[int]) -> torch.Tensor:
+        """Logits of the selected rows; rows of low-latency requests use the fast output projection."""
+        rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
+        if not fast_rows or self.model.lm_head_int8 is None:
+            return self.model.compute_logits(hidden[rows])
+        fast = torch.tensor(fast_rows, dtype=torch.long, device=self.device)  # indices into logit_rows
+        is_fast = torch.zeros(len(logit_rows), dtype=torch.bool, device=self.device)
+        is_fast[fast] = True
+        logits = torch.empty(len(logit_rows), self.model.config.vocab_size, device=self.device)
+        logits[is_fast] = self.model.compute_logits(hidden[rows[is_fast]], fast=True)
+        if not bool(is_fast.all()):
+            logits[~is_fast] = self.model.compute_logits(hidden[rows[~is_fast]])
+        return logits
 
     def _prepare(self, sched: SchedulerOutput):
         bs = self.block_size

@@ -60,6 +60,7 @@ class Sequence:
     sampling: SamplingParams
     block_size: int
     priority: int = 0  # lower runs first, as in vLLM
+    is_low_latency: bool = False  # latency over accuracy: sampled from the fast (int8) output projection
     cache_salt: str | None = None
     cache_policy: CachePolicy = field(default_factory=CachePolicy)
     token_ids: list[int] = field(default_factory=list)

@@ -115,3 +115,25 @@ def test_quality_guard_int4_agrees_with_fp32_reference(real_model_path):
     assert len(reference) == len(packed) >= 300
     agreement = sum(a == b for a, b in zip(reference, packed)) / len(reference)
     assert agreement >= 0.97, f"top-1 agreement {agreement:.4f} < 0.97 over {len(reference)} positions"
+
+
+def test_low_latency_requests_sample_from_the_int8_output_projection(tiny_model_dir):
+    """Only a request that asked for latency over accuracy gets the lossy int8 logits."""
+    from stratum.engine import LLM
+    from stratum.sampling_params import SamplingParams
+
+    llm = LLM(str(tiny_model_dir), dtype="bfloat16", int4_max_tokens=0, num_threads=1)
+    engine = llm.engine
+    assert engine.kernel_choices["low_latency_lm_head"] == "int8"
+    ids = engine.tokenizer.encode("The capital of Japan is Tokyo.")
+    params = SamplingParams(max_tokens=1, temperature=0.0, return_logits=True)
+    normal = engine.add_request(ids, params, request_id="normal")
+    fast = engine.add_request(ids, params, request_id="fast", low_latency=True)
+    while engine.has_unfinished():
+        engine.step()
+    last = len(ids) - 1
+    a, b = normal.logits[last], fast.logits[last]
+    assert not torch.equal(a, b)  # a different kernel really ran
+    assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.999
+    for pos in range(last):  # positions that only record logits use the normal projection
+        assert torch.equal(normal.logits[pos], fast.logits[pos])

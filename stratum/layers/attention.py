@@ -60,8 +60,9 @@ def attention_coverage(q: torch.Tensor, k: torch.Tensor, scale: float, mass: flo
         In (0, 1]: low when a few positions carry the attention (most of the context is unused).
     """
     num_heads, num_kv_heads = q.shape[0], k.shape[1]
-    keys = k.float().repeat_interleave(num_heads // num_kv_heads, dim=1)  # [C, H, D]
-    probs = torch.softmax(torch.einsum("hd,chd->hc", q.float(), keys) * scale, dim=-1)
+    qg = q.float().view(num_kv_heads, num_heads // num_kv_heads, -1)  # [KVH, G, D]
+    scores = torch.matmul(qg, k.float().permute(1, 2, 0)).view(num_heads, -1)  # [H, C]
+    probs = torch.softmax(scores * scale, dim=-1)
     cumulative = probs.sort(dim=-1, descending=True).values.cumsum(-1)
     needed = (cumulative < mass).sum(-1) + 1  # positions until the mass is reached, per head
     return float((needed.float() / k.shape[0]).clamp(max=1.0).mean())

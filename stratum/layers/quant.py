@@ -68,3 +68,22 @@ class Int4Weight:
     @property
     def nbytes(self) -> int:
         return self.packed.numel() * self.packed.element_size() + self.scale_zeros.numel() * self.scale_zeros.element_size()
+
+
+class Int8Weight:
+    """Per-output-channel int8 weight-only copy for `aten._weight_int8pack_mm` (activations in bf16).
+
+    Lossy (one scale per row, round to nearest): used only where a request asked for latency over
+    accuracy (the "Prioritize low-latency over accuracy" hint), never by default.
+    """
+
+    def __init__(self, weight: torch.Tensor, dtype: torch.dtype = torch.bfloat16):
+        w = weight.float()
+        scales = w.abs().amax(dim=1).clamp(min=1e-12) / 127
+        self.q = (w / scales[:, None]).round().clamp(-127, 127).to(torch.int8).contiguous()
+        self.scales = scales.to(dtype)
+        self.dtype = dtype
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [M, K] -> [M, N] in self.dtype
+        return torch.ops.aten._weight_int8pack_mm(x.to(self.dtype), self.q, self.scales)

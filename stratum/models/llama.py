@@ -46,7 +46,7 @@ class Attention(nn.Module):
         probe = meta.probe
         if probe is not None and self.layer_idx in probe.layers:
             for row, slots, out in zip(probe.rows, probe.slots, probe.results):
-                out.append(attention_coverage(q[row], kv_cache[0][slots], self.scale))
+                out.append(attention_coverage(q[row], kv_cache[0].index_select(0, slots), self.scale))
         return self.o_proj(o.reshape(num_tokens, self.q_size))
 
 
@@ -85,6 +85,7 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self.lm_head_int8 = None  # set by the engine where the kernel plan offers a low-latency path
         self.rotary = RotaryEmbedding(
             cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
@@ -99,8 +100,10 @@ class LlamaForCausalLM(nn.Module):
         return self.norm(x)
 
     @torch.inference_mode()
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[N, hidden] -> fp32 logits [N, vocab]."""
+    def compute_logits(self, hidden: torch.Tensor, fast: bool = False) -> torch.Tensor:
+        """[N, hidden] -> fp32 logits [N, vocab]. fast: the int8 output projection, when one is attached."""
+        if fast and self.lm_head_int8 is not None:
+            return self.lm_head_int8.matmul(hidden).float()
         if self.lm_head is None:
             w = self.embed_tokens.weight
             return F.linear(hidden.to(w.dtype), w).float()

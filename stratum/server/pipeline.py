@@ -238,7 +238,8 @@ def start(rt: Runtime, job: Job, prompt: Prompt, sampling: SamplingParams, reque
     if prompt.tool_names:
         marker = "" if prompt.is_forced_tool else tool_fmt.OPEN
     outputs = rt.engine.generate(prompt.token_ids, sampling, request_id=request_id, priority=job.priority,
-                                 cache_policy=policy, tool_marker=marker, pin_prefixes=pins or [])
+                                 cache_policy=policy, tool_marker=marker, pin_prefixes=pins or [],
+                                 low_latency=job.is_low_latency)
     return EngineStream(outputs)
 
 
@@ -284,7 +285,8 @@ def finish(rt: Runtime, job: Job, out: RequestOutput) -> tuple[dict[str, str], d
     body: dict[str, Any] = {"cost": cost.as_dict(), "header": headers["x-stratum-cost"], "final_cost_estimate": round(usd, 10),
                             "mode": out.mode}
     if job.debug:
-        extra: dict[str, Any] = {"engine_mode": out.mode, "cache_mode": job.cache_mode, "priority": job.priority}
+        extra: dict[str, Any] = {"engine_mode": out.mode, "cache_mode": job.cache_mode, "priority": job.priority,
+                                 "low_latency": job.is_low_latency}
         if job.compression is not None:
             extra["compression"] = job.compression
         hardware = None
