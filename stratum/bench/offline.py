@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from stratum.bench.workloads import WORDS
 from stratum.engine import LLM
 from stratum.sampling_params import SamplingParams
 
@@ -26,18 +27,8 @@ DEFAULT_CONCURRENCIES = (1, 8, 32, 64)
 DEFAULT_HF_DTYPES = ("float32", "bfloat16")
 DEFAULT_HF_BATCH_SIZES = (1, 16)
 
-# Prompts are drawn from these words, so they are ordinary English-looking text for any BPE vocabulary.
-WORDS = (
-    "the of and to in is was for on that with as by at from his her they this which be are an or had not "
-    "but what all were when we there can been has more if will one would about out so up into them time "
-    "some could she these two may then do first any my now such like our over man me even most made after "
-    "also did many before must through back years where much your way well down should because each just "
-    "those people how too little state good very make world still own see men work long get here between "
-    "both life being under never day same another know while last might us great old year off come since "
-    "against go came right used take three city river music garden system memory engine token model server "
-    "request window light water stone market letter number question answer story house school family "
-    "country morning evening summer winter open small large quick brown lazy simple careful early late"
-).split()
+# Prompts are drawn from the serving benchmark's word list: ordinary English for any BPE vocabulary.
+
 
 
 def make_prompts(tokenizer, num_prompts: int, prompt_len: tuple[int, int], seed: int) -> list[list[int]]:
