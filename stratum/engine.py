@@ -15,7 +15,7 @@ import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import torch
 

@@ -13,6 +13,16 @@ def tiny_model_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_template(tiny_model_dir):
+    """The tiny model's chat template and tokenizer, to build prompts token by token in a test."""
+    from stratum.models.chat_template import ChatTemplate
+    from stratum.models.loader import load_checkpoint
+
+    ck = load_checkpoint(tiny_model_dir)
+    return ChatTemplate(ck.chat_template, ck.tokenizer)
+
+
+@pytest.fixture(scope="session")
 def real_model_path():
     """The default GGUF; `make test` pulls it first. Skips only if it is genuinely absent."""
     from stratum.models.registry import DEFAULT_MODEL, model_path

@@ -16,7 +16,6 @@ import httpx
 import pytest
 
 from tests.conftest import ServerProcess
-from tests.test_telemetry_cost import tiny_template  # noqa: F401 (a fixture)
 from tests.test_telemetry_cost import BLOCK, decode, long_text, parse_cost, prompt_tokens, unique_system
 
 COMPRESS_THRESHOLD = 1024  # Runtime.compress_threshold_tokens

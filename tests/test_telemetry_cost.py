@@ -105,16 +105,6 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-@pytest.fixture(scope="session")
-def tiny_template(tiny_model_dir):
-    """The tiny model's chat template and tokenizer, to build prompts token by token in the test."""
-    from stratum.models.chat_template import ChatTemplate
-    from stratum.models.loader import load_checkpoint
-
-    ck = load_checkpoint(tiny_model_dir)
-    return ChatTemplate(ck.chat_template, ck.tokenizer)
-
-
 @pytest.fixture(scope="module")
 def client(tiny_server):
     return anthropic.Anthropic(base_url=tiny_server.url, api_key="test", max_retries=0)

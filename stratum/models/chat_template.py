@@ -14,7 +14,7 @@ import uuid
 from datetime import datetime
 from typing import Any
 
-from jinja2 import StrictUndefined, TemplateError
+from jinja2 import TemplateError
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from stratum.models.tokenizer import TextTokenizer

@@ -22,7 +22,7 @@ from stratum.engine import AsyncEngine, RequestOutput
 from stratum.sampling_params import InvalidRequestError, SamplingParams
 from stratum.sequence import CachePolicy
 from stratum.server import tools as tool_fmt
-from stratum.server.chat import Prompt, build_prompt
+from stratum.server.chat import Prompt
 from stratum.server.errors import EngineUnavailable, InvalidRequest, Overloaded, RateLimited
 from stratum.server.streams import EngineStream
 from stratum.telemetry.cost import CostFields, PricingModel
