@@ -32,7 +32,8 @@ class EngineConfig:
     kv_cache_memory_mb: int = 256
     max_model_len: int | None = None  # None: the checkpoint's context length, capped at 8192
     enable_prefix_cache: bool = True
-    num_threads: int | None = None
+    num_threads: int | None = None  # torch threads for decode-bound steps
+    prefill_threads: int | None = None  # for steps with at least PREFILL_STEP_TOKENS tokens; None: every core
     int4_max_tokens: int | None = None  # None: measured (layers.kernels); 0: never pack; N: packed int4 up to N rows
     seed: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -48,7 +49,8 @@ class EngineConfig:
         if dtype == "auto" and device == "cuda":
             dtype = "bfloat16"
         threads = self.num_threads or int(os.environ.get("STRATUM_NUM_THREADS", 0)) or (os.cpu_count() or 1)
-        return replace(self, device=device, dtype=dtype, num_threads=threads)
+        prefill_threads = self.prefill_threads or max(threads, int(os.environ.get("STRATUM_NUM_THREADS", 0)) or (os.cpu_count() or 1))
+        return replace(self, device=device, dtype=dtype, num_threads=threads, prefill_threads=prefill_threads)
 
     @property
     def torch_dtype(self):

@@ -34,6 +34,10 @@ from stratum.sequence import CachePolicy, Sequence, SequenceStatus
 
 log = logging.getLogger("stratum.engine")
 
+# A step with this many tokens is prefill-heavy: its large matmuls are compute-bound and gain from
+# every core, while small decode steps lose more to thread synchronisation than they gain.
+PREFILL_STEP_TOKENS = 128
+
 
 class EngineDeadError(RuntimeError):
     """The engine loop has stopped; no request can be served."""
@@ -136,6 +140,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None):
         self.config = config = config.resolve()
         torch.set_num_threads(config.num_threads)
+        self._threads = config.num_threads
         torch.manual_seed(config.seed)
         if checkpoint is None:
             from stratum.models.registry import resolve_model_path
@@ -286,6 +291,7 @@ class LLMEngine:
             sched = self.scheduler.schedule()
         except Exception as e:
             raise OrchestrationError(f"scheduler: {type(e).__name__}: {e}") from e
+        self._set_threads(sched.num_batched_tokens)
         try:
             result = self.runner.execute(sched)
         except Exception as e:
@@ -300,6 +306,13 @@ class LLMEngine:
             num_decode = sum(1 for s in sched.scheduled if s.is_decode)
             self.step_stats.append(StepStats(len(sched.scheduled), num_decode, sched.num_batched_tokens, step_s, result.forward_s))
         return outputs
+
+    def _set_threads(self, num_tokens: int) -> None:
+        """Compute-bound prefill steps use every core; decode-bound steps leave the configured ones free."""
+        threads = self.config.prefill_threads if num_tokens >= PREFILL_STEP_TOKENS else self.config.num_threads
+        if threads != self._threads:
+            torch.set_num_threads(threads)
+            self._threads = threads
 
     def _postprocess(self, sched: SchedulerOutput, sampled: dict[str, int]) -> list[RequestOutput]:
         now = time.perf_counter()
