@@ -38,7 +38,7 @@ class BlockManager:
         self.ref_counts = [0] * num_blocks
         self.free_blocks: deque[int] = deque(range(num_blocks))
         self.cache = RadixCache(self.ref_counts, clock) if clock else RadixCache(self.ref_counts)
-        self._locked_node = {}  # request_id -> radix node it holds references through
+        self._locked = {}  # request_id -> (radix node it holds references through, how many blocks that is)
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -75,8 +75,7 @@ class BlockManager:
             return 0
         if self.fault == "cache":
             raise RuntimeError("injected prefix-cache fault (STRATUM_FAULT_INJECT=cache)")
-        keys = seq.full_block_hashes()[: (seq.num_tokens - 1) // self.block_size]
-        return self.cache.match_prefix(keys).num_blocks * self.block_size
+        return self.cache.match_prefix(self._prefix_keys(seq)).num_blocks * self.block_size
 
     # ---- changes -------------------------------------------------------------------------------
     def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
@@ -86,15 +85,14 @@ class BlockManager:
             False, changing nothing, when the pool cannot supply the blocks even after eviction.
         """
         if not seq.block_table and seq.num_computed_tokens == 0 and self.enable_prefix_cache and seq.cache_policy.read:
-            keys = seq.full_block_hashes()[: (seq.num_tokens - 1) // self.block_size]
-            match = self.cache.match_prefix(keys)
+            match = self.cache.match_prefix(self._prefix_keys(seq))
             hit = match.num_blocks * self.block_size
             needed = math.ceil((hit + min(num_new_tokens, seq.num_tokens - hit)) / self.block_size) - match.num_blocks
             self.cache.lock(match.node)  # protect the hit before evicting for the rest
             if not self._reserve(needed):
                 self.cache.unlock(match.node)
                 return False
-            self._locked_node[seq.request_id] = match.node
+            self._locked[seq.request_id] = (match.node, match.num_blocks)
             seq.block_table = list(match.block_ids)
             seq.num_computed_tokens = hit
             seq.num_inserted_blocks = match.num_blocks
@@ -131,11 +129,9 @@ class BlockManager:
 
     def free(self, seq: Sequence) -> None:
         """Return every block of seq. Blocks the cache holds stay cached; the rest go to the free list."""
-        node = self._locked_node.pop(seq.request_id, None)
-        num_locked = 0
-        if node is not None:
+        node, num_locked = self._locked.pop(seq.request_id, (None, 0))
+        if node is not None:  # the cached prefix: references held through the tree path
             self.cache.unlock(node)
-            num_locked = sum(len(n.blocks) for n in _ancestors(node))
         for b in seq.block_table[num_locked:]:
             self.ref_counts[b] -= 1
             assert self.ref_counts[b] >= 0
@@ -149,6 +145,10 @@ class BlockManager:
         freed = self.cache.reset()
         self.free_blocks.extend(freed)
         return len(freed)
+
+    def _prefix_keys(self, seq: Sequence) -> list[bytes]:
+        """Keys of the full prompt blocks a cache hit may cover: one token is always left to compute."""
+        return seq.full_block_hashes()[: (seq.num_tokens - 1) // self.block_size]
 
     def _reserve(self, num_blocks: int) -> bool:
         if num_blocks <= len(self.free_blocks):
@@ -171,8 +171,3 @@ class BlockManager:
             f"free {len(free)} + cached {len(cached)} + in use {len(in_use)} != total {self.num_blocks}"
         )
 
-
-def _ancestors(node):
-    while node is not None:
-        yield node
-        node = node.parent

@@ -171,5 +171,4 @@ class ModelRunner:
         span = torch.arange(meta.decode_slots.shape[1], device=self.device)
         meta.decode_mask = (span[None, :] < lens[:, None]).view(len(seqs), 1, 1, -1)
         if shared:
-            blocks = torch.tensor(seqs[0].block_table[:shared], dtype=torch.long, device=self.device)
-            meta.shared_slots = (blocks[:, None] * bs + self._offsets).flatten()
+            meta.shared_slots = self._slots_of(seqs[0].block_table, shared * bs)

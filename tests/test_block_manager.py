@@ -111,7 +111,7 @@ def test_failed_allocation_changes_nothing():
     bm.check_integrity()
     assert b.block_table == [] and b.num_computed_tokens == 0 and b.num_cached_tokens == -1
     assert list(bm.free_blocks) == [3]
-    assert "b" not in bm._locked_node
+    assert "b" not in bm._locked
 
 
 def test_free_returns_blocks_to_the_tail_of_the_free_list():
