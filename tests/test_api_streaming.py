@@ -11,6 +11,7 @@ import anthropic
 import httpx
 import openai
 import pytest
+from tests.sse import sse_events
 
 # Prompts chosen to make the tiny model's random output and the real model's answers cross
 # multi-byte UTF-8: CJK, emoji, accents, and byte-fallback pieces that only decode in pairs.
@@ -24,30 +25,6 @@ GREEDY = {"temperature": 0, "ignore_eos": True}
 # Stratum's own event: the request's cost, sent once between message_delta and message_stop.
 # Anthropic asks clients to ignore event types they do not know, so the SDKs are unaffected.
 STRATUM_COST = "stratum_cost"
-
-
-def sse_events(lines) -> list[tuple[str, dict]]:
-    """Parse SSE lines into (event name, data) pairs; comment lines (": ping") are skipped.
-
-    An event without an `event:` field (OpenAI style) is named "message". `data: [DONE]` comes
-    back as ("message", {"done": True}).
-    """
-    events: list[tuple[str, dict]] = []
-    name, data = None, []
-    for line in lines:
-        if line == "":
-            if data:
-                payload = "\n".join(data)
-                events.append((name or "message", {"done": True} if payload == "[DONE]" else json.loads(payload)))
-            name, data = None, []
-        elif line.startswith(":"):
-            continue
-        elif line.startswith("event:"):
-            name = line[len("event:"):].strip()
-        elif line.startswith("data:"):
-            data.append(line[len("data:"):].lstrip(" "))
-    assert not data, f"stream ended inside an event: {data}"
-    return events
 
 
 def check_event_order(events: list[tuple[str, dict]]) -> None:

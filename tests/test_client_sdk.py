@@ -20,6 +20,7 @@ import pytest
 
 from stratum.client import AsyncStratum, Stratum, StratumCost, decode_trace, parse_stratum_cost
 from stratum.client.cost import StratumMeta
+from tests.sse import sse_events as parse_sse
 
 PROMPT = [{"role": "user", "content": "Name three colours."}]
 
@@ -85,18 +86,8 @@ class AsyncRecordingTransport(httpx2.AsyncBaseTransport):
 
 
 def sse_events(raw: bytes) -> list[tuple[str, dict]]:
-    """(event, data) pairs of an SSE body."""
-    out = []
-    for block in raw.decode().split("\n\n"):
-        name, data = None, []
-        for line in block.split("\n"):
-            if line.startswith("event:"):
-                name = line[6:].strip()
-            elif line.startswith("data:"):
-                data.append(line[5:].lstrip())
-        if name and data:
-            out.append((name, json.loads("\n".join(data))))
-    return out
+    """(event, data) pairs of a captured SSE body."""
+    return parse_sse(raw.decode().splitlines())
 
 
 def make_client(url: str, **kwargs) -> tuple[Stratum, RecordingTransport]:

@@ -22,6 +22,7 @@ import pytest
 from stratum.client.cost import parse_stratum_cost
 from stratum.telemetry.cost import ArticleFormula, CostFields, TokenPricing, pricing_from_spec
 from tests.conftest import ServerProcess
+from tests.sse import sse_events
 
 BLOCK = 16  # EngineConfig.block_size
 TRACE_STEP_KEYS = {
@@ -70,22 +71,6 @@ def uncached_tokens(usage) -> int:
 def prompt_tokens(usage) -> int:
     u = usage if isinstance(usage, dict) else usage_dict(usage)
     return uncached_tokens(u) + u["cache_read_input_tokens"]
-
-
-def sse_events(lines) -> list[tuple[str, dict]]:
-    """(event name, data) pairs of an SSE body; comments skipped."""
-    events, name, data = [], None, []
-    for line in lines:
-        if line == "":
-            if data:
-                payload = "\n".join(data)
-                events.append((name or "message", {"done": True} if payload == "[DONE]" else json.loads(payload)))
-            name, data = None, []
-        elif line.startswith("event:"):
-            name = line[6:].strip()
-        elif line.startswith("data:"):
-            data.append(line[5:].lstrip(" "))
-    return events
 
 
 USAGE_KEYS = ("input_tokens", "output_tokens", "cache_read_input_tokens", "cache_creation_input_tokens")

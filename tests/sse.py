@@ -1,0 +1,29 @@
+"""Server-sent events as the tests read them off the wire."""
+
+from __future__ import annotations
+
+import json
+
+
+def sse_events(lines) -> list[tuple[str, dict]]:
+    """Parse SSE lines into (event name, data) pairs; comment lines (": ping") are skipped.
+
+    An event without an `event:` field (OpenAI style) is named "message". `data: [DONE]` comes
+    back as ("message", {"done": True}).
+    """
+    events: list[tuple[str, dict]] = []
+    name, data = None, []
+    for line in lines:
+        if line == "":
+            if data:
+                payload = "\n".join(data)
+                events.append((name or "message", {"done": True} if payload == "[DONE]" else json.loads(payload)))
+            name, data = None, []
+        elif line.startswith(":"):
+            continue
+        elif line.startswith("event:"):
+            name = line[len("event:"):].strip()
+        elif line.startswith("data:"):
+            data.append(line[len("data:"):].lstrip(" "))
+    assert not data, f"stream ended inside an event: {data}"
+    return events
