@@ -22,7 +22,8 @@ import torch
 from stratum.block_manager import BlockManager
 from stratum.config import EngineConfig, SchedulerConfig
 from stratum.detokenizer import Detokenizer
-from stratum.layers.kernels import KernelPlan, attach_int4, select_plan
+from stratum.layers.kernels import KernelPlan, attach_int4, attach_q8_head, select_plan
+from stratum.layers import native
 from stratum.layers.quant import Int8Weight, is_packable
 from stratum.model_runner import ModelRunner
 from stratum.models.chat_template import ChatTemplate
@@ -162,6 +163,7 @@ class LLMEngine:
         self.model = model.to(device=self.device).eval()
         checkpoint.weights.clear()  # the model holds them now
         self.int4_bytes = attach_int4(self.model, checkpoint.quantized, self.kernel_plan.int4_max_tokens, checkpoint.cache_dir)
+        attach_q8_head(self.model, checkpoint.quantized, self.kernel_plan.q8_max_rows)
         if self.device.type == "cpu" and self.dtype == torch.bfloat16:  # the low-latency hint's output projection
             head = self.model.lm_head.weight if self.model.lm_head is not None else self.model.embed_tokens.weight
             self.model.lm_head_int8 = Int8Weight(head)
@@ -189,20 +191,25 @@ class LLMEngine:
 
         can_pack = any(is_packable(t.qtype) for t in checkpoint.quantized.values())
         if config.int4_max_tokens is not None and config.dtype != "auto":  # fully specified: nothing to measure
-            dtype = config.dtype
-            return KernelPlan("cpu", dtype, config.num_threads, config.int4_max_tokens if can_pack and dtype == "bfloat16" else 0,
-                              source="configured")
-        plan = select_plan(stratum_home(), mc.hidden_size, mc.intermediate_size, config.num_threads, can_pack, config.dtype)
-        if config.int4_max_tokens is not None:
-            plan = replace(plan, int4_max_tokens=config.int4_max_tokens if plan.dtype == "bfloat16" else 0, source="configured")
+            plan = KernelPlan("cpu", config.dtype, config.num_threads, 0, source="configured")
+        else:
+            plan = select_plan(stratum_home(), mc.hidden_size, mc.intermediate_size, config.num_threads, can_pack, config.dtype)
+        if config.int4_max_tokens is not None:  # the configured row limit holds for both packed formats
+            rows = config.int4_max_tokens if plan.dtype == "bfloat16" else 0
+            plan = replace(plan, int4_max_tokens=rows if can_pack else 0, q8_max_rows=rows if native.available() else 0,
+                           source="configured")
         return plan
 
     @property
     def kernel_choices(self) -> dict:
         plan = self.kernel_plan
+        native_attention = self.runner.native
         return {"dtype": plan.dtype, "int4_max_tokens": plan.int4_max_tokens, "int4_mb": round(self.int4_bytes / 2**20, 1),
+                "q8_output_max_rows": self.model.q8_max_rows if self.model.lm_head_q8 is not None else 0,
                 "low_latency_lm_head": "int8" if self.model.lm_head_int8 is not None else None,
-                "threads": plan.threads, "attention": "paged-gather+cascade (torch sdpa)", "source": plan.source}
+                "threads": plan.threads, "native_kernels": native.status() if self.device.type == "cpu" else "cpu only",
+                "attention": ("native paged decode" if native_attention else "paged gather") + " + cascade, torch sdpa prefill",
+                "source": plan.source}
 
     def _blocks_for_memory(self, megabytes: int) -> int:
         mc = self.model_config

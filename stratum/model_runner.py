@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from stratum.layers import native
 from stratum.layers.attention import AttentionMetadata, CoverageProbe, PrefillSpan
 from stratum.models.llama import LlamaForCausalLM
 from stratum.sampler import sample
@@ -43,6 +44,8 @@ class ModelRunner:
         self._offsets = torch.arange(block_size, device=device)
         n = cfg.num_layers
         self.coverage_layers = frozenset({0, n // 2, n - 1})
+        # decode attention reads the pool in place through the native kernel where it is built (CPU)
+        self.native = device.type == "cpu" and native.available()
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -167,8 +170,11 @@ class ModelRunner:
         table = table.to(self.device)
         lens = torch.tensor(ctx_lens, dtype=torch.long, device=self.device) - shared * bs
         meta.num_decode_tokens = len(seqs)
-        meta.decode_slots = (table[:, :, None] * bs + self._offsets).flatten(1)  # [B, L]
-        span = torch.arange(meta.decode_slots.shape[1], device=self.device)
-        meta.decode_mask = (span[None, :] < lens[:, None]).view(len(seqs), 1, 1, -1)
+        if self.native:
+            meta.decode_table, meta.decode_lens, meta.block_size = table, lens, bs
+        else:
+            meta.decode_slots = (table[:, :, None] * bs + self._offsets).flatten(1)  # [B, L]
+            span = torch.arange(meta.decode_slots.shape[1], device=self.device)
+            meta.decode_mask = (span[None, :] < lens[:, None]).view(len(seqs), 1, 1, -1)
         if shared:
             meta.shared_slots = self._slots_of(seqs[0].block_table, shared * bs)

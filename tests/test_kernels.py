@@ -91,11 +91,11 @@ QUALITY_CORPUS = [
 
 @pytest.mark.integration
 def test_quality_guard_int4_agrees_with_fp32_reference(real_model_path):
-    """The packed int4 + bf16 path against the dequantized fp32 model, position by position.
+    """The packed path (int4 projections, bf16 activations, the Q8_0 output projection as stored)
+    against the dequantized fp32 model, position by position: the issue's goal is >= 99% top-1.
 
-    Measured here: 97.7% (325 positions). The loss is bf16 rounding, not the int4 packing (the dense
-    bf16 path scores the same); rounding only the weights or only the activations each keeps >= 99.4%.
-    The issue's 99% goal is not met; this bound guards against any regression below today's figure.
+    Measured here: 99.1% (325 positions). With a bf16 copy of the output projection instead it was
+    97.7-98.2%: bf16 rounding of the Q8_0 weights and of the logits flips near-tied tokens.
     """
     from stratum.engine import LLM
     from stratum.sampling_params import SamplingParams
@@ -111,10 +111,10 @@ def test_quality_guard_int4_agrees_with_fp32_reference(real_model_path):
         return [int(s.logits[p].argmax()) for s in seqs for p in sorted(s.logits)]
 
     reference = top1(dtype="float32", int4_max_tokens=0)
-    packed = top1(dtype="bfloat16", int4_max_tokens=1 << 20)  # every matmul on the packed kernel
+    packed = top1(dtype="bfloat16", int4_max_tokens=1 << 20)  # every matmul on the packed kernels
     assert len(reference) == len(packed) >= 300
     agreement = sum(a == b for a, b in zip(reference, packed)) / len(reference)
-    assert agreement >= 0.97, f"top-1 agreement {agreement:.4f} < 0.97 over {len(reference)} positions"
+    assert agreement >= 0.99, f"top-1 agreement {agreement:.4f} < 0.99 over {len(reference)} positions"
 
 
 def test_low_latency_requests_sample_from_the_int8_output_projection(tiny_model_dir):

@@ -76,6 +76,10 @@ class AttentionMetadata:
     num_decode_tokens: int = 0
     decode_slots: torch.Tensor | None = None  # [B, L]: per-decode context slots after the shared prefix
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, L] bool, True = attend
+    # the native kernel's form of the same: block tables [B, N] and context lengths [B], after the shared prefix
+    decode_table: torch.Tensor | None = None
+    decode_lens: torch.Tensor | None = None
+    block_size: int = 16
     shared_slots: torch.Tensor | None = None  # [P]: the slots all decodes share, or None
     prefills: list[PrefillSpan] = field(default_factory=list)
     probe: CoverageProbe | None = None
@@ -138,6 +142,15 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return rows.view(num_seqs, length, num_kv_heads, head_dim).transpose(1, 2).contiguous()
 
 
+def _native_suffix(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    """Each decode query against its own blocks, read in place (csrc/paged_attention.cpp).
+
+    Returns out [B, H, D] and lse [B, H], fp32.
+    """
+    return torch.ops.stratum.decode_attention(q, k_cache, v_cache, meta.decode_table, meta.decode_lens,
+                                              meta.block_size, scale)
+
+
 def _suffix_scores(q, k_cache, meta: AttentionMetadata, scale: float):
     """Masked scores of each decode query against its own gathered slots: [B, KVH, G, L] fp32."""
     num_seqs, num_heads, head_dim = q.shape
@@ -150,6 +163,8 @@ def _suffix_scores(q, k_cache, meta: AttentionMetadata, scale: float):
 
 def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
     # q: [B, H, D]; one query per sequence, so plain batched matmuls beat the flash kernel here
+    if meta.decode_table is not None:
+        return _native_suffix(q, k_cache, v_cache, meta, scale)[0].to(q.dtype)
     num_seqs, num_heads, head_dim = q.shape
     probs = torch.softmax(_suffix_scores(q, k_cache, meta, scale), dim=-1).to(q.dtype)  # [B, KVH, G, L]
     out = torch.matmul(probs, _gather(v_cache, meta.decode_slots))  # [B, KVH, G, D]
@@ -175,6 +190,14 @@ def _decode_cascade(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) 
         return x.view(num_kv_heads, num_seqs, group, -1).transpose(0, 1)
 
     o1, m1, l1 = per_seq(o1), per_seq(m1), per_seq(l1)
+    if meta.decode_table is not None:
+        o2, lse2 = _native_suffix(q, k_cache, v_cache, meta, scale)  # normalised, with its log-sum-exp
+        lse1 = m1 + torch.log(l1)
+        lse2 = lse2.view(num_seqs, num_kv_heads, group, 1)
+        m = torch.maximum(lse1, lse2)
+        w1, w2 = torch.exp(lse1 - m), torch.exp(lse2 - m)
+        out = (o1 / l1 * w1 + o2.view(num_seqs, num_kv_heads, group, head_dim) * w2) / (w1 + w2)
+        return out.reshape(num_seqs, num_heads, head_dim).to(q.dtype)
     s2 = _suffix_scores(q, k_cache, meta, scale)  # [B, KVH, G, L]
     m2 = s2.amax(-1, keepdim=True)
     p2 = torch.exp(s2 - m2)

@@ -25,10 +25,11 @@ import torch
 import torch.nn.functional as F
 
 from stratum.layers.linear import Linear
-from stratum.layers.quant import GROUP_SIZE, Int4Weight, is_packable, unpack_q4
+from stratum.layers import native
+from stratum.layers.quant import GROUP_SIZE, Int4Weight, Q8Weight, is_packable, unpack_q4, unpack_q8_0
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
-PLAN_VERSION = 2
+PLAN_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -37,6 +38,7 @@ class KernelPlan:
     dtype: str  # activation / dense weight dtype
     threads: int
     int4_max_tokens: int  # rows per matmul up to which packed int4 runs; 0 = never
+    q8_max_rows: int = 0  # logits rows up to which the native Q8_0 output projection runs; 0 = never
     cpu: str = ""
     timings_us: dict = field(default_factory=dict, hash=False, compare=False)
     source: str = "measured"  # "measured" now, or "cache"
@@ -89,7 +91,10 @@ def measure_plan(hidden: int, intermediate: int, threads: int, can_pack: bool, d
         q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
         scale = torch.rand(n, k // GROUP_SIZE, generator=g) * 0.01
         int4 = Int4Weight(q, scale, torch.zeros_like(scale))
-    timings: dict[str, dict[int, float]] = {"dense_float32": {}, "dense_bfloat16": {}, "int4_bfloat16": {}}
+    q8 = None
+    if k % GROUP_SIZE == 0 and native.available():  # the Q8_0 kernel, timed on the same shape
+        q8 = Q8Weight(torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), torch.rand(n, k // GROUP_SIZE, generator=g) * 0.01)
+    timings: dict[str, dict[int, float]] = {"dense_float32": {}, "dense_bfloat16": {}, "int4_bfloat16": {}, "q8_float32": {}}
     for m in BATCH_SIZES:
         x = torch.randn(m, k, generator=g)
         xb = x.bfloat16()
@@ -98,8 +103,11 @@ def measure_plan(hidden: int, intermediate: int, threads: int, can_pack: bool, d
         timings["dense_bfloat16"][m] = _time_us(lambda: F.linear(xb, wbf), reps)
         if int4 is not None:
             timings["int4_bfloat16"][m] = _time_us(lambda: int4.matmul(xb), reps)
-    if not timings["int4_bfloat16"]:
-        del timings["int4_bfloat16"]
+        if q8 is not None and m <= 16:
+            timings["q8_float32"][m] = _time_us(lambda: q8.matmul(x), reps)
+    for name in ("int4_bfloat16", "q8_float32"):
+        if not timings[name]:
+            del timings[name]
     if dtype == "auto":
         # bf16 only where it wins at the batch sizes that dominate serving (decode 1..64)
         wins = sum(timings["dense_bfloat16"][m] < timings["dense_float32"][m] for m in BATCH_SIZES if m <= 64)
@@ -111,7 +119,14 @@ def measure_plan(hidden: int, intermediate: int, threads: int, can_pack: bool, d
                 max_tokens = m
             else:
                 break
-    return KernelPlan("cpu", dtype, threads, max_tokens, cpu_name(), timings)
+    q8_rows = 0
+    if dtype == "bfloat16":
+        for m, t in timings.get("q8_float32", {}).items():
+            if t < timings["dense_bfloat16"][m]:
+                q8_rows = m
+            else:
+                break
+    return KernelPlan("cpu", dtype, threads, max_tokens, q8_rows, cpu_name(), timings)
 
 
 def plan_cache_path(home: Path, hidden: int, intermediate: int, threads: int, dtype: str) -> Path:
@@ -188,3 +203,18 @@ def attach_int4(model, quantized: dict, max_tokens: int, cache_dir: Path | None 
         except OSError:
             pass  # only costs the packing time on the next start
     return total
+
+
+def attach_q8_head(model, quantized: dict, max_rows: int) -> int:
+    """Give the model its output projection as stored when that is GGUF Q8_0 (tied or not).
+
+    Returns:
+        The bytes attached (0 when the plan never uses it or the checkpoint has no Q8_0 head).
+    """
+    name = "lm_head.weight" if model.lm_head is not None else "model.embed_tokens.weight"
+    head = quantized.get(name)
+    if max_rows <= 0 or head is None or head.qtype != "Q8_0":
+        return 0
+    model.lm_head_q8 = Q8Weight(*unpack_q8_0(head.data, head.shape))
+    model.q8_max_rows = max_rows
+    return model.lm_head_q8.nbytes

@@ -37,6 +37,18 @@ def unpack_q4(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> tuple[torc
     return torch.from_numpy(q), torch.from_numpy(d), torch.from_numpy(zero)
 
 
+Q8_0_BYTES = 34  # block_q8_0: fp16 d, then 32 int8 values; value = q * d
+
+
+def unpack_q8_0(raw: np.ndarray, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Raw GGUF Q8_0 rows -> (q int8 [N, K], scales fp32 [N, K/32]); q * scale is the exact weight."""
+    n, k = shape
+    blocks = raw.reshape(n, k // GROUP_SIZE, Q8_0_BYTES)
+    d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    q = blocks[..., 2:].copy().view(np.int8).reshape(n, k)
+    return torch.from_numpy(q), torch.from_numpy(d)
+
+
 def dequantize_q4(q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
     """The int4 layout's own value of every weight: (q − 8)·scale + zero, [N, K] fp32."""
     n, k = q.shape
@@ -68,6 +80,25 @@ class Int4Weight:
     @property
     def nbytes(self) -> int:
         return self.packed.numel() * self.packed.element_size() + self.scale_zeros.numel() * self.scale_zeros.element_size()
+
+
+class Q8Weight:
+    """A GGUF Q8_0 weight as stored (int8 values, one fp32 scale per 32) for the native exact kernel.
+
+    Used for the output projection of small decode batches: fp32 logits from the checkpoint's own
+    values, reading half the bytes of a bf16 copy (layers/csrc/q8_linear.cpp).
+    """
+
+    def __init__(self, q: torch.Tensor, scales: torch.Tensor):
+        self.q, self.scales = q.contiguous(), scales.float().contiguous()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        # x: [M, K] -> [M, N] fp32
+        return torch.ops.stratum.q8_linear(x.float(), self.q, self.scales)
+
+    @property
+    def nbytes(self) -> int:
+        return self.q.numel() + self.scales.numel() * 4
 
 
 class Int8Weight:

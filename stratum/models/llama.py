@@ -86,6 +86,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.lm_head_int8 = None  # set by the engine where the kernel plan offers a low-latency path
+        self.lm_head_q8 = None  # the checkpoint's own Q8_0 output projection, for up to q8_max_rows rows
+        self.q8_max_rows = 0
         self.rotary = RotaryEmbedding(
             cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
@@ -101,9 +103,14 @@ class LlamaForCausalLM(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, fast: bool = False) -> torch.Tensor:
-        """[N, hidden] -> fp32 logits [N, vocab]. fast: the int8 output projection, when one is attached."""
+        """[N, hidden] -> fp32 logits [N, vocab]. fast: the int8 output projection, when one is attached.
+
+        Small batches use the exact Q8_0 projection where one is attached; the rest the dense weight.
+        """
         if fast and self.lm_head_int8 is not None:
             return self.lm_head_int8.matmul(hidden).float()
+        if self.lm_head_q8 is not None and hidden.shape[0] <= self.q8_max_rows:
+            return self.lm_head_q8.matmul(hidden)
         if self.lm_head is None:
             w = self.embed_tokens.weight
             return F.linear(hidden.to(w.dtype), w).float()

@@ -105,7 +105,9 @@ def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 # Parsing a GGUF's metadata in Python (49k vocabulary strings) and dequantizing it take seconds; the
 # first load converts the file into this cache, later loads map safetensors instead.
-CACHE_VERSION = 1
+# the output projection (or the tied embedding that serves as one), kept raw when it is Q8_0
+_HEAD_NAMES = ("lm_head.weight", "model.embed_tokens.weight")
+CACHE_VERSION = 2  # 2: Q8_0 output projections are kept raw too
 
 
 def load_gguf(path: Path) -> Checkpoint:
@@ -240,7 +242,7 @@ def _read_gguf(path: Path) -> Checkpoint:
             array = np.array(dequantize(t.data, qtype) if qtype == GGMLQuantizationType.BF16 else t.data, dtype=np.float32)
         else:
             array = dequantize(t.data, qtype)
-            if name.endswith("proj.weight"):
+            if name.endswith("proj.weight") or (qtype == GGMLQuantizationType.Q8_0 and name in _HEAD_NAMES):
                 quantized[name] = QuantizedTensor(qtype.name, np.array(t.data), logical)
         tensor = torch.from_numpy(np.ascontiguousarray(array.reshape(logical)))
         if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
