@@ -136,7 +136,7 @@ class ModelRunner:
                 ctx = start + n
                 mask = torch.ones(n, ctx, dtype=torch.bool, device=self.device).tril(diagonal=start)
                 prefills.append(PrefillSpan(row0, row0 + n, self._slots_of(table, ctx), mask))
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device))
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device), native=self.native)
         assert all(item.num_new_tokens == 1 and item.seq.num_computed_tokens > 0
                    for item in sched.scheduled[: len(decode_seqs)]), "decodes must come first"
         if decode_seqs:

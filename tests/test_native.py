@@ -130,3 +130,25 @@ def test_engine_without_native_kernels_generates_the_same_tokens(tiny_model_dir,
     engine, without = run()
     assert not engine.runner.native and engine.kernel_choices["native_kernels"] == "disabled (test)"
     assert without == with_native
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rotary_cache_matches_rotary_then_pool_write(dtype):
+    from stratum.layers.rotary import RotaryEmbedding, apply_rotary
+
+    g = torch.Generator().manual_seed(4)
+    tokens = 5
+    qkv = torch.randn(tokens, (HEADS + 2 * KV_HEADS) * DIM, generator=g).to(dtype)
+    cos, sin = RotaryEmbedding(DIM, 64, 10000.0, None).tables(torch.tensor([0, 3, 17, 40, 63]))
+    slots = torch.tensor([5, 0, 31, 6, 12])
+    ours, ref = _pool(2, dtype), _pool(2, dtype)
+    qk = torch.ops.stratum.rotary_cache(qkv, cos, sin, ours[0], ours[1], slots, HEADS)
+    expected = apply_rotary(qkv[:, : (HEADS + KV_HEADS) * DIM].view(tokens, HEADS + KV_HEADS, DIM), cos, sin)
+    ref[0][slots] = expected[:, HEADS:]
+    ref[1][slots] = qkv[:, (HEADS + KV_HEADS) * DIM :].view(tokens, KV_HEADS, DIM)
+    tolerance = 1e-6 if dtype == torch.float32 else 1e-2  # fused multiply-adds round differently, by an ulp
+    torch.testing.assert_close(qk, expected, atol=tolerance, rtol=tolerance)
+    torch.testing.assert_close(ours[0], ref[0], atol=tolerance, rtol=tolerance)
+    assert torch.equal(ours[1], ref[1])
+    with pytest.raises(RuntimeError, match="outside the pool"):
+        torch.ops.stratum.rotary_cache(qkv, cos, sin, ours[0], ours[1], torch.tensor([5, 0, 32, 6, 12]), HEADS)

@@ -80,6 +80,7 @@ class AttentionMetadata:
     decode_table: torch.Tensor | None = None
     decode_lens: torch.Tensor | None = None
     block_size: int = 16
+    native: bool = False  # the native CPU kernels are loaded: decode_table/decode_lens, fused rotary + pool write
     shared_slots: torch.Tensor | None = None  # [P]: the slots all decodes share, or None
     prefills: list[PrefillSpan] = field(default_factory=list)
     probe: CoverageProbe | None = None
@@ -93,8 +94,9 @@ def paged_attention(
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
     scale: float,
+    written: bool = False,
 ) -> torch.Tensor:
-    """Write this step's K/V into the pool, then attend.
+    """Write this step's K/V into the pool (unless already `written`), then attend.
 
     Args:
         q: [T, H, D]; k, v: [T, KVH, D]; k_cache, v_cache: [num_slots, KVH, D].
@@ -103,8 +105,9 @@ def paged_attention(
     """
     dtype = q.dtype
     q, k, v = q.to(k_cache.dtype), k.to(k_cache.dtype), v.to(k_cache.dtype)  # attention runs in the KV dtype
-    k_cache[meta.slot_mapping] = k
-    v_cache[meta.slot_mapping] = v
+    if not written:
+        k_cache[meta.slot_mapping] = k
+        v_cache[meta.slot_mapping] = v
     out = torch.empty_like(q)
     num_decode = meta.num_decode_tokens
     if num_decode:

@@ -17,7 +17,7 @@ import torch
 
 log = logging.getLogger("stratum.native")
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "q8_linear.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "q8_linear.cpp", "rotary_cache.cpp")]
 _state: dict[str, object] = {}
 
 

@@ -35,14 +35,18 @@ class Attention(nn.Module):
 
     def forward(self, x, rope, meta: AttentionMetadata, kv_cache) -> torch.Tensor:
         num_tokens = x.shape[0]
-        qk, v = self.qkv_proj(x).split([self.q_size + self.kv_size, self.kv_size], dim=-1)
-        qk = qk.view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            qk = torch.cat([self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1)
-        qk = apply_rotary(qk, *rope)  # q and k rotated together: one pass instead of two
+        qkv = self.qkv_proj(x)
+        v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
+        written = meta.native and self.q_norm is None and qkv.dtype == kv_cache[0].dtype
+        if written:  # rotation and the pool write in one native pass
+            qk = torch.ops.stratum.rotary_cache(qkv, rope[0], rope[1], kv_cache[0], kv_cache[1], meta.slot_mapping, self.num_heads)
+        else:
+            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None:
+                qk = torch.cat([self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1)
+            qk = apply_rotary(qk, *rope)  # q and k rotated together: one pass instead of two
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, written=written)
         probe = meta.probe
         if probe is not None and self.layer_idx in probe.layers:
             for row, slots, out in zip(probe.rows, probe.slots, probe.results):
