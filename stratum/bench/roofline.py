@@ -45,7 +45,10 @@ def decode_bytes(engine) -> int:
                 total += module.weight.numel() * module.weight.element_size()
         elif isinstance(module, torch.nn.Module) and hasattr(module, "eps"):  # RMSNorm
             total += module.weight.numel() * module.weight.element_size()
-    lm_head = engine.model.lm_head.weight if engine.model.lm_head is not None else engine.model.embed_tokens.weight
+    model = engine.model
+    if model.lm_head_q8 is not None and model.q8_max_rows >= 1:  # one row runs on the Q8_0 projection
+        return total + model.lm_head_q8.nbytes
+    lm_head = model.lm_head.weight if model.lm_head is not None else model.embed_tokens.weight
     return total + lm_head.numel() * lm_head.element_size()
 
 
