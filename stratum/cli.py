@@ -109,6 +109,7 @@ def cmd_info(args) -> int:
 
     import torch
 
+    from stratum.layers import native
     from stratum.layers.kernels import cpu_flags, cpu_name, select_plan
     from stratum.layers.quant import is_packable
     from stratum.models.loader import load_checkpoint
@@ -119,6 +120,7 @@ def cmd_info(args) -> int:
         "python": platform.python_version(), "torch": torch.__version__, "cpu": cpu_name(),
         "cpu_count": os.cpu_count(), "cpu_features": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile"}),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "cuda": torch.cuda.is_available(),
+        "native_kernels": native.status(),
     }
     if torch.cuda.is_available():
         info["cuda_device"] = torch.cuda.get_device_name(0)
