@@ -58,7 +58,15 @@ def make_tiny_model_dir(path: Path, num_layers: int = 2, hidden: int = 64, seed:
     (path / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": CHATML,
     }))
-    g = torch.Generator().manual_seed(seed)
+    w = random_llama_weights(torch.Generator().manual_seed(seed), num_layers, vocab, hidden, heads, kv_heads, head_dim, inter)
+    save_file(w, str(path / "model.safetensors"))
+    return path
+
+
+def random_llama_weights(g: torch.Generator, num_layers: int, vocab: int, hidden: int, heads: int, kv_heads: int,
+                         head_dim: int, inter: int) -> dict[str, torch.Tensor]:
+    """Random Llama tensors under Hugging Face names: embeddings, final norm, and each layer's
+    attention, MLP and norms (norm weights near 1). Architecture extras are added by the caller."""
 
     def rand(*shape, scale=0.2):
         return (torch.randn(*shape, generator=g) * scale).contiguous()
@@ -75,8 +83,7 @@ def make_tiny_model_dir(path: Path, num_layers: int = 2, hidden: int = 64, seed:
         w[p + "mlp.down_proj.weight"] = rand(hidden, inter)
         w[p + "input_layernorm.weight"] = 1 + rand(hidden, scale=0.05)
         w[p + "post_attention_layernorm.weight"] = 1 + rand(hidden, scale=0.05)
-    save_file(w, str(path / "model.safetensors"))
-    return path
+    return w
 
 
 def make_seq(request_id: str, token_ids: list[int], block_size: int = 4, max_tokens: int = 8, priority: int = 0,

@@ -21,7 +21,7 @@ from stratum.models.config import ModelConfig
 from stratum.models.loader import ModelLoadError, _unpermute, load_checkpoint
 from stratum.sampling_params import SamplingParams
 from stratum.sequence import CachePolicy
-from tests.factories import CHATML, SPECIAL, make_tiny_model_dir
+from tests.factories import CHATML, SPECIAL, make_tiny_model_dir, random_llama_weights
 
 PROMPT = "The capital of Japan is Tokyo. def add(a, b):\n    return a + b"
 
@@ -82,31 +82,22 @@ def make_tiny_qwen_dir(path: Path, arch: str, num_layers: int = 2, seed: int = 1
         config["attention_bias"] = False
     (path / "config.json").write_text(json.dumps(config))
     g = torch.Generator().manual_seed(seed)
+    w = random_llama_weights(g, num_layers, vocab, hidden, heads, kv_heads, head_dim, inter)
 
-    def rand(*shape, scale=0.2):
+    def rand(*shape, scale):
         return (torch.randn(*shape, generator=g) * scale).contiguous()
 
-    w = {"model.embed_tokens.weight": rand(vocab, hidden, scale=1.0), "model.norm.weight": 1 + rand(hidden, scale=0.05)}
     if not tied:
         w["lm_head.weight"] = rand(vocab, hidden, scale=0.5)
     for i in range(num_layers):
-        p = f"model.layers.{i}."
-        w[p + "self_attn.q_proj.weight"] = rand(heads * head_dim, hidden)
-        w[p + "self_attn.k_proj.weight"] = rand(kv_heads * head_dim, hidden)
-        w[p + "self_attn.v_proj.weight"] = rand(kv_heads * head_dim, hidden)
-        w[p + "self_attn.o_proj.weight"] = rand(hidden, heads * head_dim)
+        p = f"model.layers.{i}.self_attn."
         if arch == "qwen2":
-            w[p + "self_attn.q_proj.bias"] = rand(heads * head_dim, scale=0.5)
-            w[p + "self_attn.k_proj.bias"] = rand(kv_heads * head_dim, scale=0.5)
-            w[p + "self_attn.v_proj.bias"] = rand(kv_heads * head_dim, scale=0.5)
+            w[p + "q_proj.bias"] = rand(heads * head_dim, scale=0.5)
+            w[p + "k_proj.bias"] = rand(kv_heads * head_dim, scale=0.5)
+            w[p + "v_proj.bias"] = rand(kv_heads * head_dim, scale=0.5)
         else:
-            w[p + "self_attn.q_norm.weight"] = 1 + rand(head_dim, scale=0.2)
-            w[p + "self_attn.k_norm.weight"] = 1 + rand(head_dim, scale=0.2)
-        w[p + "mlp.gate_proj.weight"] = rand(inter, hidden)
-        w[p + "mlp.up_proj.weight"] = rand(inter, hidden)
-        w[p + "mlp.down_proj.weight"] = rand(hidden, inter)
-        w[p + "input_layernorm.weight"] = 1 + rand(hidden, scale=0.05)
-        w[p + "post_attention_layernorm.weight"] = 1 + rand(hidden, scale=0.05)
+            w[p + "q_norm.weight"] = 1 + rand(head_dim, scale=0.2)
+            w[p + "k_norm.weight"] = 1 + rand(head_dim, scale=0.2)
     save_file(w, str(path / "model.safetensors"))
     return path
 
