@@ -614,6 +614,17 @@ def _pyplot():
     return plt
 
 
+def _save(plt, fig, ax, title: str, path: Path) -> Path:
+    """The finish every chart shares: grid, title, legend, written as a PNG."""
+    ax.grid(alpha=0.3)
+    ax.set_title(title)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_ttft_cdf(series: dict[str, Iterable[float]], path: Path, title: str = "TTFT CDF") -> Path:
     """One empirical CDF line per label; values in seconds, plotted in ms."""
     plt = _pyplot()
@@ -625,13 +636,7 @@ def plot_ttft_cdf(series: dict[str, Iterable[float]], path: Path, title: str = "
     ax.set_xlabel("time to first token (ms)")
     ax.set_ylabel("fraction of requests")
     ax.set_ylim(0, 1.02)
-    ax.grid(alpha=0.3)
-    ax.set_title(title)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, title, path)
 
 
 def plot_throughput(series: dict[str, list[tuple[int, float | None]]], path: Path,
@@ -650,13 +655,7 @@ def plot_throughput(series: dict[str, list[tuple[int, float | None]]], path: Pat
     ax.xaxis.set_minor_formatter(NullFormatter())  # no 2^k labels between the levels
     ax.set_xlabel("concurrency")
     ax.set_ylabel("output tokens/s")
-    ax.grid(alpha=0.3)
-    ax.set_title(title)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _save(plt, fig, ax, title, path)
 
 
 def write_plots(out_dir: Path, runs_by_label: dict[str, list[tuple[LoadConfig, LevelRun]]], title: str) -> list[Path]:
