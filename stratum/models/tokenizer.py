@@ -6,7 +6,7 @@ disabled, so "<|im_start|>" typed by a user is plain text and cannot forge a cha
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 
@@ -28,25 +28,31 @@ _CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
 
 @dataclass
 class TextTokenizer:
-    """A `tokenizers.Tokenizer` plus the ids a serving runtime needs."""
+    """A `tokenizers.Tokenizer` plus the ids a serving runtime needs. Safe to use from several threads."""
 
     backend: Tokenizer
     bos_token: str | None = None
     eos_token: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    # A copy of backend that reads special-token strings as plain text: a second object rather than
+    # a flag toggled around each call, which another thread could see set the wrong way.
+    plain: Tokenizer = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.plain = Tokenizer.from_str(self.backend.to_str())
+        self.plain.encode_special_tokens = True
 
     @property
     def vocab_size(self) -> int:
         return self.backend.get_vocab_size(with_added_tokens=True)
 
     def encode(self, text: str, allow_special: bool = False) -> list[int]:
-        """Encode without adding BOS/EOS. With allow_special False, special-token strings are plain text."""
-        self.backend.encode_special_tokens = not allow_special
-        try:
-            return self.backend.encode(text, add_special_tokens=False).ids
-        finally:
-            self.backend.encode_special_tokens = False
+        """Encode without adding BOS/EOS. With allow_special False, special-token strings are plain text.
+
+        A batch of one: `encode_batch` releases the interpreter lock while it runs, so a long text
+        tokenized in a worker thread does not stall the event loop."""
+        return (self.backend if allow_special else self.plain).encode_batch([text], add_special_tokens=False)[0].ids
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
