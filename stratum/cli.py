@@ -9,10 +9,11 @@ import sys
 import time
 
 
-def _engine_config(args):
-    from stratum.config import EngineConfig, SchedulerConfig
+def _engine_config(args, serving: bool = False):
+    from stratum.engine.config import EngineConfig, SchedulerConfig
 
     return EngineConfig(
+        serving=serving,
         model=args.model,
         device=args.device,
         dtype=args.dtype,
@@ -36,6 +37,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=256, help="waiting-queue cap; beyond it 529 overloaded")
     p.add_argument("--threads", type=int, default=None, help="engine threads (serve default: cores - 1)")
     p.add_argument("--no-prefix-cache", action="store_true")
+    p.add_argument("--engine", default="process", choices=["process", "thread"],
+                   help="where the engine loop runs: a process of its own (default), or a thread of the server")
 
 
 def cmd_pull(args) -> int:
@@ -50,43 +53,53 @@ def cmd_pull(args) -> int:
 
 
 def cmd_serve(args) -> int:
+    from stratum.engine.process import EngineProcess, EngineStartError
+    from stratum.models.registry import PullError
+
+    t0 = time.perf_counter()
+    config = _engine_config(args, serving=True)
+    # The engine process loads the model while this one imports the web stack.
+    engine = EngineProcess(config) if args.engine == "process" else None
     import uvicorn
 
-    from stratum.engine import AsyncEngine, LLMEngine
-    from stratum.models.registry import PullError, sampling_defaults
     from stratum.server.app import ServerSettings, create_app
     from stratum.telemetry.cost import pricing_from_spec
 
-    t0 = time.perf_counter()
-    if args.threads is None and not os.environ.get("STRATUM_NUM_THREADS"):
-        # Leave a core to the HTTP side (event loop, SSE, clients on the same host): measured on the
-        # 2-core reference machine, 1 engine thread served 1.6x (one stream) and 1.16x (32 streams)
-        # the tokens/s of 2 threads, whose spin-waiting lost to the server's own work.
-        args.threads = max(1, (os.cpu_count() or 1) - 1)
     try:
-        engine = LLMEngine(_engine_config(args))
-    except (PullError, ValueError) as e:
+        if engine is not None:
+            client = engine.connect()
+        else:
+            from stratum.engine.client import start_thread_engine
+            from stratum.engine.core import LLMEngine
+
+            client = start_thread_engine(LLMEngine(config))
+    except (PullError, ValueError, EngineStartError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+
+    config = client.config
     keys = tuple(k for k in (args.api_key or []) if k)
     keys += tuple(k.strip() for k in os.environ.get("STRATUM_API_KEYS", "").split(",") if k.strip())
     name = args.served_model_name or args.model
-    defaults = sampling_defaults(args.model)
-    settings = ServerSettings(model_name=name, aliases=(engine.model_config.name,), api_keys=keys,
+    settings = ServerSettings(model_name=name, aliases=(client.info.model_name,), api_keys=keys,
                               max_body_bytes=args.max_body_bytes,
-                              default_temperature=defaults.get("temperature", 1.0), default_top_p=defaults.get("top_p", 1.0),
+                              default_temperature=config.default_temperature, default_top_p=config.default_top_p,
                               tenant_budget_tokens=args.tenant_budget_tokens, budget_window_s=args.budget_window_s,
                               pollution_policy=args.pollution_policy, pricing=pricing_from_spec(args.pricing))
-    app = create_app(AsyncEngine(engine), settings)
-    print(f"stratum: {name} loaded in {time.perf_counter() - t0:.1f}s on {engine.config.device}/{engine.config.dtype}, "
-          f"{engine.block_manager.num_blocks} KV blocks; serving on http://{args.host}:{args.port}", flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    app = create_app(client, settings)
+    print(f"stratum: {name} loaded in {time.perf_counter() - t0:.1f}s on {config.device}/{config.dtype}, "
+          f"{config.num_kv_blocks} KV blocks, {config.num_threads} engine threads in a {args.engine}; "
+          f"serving on http://{args.host}:{args.port}", flush=True)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    finally:
+        client.shutdown()
     return 0
 
 
 def cmd_generate(args) -> int:
-    from stratum.engine import LLM
-    from stratum.sampling_params import SamplingParams
+    from stratum.engine.llm import LLM
+    from stratum.engine.sampling_params import SamplingParams
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed, ignore_eos=args.ignore_eos)
@@ -104,16 +117,16 @@ def cmd_generate(args) -> int:
 
 
 def cmd_info(args) -> int:
-    """The hardware, and the kernel plan for a model with the measured times behind it."""
+    """The hardware, and the kernel plan `stratum serve` would run this model with."""
     import platform
 
     import torch
 
-    from stratum.layers import native
-    from stratum.layers.kernels import cpu_flags, cpu_name, select_plan
-    from stratum.layers.quant import is_packable
-    from stratum.models.loader import load_checkpoint
-    from stratum.models.registry import PullError, resolve_model_path, stratum_home
+    from stratum.engine import builder
+    from stratum.engine.config import EngineConfig
+    from stratum.kernels import native
+    from stratum.kernels.cpu import cpu_flags, cpu_name
+    from stratum.models.registry import PullError
 
     flags = cpu_flags()
     info = {
@@ -124,16 +137,17 @@ def cmd_info(args) -> int:
     }
     if torch.cuda.is_available():
         info["cuda_device"] = torch.cuda.get_device_name(0)
+    config = EngineConfig(model=args.model, num_threads=args.threads, serving=True)
     try:
-        ck = load_checkpoint(resolve_model_path(args.model))
+        resolved = builder.resolve(config, builder.load(config))
     except (PullError, ValueError) as e:
         info["plan_error"] = str(e)
     else:
-        threads = args.threads or os.cpu_count() or 1
-        can_pack = any(is_packable(t.qtype) for t in ck.quantized.values())
-        plan = select_plan(stratum_home(), ck.config.hidden_size, ck.config.intermediate_size, threads, can_pack)
         info["model"] = args.model
-        info["kernel_plan"] = plan.describe()
+        info["engine"] = {"device": resolved.device, "dtype": resolved.dtype, "threads": resolved.num_threads,
+                          "prefill_threads": resolved.prefill_threads, "max_model_len": resolved.max_model_len,
+                          "kv_blocks": resolved.num_kv_blocks}
+        info["kernel_plan"] = resolved.kernel_plan.describe()
     print(json.dumps(info, indent=2))
     return 0
 

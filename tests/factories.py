@@ -7,9 +7,9 @@ from pathlib import Path
 
 import torch
 
-from stratum.block_manager import BlockManager
-from stratum.sampling_params import SamplingParams
-from stratum.sequence import CachePolicy, Sequence
+from stratum.engine.block_manager import BlockManager
+from stratum.engine.sampling_params import SamplingParams
+from stratum.engine.request import CachePolicy, Sequence
 
 CHATML = (
     "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"

@@ -17,7 +17,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from stratum.admission import CostAdmission, PollutionDetector, mask_high_entropy
+from stratum.engine.admission import CostAdmission, PollutionDetector, mask_high_entropy
 from tests.conftest import ServerProcess
 from tests.test_telemetry_cost import long_text, uncached_tokens
 

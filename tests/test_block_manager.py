@@ -1,14 +1,21 @@
 """BlockManager: exact block ids, reference counts, the prefix cache on top, and the block-state invariant.
 
-Every test drives the manager the way the scheduler and engine do (allocate, advance
-num_computed_tokens, cache_computed_blocks, free) and calls check_integrity after each change.
+Every test drives the manager the way the scheduler and engine do and calls check_integrity after
+each change. The manager only hands out blocks; like the scheduler, the helpers here own the
+accounting:
+
+- admission (`admit`): match_prefix once, allocate with that match (the table starts with the hit),
+  then count the hit as computed, and as cached on the first admission;
+- later chunks and decode steps: allocate without a match after num_computed_tokens;
+- commit: advance num_computed_tokens, then cache_computed_blocks;
+- finish: cache_computed_blocks, then free.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from stratum.sequence import CachePolicy
+from stratum.engine.request import CachePolicy
 from tests.factories import make_block_manager, make_seq
 
 
@@ -20,13 +27,41 @@ class FakeClock:
         return self.t
 
 
-def compute(bm, seq, num_new_tokens: int | None = None) -> None:
-    """Allocate for and "compute" seq's next tokens (all that are left by default), then cache them."""
+def matched_tokens(bm, seq) -> int:
+    """Tokens of seq's prompt the prefix cache could serve now; 0 when seq does not read the cache."""
+    match = bm.match_prefix(seq)
+    return match.num_blocks * bm.block_size if match is not None else 0
+
+
+def admit(bm, seq, num_new_tokens: int | None = None) -> bool:
+    """Admit a waiting seq as the scheduler's admission loop does: match once, allocate num_new_tokens
+    (all that are left after the hit by default) with the match, then count the hit as computed, and
+    as cached if this is the first admission. False, changing nothing, when allocation fails."""
+    assert not seq.block_table, "only a waiting sequence (empty table) is admitted"
+    match = bm.match_prefix(seq)
+    hit = match.num_blocks * bm.block_size if match is not None else 0
     if num_new_tokens is None:
-        num_new_tokens = seq.num_tokens - max(seq.num_computed_tokens, bm.match_prefix(seq))
-    assert bm.allocate(seq, num_new_tokens)
+        num_new_tokens = seq.num_tokens - hit
+    if not bm.allocate(seq, num_new_tokens, match):
+        return False
+    seq.num_computed_tokens = hit
+    if seq.num_cached_tokens < 0:
+        seq.num_cached_tokens = hit
+    return True
+
+
+def compute(bm, seq, num_new_tokens: int | None = None) -> None:
+    """Schedule and "compute" seq's next tokens (all that are left by default), then cache them: a
+    waiting seq (empty table) is admitted, a running one allocates after num_computed_tokens."""
+    waiting = not seq.block_table
+    if waiting:
+        assert admit(bm, seq, num_new_tokens)  # num_computed_tokens is now the hit
+    if num_new_tokens is None:
+        num_new_tokens = seq.num_tokens - seq.num_computed_tokens
+    if not waiting:
+        assert bm.allocate(seq, num_new_tokens)
     bm.check_integrity()
-    seq.num_computed_tokens += num_new_tokens
+    seq.num_computed_tokens += num_new_tokens  # commit
     bm.cache_computed_blocks(seq)
     bm.check_integrity()
 
@@ -58,16 +93,45 @@ def test_allocate_gives_exact_block_ids_in_free_list_order():
     bm = make_block_manager(num_blocks=8, block_size=4)
     a = make_seq("a", range(10))
     b = make_seq("b", range(100, 105))
-    assert bm.allocate(a, 10)
+    assert admit(bm, a, 10)
     bm.check_integrity()
     assert a.block_table == [0, 1, 2]
     assert a.num_cached_tokens == 0 and a.num_computed_tokens == 0
-    assert bm.allocate(b, 5)
+    assert admit(bm, b, 5)
     bm.check_integrity()
     assert b.block_table == [3, 4]
     assert bm.ref_counts == [1, 1, 1, 1, 1, 0, 0, 0]
     assert list(bm.free_blocks) == [5, 6, 7]
     assert states(bm) == (3, 0, 5)
+
+
+def test_allocate_leaves_the_accounting_to_the_caller():
+    """The manager hands out blocks only: num_computed_tokens / num_cached_tokens are the scheduler's,
+    and without a match nothing is attached from the cache."""
+    bm = make_block_manager(num_blocks=8, block_size=4)
+    a = make_seq("a", range(9))
+    compute(bm, a)
+    finish(bm, a)
+    assert sorted(bm.cache.block_node) == [0, 1] and list(bm.free_blocks) == [3, 4, 5, 6, 7, 2]
+
+    b = make_seq("b", range(9))
+    match = bm.match_prefix(b)
+    assert match is not None and match.num_blocks == 2 and match.block_ids == [0, 1]
+    assert bm.allocate(b, 1, match)
+    bm.check_integrity()
+    assert b.block_table == [0, 1, 3] and bm.ref_counts[:4] == [1, 1, 0, 1]
+    assert b.num_computed_tokens == 0 and b.num_cached_tokens == -1  # untouched by the manager
+
+    c = make_seq("c", range(9))  # same prompt, no match passed: fresh blocks after num_computed_tokens
+    assert bm.allocate(c, 9)
+    bm.check_integrity()
+    assert c.block_table == [4, 5, 6] and bm.ref_counts[:2] == [1, 1]
+    assert c.num_computed_tokens == 0 and c.num_cached_tokens == -1
+    assert "c" not in bm._locked
+
+    finish(bm, b)
+    finish(bm, c)
+    assert bm.ref_counts == [0] * 8 and sorted(bm.cache.block_node) == [0, 1]
 
 
 def test_allocate_grows_one_block_at_each_boundary():
@@ -104,10 +168,10 @@ def test_chunked_allocation_counts_blocks_from_computed_tokens():
 def test_failed_allocation_changes_nothing():
     bm = make_block_manager(num_blocks=4, block_size=4)
     a = make_seq("a", range(12))
-    assert bm.allocate(a, 12)
+    assert admit(bm, a, 12)
     b = make_seq("b", range(100, 108))
     assert not bm.can_allocate(2)
-    assert not bm.allocate(b, 8)
+    assert not admit(bm, b, 8)
     bm.check_integrity()
     assert b.block_table == [] and b.num_computed_tokens == 0 and b.num_cached_tokens == -1
     assert list(bm.free_blocks) == [3]
@@ -138,7 +202,7 @@ def test_basic_mode_neither_matches_nor_caches():
     compute(bm, a)
     finish(bm, a)
     b = make_seq("b", range(12))
-    assert bm.match_prefix(b) == 0
+    assert bm.match_prefix(b) is None  # basic mode does not read the cache at all
     compute(bm, b)
     assert b.num_cached_tokens == 0
     assert bm.cache.num_cached_blocks == 0
@@ -155,8 +219,8 @@ def test_two_sequences_share_a_prefix_with_reference_counts():
     assert bm.cache.num_cached_blocks == 3  # all three full blocks, still referenced by a
 
     b = make_seq("b", list(range(8)) + [50, 51, 52, 53, 54])
-    assert bm.match_prefix(b) == 8
-    assert bm.allocate(b, 5)
+    assert matched_tokens(bm, b) == 8
+    assert admit(bm, b, 5)
     bm.check_integrity()
     assert b.block_table == [0, 1, 3, 4]
     assert b.num_computed_tokens == 8 and b.num_cached_tokens == 8
@@ -184,8 +248,8 @@ def test_a_prefix_hit_always_leaves_one_token_to_compute():
     finish(bm, a)
     assert sorted(bm.cache.block_node) == [0, 1]
     b = make_seq("b", range(8))
-    assert bm.match_prefix(b) == 4  # not 8: the last token must go through the forward for logits
-    assert bm.allocate(b, 4)
+    assert matched_tokens(bm, b) == 4  # not 8: the last token must go through the forward for logits
+    assert admit(bm, b, 4)
     assert b.block_table == [0, 2]
     assert b.num_computed_tokens == 4
 
@@ -203,8 +267,8 @@ def test_generated_tokens_are_cached_so_the_next_turn_hits():
     assert sorted(bm.cache.block_node) == table[:3]  # 12 computed tokens in full blocks
 
     turn2 = make_seq("b", a.token_ids + [7, 8, 9])
-    assert bm.match_prefix(turn2) == 12
-    assert bm.allocate(turn2, 5)
+    assert matched_tokens(bm, turn2) == 12
+    assert admit(bm, turn2, 5)
     bm.check_integrity()
     assert turn2.block_table[:3] == table[:3]
     assert turn2.num_cached_tokens == 12
@@ -227,15 +291,15 @@ def test_eviction_takes_least_recently_used_first():
     assert list(bm.free_blocks) == [1, 3, 5]
 
     clock.t = 4.0
-    assert bm.match_prefix(make_seq("a2", range(5))) == 4  # touches a's block: now most recent
+    assert matched_tokens(bm, make_seq("a2", range(5))) == 4  # touches a's block: now most recent
 
     d = make_seq("d", range(300, 320))  # 5 blocks: 3 free + 2 evicted
-    assert bm.allocate(d, 20)
+    assert admit(bm, d, 20)
     bm.check_integrity()
     assert d.block_table == [1, 3, 5, 2, 4]  # b (t=2) evicted before c (t=3); a survives
     assert sorted(bm.cache.block_node) == [0]
-    assert bm.match_prefix(make_seq("a3", range(5))) == 4
-    assert bm.match_prefix(make_seq("b2", range(100, 105))) == 0
+    assert matched_tokens(bm, make_seq("a3", range(5))) == 4
+    assert matched_tokens(bm, make_seq("b2", range(100, 105))) == 0
 
 
 def test_a_locked_prefix_is_not_evicted():
@@ -251,13 +315,13 @@ def test_a_locked_prefix_is_not_evicted():
     assert bm.ref_counts == [1, 1, 0, 1]
     c = make_seq("c", range(100, 108))
     assert not bm.can_allocate(2)
-    assert not bm.allocate(c, 8)
+    assert not admit(bm, c, 8)
     bm.check_integrity()
     assert sorted(bm.cache.block_node) == [0, 1]
 
     finish(bm, b)
     assert bm.can_allocate(4)
-    assert bm.allocate(c, 8)
+    assert admit(bm, c, 8)
     bm.check_integrity()
     assert c.block_table == [2, 3]
 
@@ -272,17 +336,19 @@ def test_a_matched_prefix_is_locked_before_eviction_for_the_rest():
     compute(bm, filler)  # takes the two free blocks
     assert filler.block_table == [3, 2]
     b = make_seq("b", list(range(8)) + [60, 61, 62, 63, 64])  # hits 2 blocks, needs 2 more
-    assert not bm.allocate(b, 5)
+    assert matched_tokens(bm, b) == 8
+    assert not admit(bm, b, 5)
     bm.check_integrity()
     assert sorted(bm.cache.block_node) == [0, 1, 2, 3]
-    assert bm.ref_counts == [0, 0, 1, 1] and list(bm.free_blocks) == []
+    assert bm.ref_counts == [0, 0, 1, 1] and list(bm.free_blocks) == []  # the lock was undone
+    assert b.block_table == [] and "b" not in bm._locked
 
 
 def test_pinned_prefix_survives_until_its_ttl_expires():
     clock = FakeClock()
     bm = make_block_manager(num_blocks=4, block_size=4, clock=clock)
     a = make_seq("a", range(9), policy=CachePolicy(pin_ttl_s=10.0))
-    assert bm.allocate(a, 9)
+    assert admit(bm, a, 9)
     a.num_computed_tokens = 9
     bm.cache_computed_blocks(a, pin_ttl_s=a.cache_policy.pin_ttl_s)
     bm.check_integrity()
@@ -293,13 +359,13 @@ def test_pinned_prefix_survives_until_its_ttl_expires():
     clock.t = 9.9
     assert bm.cache.num_evictable_blocks() == 0
     assert not bm.can_allocate(4)
-    assert not bm.allocate(big, 16)
+    assert not admit(bm, big, 16)
     bm.check_integrity()
     assert sorted(bm.cache.block_node) == [0, 1]
 
     clock.t = 10.0
     assert bm.cache.num_evictable_blocks() == 2
-    assert bm.allocate(big, 16)
+    assert admit(bm, big, 16)
     bm.check_integrity()
     assert big.block_table == [3, 2, 1, 0]  # free list first, then the evicted leaf tail first
     assert bm.cache.num_cached_blocks == 0
@@ -313,14 +379,14 @@ def test_a_pin_applies_to_a_prefix_that_was_already_cached():
     compute(bm, a)
     finish(bm, a)
     b = make_seq("b", range(9), policy=CachePolicy(pin_ttl_s=10.0))
-    assert bm.allocate(b, 1)
-    assert b.num_cached_tokens == 8
+    assert admit(bm, b, 1)
+    assert b.block_table[:2] == [0, 1] and b.num_cached_tokens == 8
     b.num_computed_tokens = 9
     bm.cache_computed_blocks(b, pin_ttl_s=b.cache_policy.pin_ttl_s)
     finish(bm, b)
     clock.t = 5.0
     assert bm.cache.num_evictable_blocks() == 0
-    assert not bm.allocate(make_seq("big", range(100, 116)), 16)
+    assert not admit(bm, make_seq("big", range(100, 116)), 16)
     clock.t = 10.0
     assert bm.cache.num_evictable_blocks() == 2
 
@@ -335,7 +401,7 @@ def test_reset_prefix_cache_frees_only_unreferenced_blocks():
     assert bm.reset_prefix_cache() == 2
     bm.check_integrity()
     assert sorted(bm.cache.block_node) == b.block_table[:2]
-    assert bm.match_prefix(make_seq("a2", range(9))) == 0
+    assert matched_tokens(bm, make_seq("a2", range(9))) == 0
 
 
 # ---- salt isolation (CVE-2025-25183, CVE-2025-46570 class) -------------------------------------------
@@ -350,7 +416,7 @@ def test_same_tokens_with_a_different_salt_never_hit():
 
     for other_salt in ("tenant-b", None, ""):
         other = make_seq(f"x-{other_salt}", range(13), salt=other_salt)
-        assert bm.match_prefix(other) == 0
+        assert matched_tokens(bm, other) == 0
         assert not set(other.full_block_hashes()) & set(a.full_block_hashes())
     b = make_seq("b", range(13), salt="tenant-b")
     compute(bm, b)
@@ -358,7 +424,7 @@ def test_same_tokens_with_a_different_salt_never_hit():
     assert not set(b.block_table) & {0, 1, 2}
 
     same = make_seq("a2", range(13), salt="tenant-a")
-    assert bm.match_prefix(same) == 12
+    assert matched_tokens(bm, same) == 12
     compute(bm, same)
     assert same.block_table[:3] == [0, 1, 2] and same.num_cached_tokens == 12
 
@@ -369,7 +435,7 @@ def test_cache_policy_bypass_neither_reads_nor_writes():
     compute(bm, a)
     finish(bm, a)
     b = make_seq("b", range(9), policy=CachePolicy.bypass())
-    assert bm.match_prefix(b) == 0
+    assert bm.match_prefix(b) is None  # a bypass request does not read the cache at all
     compute(bm, b)
     assert b.num_cached_tokens == 0
     finish(bm, b)

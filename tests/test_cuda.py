@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from stratum.engine import LLM
-from stratum.sampling_params import SamplingParams
+from stratum.engine.sampling_params import SamplingParams
 
 pytestmark = [pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")]
 

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import pytest
 
-from stratum.config import SchedulerConfig
-from stratum.detokenizer import Detokenizer
+from stratum.engine.config import SchedulerConfig
+from stratum.engine.detokenizer import Detokenizer
 from stratum.engine import LLM
 from stratum.models.loader import load_checkpoint
-from stratum.sampling_params import SamplingParams
+from stratum.engine.sampling_params import SamplingParams
 
 CAPITALS = "The capital of Japan is Tokyo. The capital of Germany is Berlin."
 MULTIBYTE_TEXTS = [

@@ -15,11 +15,11 @@ import random
 import pytest
 import torch
 
-from stratum.config import SchedulerConfig
+from stratum.engine.config import SchedulerConfig
 from stratum.engine import LLM, RequestStats
 from stratum.models.loader import load_checkpoint
-from stratum.sampling_params import SamplingParams
-from stratum.sequence import CachePolicy, Sequence
+from stratum.engine.sampling_params import SamplingParams
+from stratum.engine.request import CachePolicy, Sequence
 
 TOL = 1e-3
 BS = 16

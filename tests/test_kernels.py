@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 import torch
 
-from stratum.layers import kernels
-from stratum.layers.quant import Int4Weight, dequantize_q4, unpack_q4
+from stratum.kernels import plan as kernels
+from stratum.kernels.quant import Int4Weight, dequantize_q4, unpack_q4
 
 
 def _q4_1_rows(rng: np.random.Generator, n: int, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -98,7 +98,7 @@ def test_quality_guard_int4_agrees_with_fp32_reference(real_model_path):
     97.7-98.2%: bf16 rounding of the Q8_0 weights and of the logits flips near-tied tokens.
     """
     from stratum.engine import LLM
-    from stratum.sampling_params import SamplingParams
+    from stratum.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=1, temperature=0.0, return_logits=True)
 
@@ -120,7 +120,7 @@ def test_quality_guard_int4_agrees_with_fp32_reference(real_model_path):
 def test_low_latency_requests_sample_from_the_int8_output_projection(tiny_model_dir):
     """Only a request that asked for latency over accuracy gets the lossy int8 logits."""
     from stratum.engine import LLM
-    from stratum.sampling_params import SamplingParams
+    from stratum.engine.sampling_params import SamplingParams
 
     llm = LLM(str(tiny_model_dir), dtype="bfloat16", int4_max_tokens=0, num_threads=1)
     engine = llm.engine

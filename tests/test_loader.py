@@ -19,8 +19,8 @@ from stratum.layers.rotary import rope_inv_freq
 from stratum.models.chat_template import ChatTemplate
 from stratum.models.config import ModelConfig
 from stratum.models.loader import ModelLoadError, _unpermute, load_checkpoint
-from stratum.sampling_params import SamplingParams
-from stratum.sequence import CachePolicy
+from stratum.engine.sampling_params import SamplingParams
+from stratum.engine.request import CachePolicy
 from tests.factories import CHATML, SPECIAL, make_tiny_model_dir, random_llama_weights
 
 PROMPT = "The capital of Japan is Tokyo. def add(a, b):\n    return a + b"

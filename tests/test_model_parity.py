@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from stratum.engine import LLM
-from stratum.sampling_params import SamplingParams
-from stratum.sequence import CachePolicy
+from stratum.engine.sampling_params import SamplingParams
+from stratum.engine.request import CachePolicy
 
 pytestmark = pytest.mark.integration
 

@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from stratum.layers import native
+from stratum.kernels import native
 from stratum.layers.attention import AttentionMetadata, paged_attention
-from stratum.layers.quant import Q8Weight, unpack_q8_0
+from stratum.kernels.quant import Q8Weight, unpack_q8_0
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernels: {native.status()}")
 
@@ -115,7 +115,7 @@ def test_unpack_q8_0_matches_gguf_dequantize(real_model_path):
 def test_engine_without_native_kernels_generates_the_same_tokens(tiny_model_dir, monkeypatch):
     """A machine without a compiler keeps the PyTorch paths; they compute the same thing."""
     from stratum.engine import LLM
-    from stratum.sampling_params import SamplingParams
+    from stratum.engine.sampling_params import SamplingParams
 
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     prompts = ["The capital of Japan is", "One two three four five six seven eight nine ten eleven twelve thirteen"]

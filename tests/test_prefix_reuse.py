@@ -17,9 +17,9 @@ import random
 
 import pytest
 
-from stratum.config import SchedulerConfig
+from stratum.engine.config import SchedulerConfig
 from stratum.engine import LLM
-from stratum.sampling_params import SamplingParams
+from stratum.engine.sampling_params import SamplingParams
 
 BS = 16
 SHARED = 600

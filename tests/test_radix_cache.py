@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from stratum.radix_cache import RadixCache
-from stratum.sequence import hash_block, root_hash
+from stratum.engine.radix_cache import RadixCache
+from stratum.engine.request import hash_block, root_hash
 
 BS = 4
 

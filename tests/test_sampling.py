@@ -10,11 +10,11 @@ import dataclasses
 import pytest
 import torch
 
-from stratum.config import SchedulerConfig
+from stratum.engine.config import SchedulerConfig
 from stratum.engine import LLM
 from stratum.models.loader import load_checkpoint
-from stratum.sampler import sample
-from stratum.sampling_params import InvalidRequestError, SamplingParams
+from stratum.engine.sampler import sample
+from stratum.engine.sampling_params import InvalidRequestError, SamplingParams
 
 BS = 16
 PROMPTS = [

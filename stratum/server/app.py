@@ -1,4 +1,7 @@
-"""The ASGI application: routes, authentication, size limits and the one place errors are shaped."""
+"""The ASGI application: routes, authentication, size limits; errors are shaped by `errors.py`.
+
+The event loop only does I/O: chat templates and tokenization of a request run in a worker thread,
+and `/health` and `/metrics` read the engine's published snapshot, never waiting for a step."""
 
 from __future__ import annotations
 
@@ -18,13 +21,14 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from stratum.engine import AsyncEngine, EngineDeadError, RequestOutput
-from stratum.sampling_params import InvalidRequestError, SamplingParams
+from stratum.engine.client import EngineClient, RequestStream
+from stratum.engine.outputs import RequestOutput
+from stratum.engine.sampling_params import SamplingParams
 from stratum.server import anthropic_api, openai_api, pipeline
 from stratum.server.chat import ChatInput, anthropic_input, build_prompt, openai_input
-from stratum.server.errors import APIError, AuthenticationFailed, EngineUnavailable, InvalidRequest, NotFound, RequestTooLarge
+from stratum.server.errors import (APIError, AuthenticationFailed, EngineUnavailable, InvalidRequest, MethodNotAllowed,
+                                   NotFound, RequestTooLarge, as_api_error, error_response)
 from stratum.server.protocol import ChatCompletionRequest, CountTokensRequest, MessagesRequest
-from stratum.server.streams import EngineStream
 from stratum.telemetry.cost import ArticleFormula, PricingModel
 
 log = logging.getLogger("stratum.server")
@@ -64,7 +68,7 @@ class ServerSettings:
         return tuple(hashlib.sha256(k.encode()).digest() for k in self.api_keys)
 
 
-def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
+def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="Stratum", version="0.1.0", docs_url="/docs", redoc_url=None)
     rt = pipeline.make_runtime(engine, settings.model_name, settings.pricing, settings.tenant_budget_tokens,
                                settings.budget_window_s, settings.pollution_policy)
@@ -76,39 +80,35 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, e: APIError):
         rt.metrics.observe_error(request.url.path, e.status)
-        return _error_response(e, request.state.request_id)
-
-    @app.exception_handler(pipeline.PollutionDetected)
-    async def on_pollution(request: Request, e: pipeline.PollutionDetected):
-        rid = request.state.request_id
-        body = {"type": "error", "error": {"type": "invalid_request_error", "stratum_reason": "cache_pollution",
-                "message": "the last requests of this session missed the prefix cache and differ only in high-entropy "
-                           "values (UUIDs, timestamps, ids); " + pipeline.PollutionDetector.ADVICE}, "request_id": rid}
-        rt.metrics.observe_error(request.url.path, 418)
-        return JSONResponse(body, status_code=418, headers={"x-stratum-advice": pipeline.PollutionDetector.ADVICE, "request-id": rid})
+        return error_response(e, request.state.request_id, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request: Request, e: StarletteHTTPException):
-        err = NotFound(f"no route {request.method} {request.url.path}") if e.status_code == 404 else InvalidRequest(str(e.detail))
-        if e.status_code == 405:
-            err.status = 405
-        return _error_response(err, request.state.request_id)
+        if e.status_code == 404:
+            err: APIError = NotFound(f"no route {request.method} {request.url.path}")
+        elif e.status_code == 405:
+            err = MethodNotAllowed(f"method {request.method} not allowed on {request.url.path}")
+        else:
+            err = InvalidRequest(str(e.detail))
+        return error_response(err, request.state.request_id, request.url.path)
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, e: Exception):
         log.exception("unhandled error")
-        return _error_response(APIError("internal server error"), request.state.request_id)
+        return error_response(APIError("internal server error"), request.state.request_id, request.url.path)
 
     @app.get("/health")
     async def health():
-        ok = engine.is_alive
-        body: dict[str, Any] = {"status": "ok" if ok else "dead", "model": settings.model_name,
-                                "mode": engine.engine.mode, "running": engine.num_running, "waiting": engine.num_waiting}
-        if engine.engine.degraded_reason:
-            body["degraded_reason"] = engine.engine.degraded_reason
-        if ok:
-            body["kv_blocks"] = await asyncio.wrap_future(engine.call(_kv_snapshot))
-        return JSONResponse(body, status_code=200 if ok else 503)
+        snap = engine.snapshot
+        kv = snap.kv_blocks
+        body: dict[str, Any] = {"status": "ok" if snap.alive else "dead", "model": settings.model_name, "mode": snap.mode,
+                                "running": snap.num_running, "waiting": snap.num_waiting, "queued": engine.num_queued,
+                                "kv_blocks": {"total": kv.total, "free": kv.free, "cached": kv.cached, "in_use": kv.in_use}}
+        if snap.degraded_reason:
+            body["degraded_reason"] = snap.degraded_reason
+        if snap.error:
+            body["error"] = snap.error
+        return JSONResponse(body, status_code=200 if snap.alive else 503)
 
     @app.get("/metrics")
     async def metrics():
@@ -133,14 +133,14 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
-        req = _parse(CountTokensRequest, await _read_json(request, settings))
+        req = await _read_request(request, settings, CountTokensRequest)
         _check_model(settings, req.model)
-        prompt = build_prompt(engine.engine.chat_template, anthropic_input(req))
+        prompt = await asyncio.to_thread(build_prompt, engine.chat_template, anthropic_input(req))
         return {"input_tokens": len(prompt.token_ids)}
 
     @app.post("/v1/messages")
     async def messages(request: Request):
-        req = _parse(MessagesRequest, await _read_json(request, settings))
+        req = await _read_request(request, settings, MessagesRequest)
         _check_model(settings, req.model)
         chat = anthropic_input(req)
         user_id = req.metadata.user_id if req.metadata else None
@@ -161,7 +161,7 @@ def create_app(engine: AsyncEngine, settings: ServerSettings) -> FastAPI:
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        req = _parse(ChatCompletionRequest, await _read_json(request, settings))
+        req = await _read_request(request, settings, ChatCompletionRequest)
         _check_model(settings, req.model)
         chat = openai_input(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
@@ -214,12 +214,12 @@ class Envelope:
             if self.digests and not scope["path"].startswith(OPEN_PATHS) and scope["method"] != "OPTIONS":
                 _authenticate(request, self.digests)
         except APIError as e:
-            return await _error_response(e, request_id)(scope, receive, send_with_id)
+            return await error_response(e, request_id, scope["path"])(scope, receive, send_with_id)
         await self.app(scope, receive, send_with_id)
 
 
 async def _start(rt: pipeline.Runtime, job: pipeline.Job, request: Request, chat: ChatInput, sampling: SamplingParams,
-                 settings: ServerSettings, default_max: bool = False) -> tuple[EngineStream, RequestOutput | None]:
+                 settings: ServerSettings, default_max: bool = False) -> tuple[RequestStream, RequestOutput | None]:
     """Controls, compression, prompt, engine: returns the stream and its first output (prefill done), if it
     came within header_wait_s. Admission errors raised by the engine surface here as 4xx."""
     try:
@@ -231,18 +231,21 @@ async def _start(rt: pipeline.Runtime, job: pipeline.Job, request: Request, chat
 
 async def _start_admitted(rt: pipeline.Runtime, job: pipeline.Job, request: Request, chat: ChatInput,
                           sampling: SamplingParams, settings: ServerSettings, default_max: bool):
-    engine = rt.engine.engine
+    engine = rt.engine
     pipeline.apply_controls(job, request, chat.system_text)
     if request.headers.get("x-stratum-context-mode", "").strip().lower() == "compressive":
         chat = ChatInput(await pipeline.compress(rt, job, chat.messages, request.state.request_id), chat.tools,
                          chat.forced_tool, chat.system_text)
-    prompt = build_prompt(engine.chat_template, chat)
+    prompt = await asyncio.to_thread(build_prompt, engine.chat_template, chat)
     job.prompt_text = chat.text
     if default_max:
-        sampling.max_tokens = max(1, min(sampling.max_tokens, engine.max_model_len - len(prompt.token_ids)))
+        sampling.max_tokens = max(1, min(sampling.max_tokens, engine.config.max_model_len - len(prompt.token_ids)))
     pipeline.check_request(rt, prompt, sampling)
-    pins = pipeline.pins_for(engine.chat_template, chat.messages, chat.pinned, prompt.template_tools) if chat.pinned else None
-    stream = pipeline.start(rt, job, prompt, sampling, request.state.request_id, pins)
+    pins = None
+    if chat.pinned:
+        pins = await asyncio.to_thread(pipeline.pins_for, engine.chat_template, chat.messages, chat.pinned,
+                                       prompt.template_tools)
+    stream = pipeline.start(rt, job, prompt, sampling, pins)
     try:
         first = await _next(stream, settings.header_wait_s)
     except StopAsyncIteration:
@@ -269,14 +272,24 @@ def _authenticate(request: Request, digests: tuple[bytes, ...]) -> None:
         raise AuthenticationFailed("invalid API key")
 
 
-async def _read_json(request: Request, settings: ServerSettings) -> dict[str, Any]:
+# Bodies above this are parsed in a worker thread, so a large one does not hold up other clients.
+_PARSE_INLINE_BYTES = 64 * 1024
+
+
+async def _read_request(request: Request, settings: ServerSettings, model: type[BaseModel]):
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
         if len(body) > settings.max_body_bytes:
             raise RequestTooLarge(f"request body exceeds {settings.max_body_bytes} bytes")
+    if len(body) <= _PARSE_INLINE_BYTES:
+        return _parse(model, _decode_json(bytes(body)))
+    return await asyncio.to_thread(lambda: _parse(model, _decode_json(bytes(body))))
+
+
+def _decode_json(body: bytes) -> dict[str, Any]:
     try:
-        data = json.loads(bytes(body))
+        data = json.loads(body)
     except UnicodeDecodeError:
         raise InvalidRequest("request body is not valid UTF-8") from None
     except (ValueError, RecursionError) as e:
@@ -304,30 +317,21 @@ def _check_model(settings: ServerSettings, name: str) -> None:
         raise NotFound(f"model {name!r} not found; this server serves {settings.model_name!r}")
 
 
-def _error_response(e: APIError, request_id: str) -> JSONResponse:
-    return JSONResponse(e.body(request_id), status_code=e.status, headers={**e.headers, "request-id": request_id})
-
-
-def _kv_snapshot(engine) -> dict[str, int]:
-    bm = engine.block_manager
-    return {"total": bm.num_blocks, "free": bm.num_free_blocks, "cached": bm.num_cached_blocks, "in_use": bm.num_used_blocks}
-
-
 def _model_card(settings: ServerSettings) -> dict[str, Any]:
     return {"type": "model", "id": settings.model_name, "display_name": settings.model_name, "created_at": settings.created_at}
 
 
 # ---- running a request ---------------------------------------------------------------------------
-async def _next(stream: EngineStream, timeout: float | None = None):
+async def _next(stream: RequestStream, timeout: float | None = None):
     try:
         return await stream.next(timeout)
-    except InvalidRequestError as e:
-        raise InvalidRequest(str(e)) from None
-    except EngineDeadError as e:
-        raise EngineUnavailable(str(e)) from None
+    except StopAsyncIteration:
+        raise
+    except Exception as e:
+        raise as_api_error(e) from None
 
 
-async def _collect(request: Request, stream: EngineStream, first: RequestOutput | None, rt: pipeline.Runtime,
+async def _collect(request: Request, stream: RequestStream, first: RequestOutput | None, rt: pipeline.Runtime,
                    job: pipeline.Job) -> RequestOutput:
     """Run a non-streaming request to the end; a client disconnect aborts it (and gives back its charge)."""
     try:

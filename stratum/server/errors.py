@@ -1,11 +1,22 @@
-"""API errors, mapped to Anthropic's error body in one place.
+"""API errors, and the one module that shapes them: every error body and every SSE error event.
 
-Body: {"type": "error", "error": {"type": ..., "message": ...}, "request_id": ...}
+Anthropic routes answer in Anthropic's shape,
+    {"type": "error", "error": {"type": ..., "message": ...}, "request_id": ...}
+and OpenAI routes (`/v1/chat/completions`, `/v1/completions`) in OpenAI's,
+    {"error": {"message": ..., "type": ..., "param": null, "code": ...}, "request_id": ...}
+both with the request id, which every response also carries as the `request-id` header.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
+
+from fastapi.responses import JSONResponse
+
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions")
+# OpenAI names server-side failures "server_error"; the other types read the same in both APIs.
+_OPENAI_TYPES = {"api_error": "server_error"}
 
 
 class APIError(Exception):
@@ -17,9 +28,6 @@ class APIError(Exception):
         self.message = message
         self.headers = headers or {}
         self.extra = extra or {}
-
-    def body(self, request_id: str) -> dict[str, Any]:
-        return {"type": "error", "error": {"type": self.type, "message": self.message, **self.extra}, "request_id": request_id}
 
 
 class InvalidRequest(APIError):
@@ -38,8 +46,18 @@ class NotFound(APIError):
     status, type = 404, "not_found_error"
 
 
+class MethodNotAllowed(APIError):
+    status, type = 405, "invalid_request_error"
+
+
 class RequestTooLarge(APIError):
     status, type = 413, "request_too_large"
+
+
+class CachePollution(APIError):
+    """418: the session keeps defeating the prefix cache (see docs/telemetry.md)."""
+
+    status, type = 418, "invalid_request_error"
 
 
 class RateLimited(APIError):
@@ -52,3 +70,40 @@ class Overloaded(APIError):
 
 class EngineUnavailable(APIError):
     status, type = 503, "api_error"
+
+
+def as_api_error(e: BaseException) -> APIError:
+    """An engine-side failure as the API error it answers with."""
+    from stratum.engine.outputs import EngineDeadError
+    from stratum.engine.sampling_params import InvalidRequestError
+
+    if isinstance(e, APIError):
+        return e
+    if isinstance(e, InvalidRequestError):
+        return InvalidRequest(str(e))
+    if isinstance(e, EngineDeadError):
+        return EngineUnavailable(str(e))
+    return APIError(str(e) or type(e).__name__)
+
+
+def is_openai(path: str) -> bool:
+    return path.startswith(OPENAI_PATHS)
+
+
+def error_body(e: APIError, request_id: str, path: str) -> dict[str, Any]:
+    if is_openai(path):
+        code = e.extra.get("stratum_reason")
+        error = {"message": e.message, "type": _OPENAI_TYPES.get(e.type, e.type), "param": None, "code": code, **e.extra}
+        return {"error": error, "request_id": request_id}
+    return {"type": "error", "error": {"type": e.type, "message": e.message, **e.extra}, "request_id": request_id}
+
+
+def error_response(e: APIError, request_id: str, path: str) -> JSONResponse:
+    return JSONResponse(error_body(e, request_id, path), status_code=e.status, headers={**e.headers, "request-id": request_id})
+
+
+def sse_error(e: APIError, request_id: str, path: str) -> bytes:
+    """The one event that ends a stream that fails after its 200: Anthropic's `event: error`, or an
+    OpenAI `data:` chunk holding the error object."""
+    body = json.dumps(error_body(e, request_id, path), ensure_ascii=False)
+    return f"data: {body}\n\n".encode() if is_openai(path) else f"event: error\ndata: {body}\n\n".encode()

@@ -10,10 +10,11 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from stratum.engine import RequestOutput
+from stratum.engine.client import RequestStream
+from stratum.engine.outputs import RequestOutput
 from stratum.server import pipeline
 from stratum.server.anthropic_api import split_output
-from stratum.server.streams import EngineStream
+from stratum.server.errors import APIError, as_api_error, sse_error
 
 log = logging.getLogger("stratum.server")
 
@@ -46,7 +47,7 @@ def completion_body(cid: str, model: str, prompt, out: RequestOutput) -> dict[st
             "usage": usage(out)}
 
 
-def chunk_stream(rt: pipeline.Runtime, job: pipeline.Job, stream: EngineStream, first: RequestOutput | None, cid: str,
+def chunk_stream(rt: pipeline.Runtime, job: pipeline.Job, stream: RequestStream, first: RequestOutput | None, cid: str,
                  model: str, include_usage: bool, ping_interval_s: float) -> StreamingResponse:
     prompt = job.prompt
     created = int(time.time())
@@ -61,24 +62,15 @@ def chunk_stream(rt: pipeline.Runtime, job: pipeline.Job, stream: EngineStream, 
         return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
 
     async def events():
-        out = first
         buffer_all = bool(prompt.tool_names)
+        out = None
         try:
             yield chunk({"role": "assistant", "content": ""})
-            while True:
+            async for out in pipeline.paced(stream, first, ping_interval_s):
                 if out is None:
-                    try:
-                        out = await stream.next(timeout=ping_interval_s)
-                    except StopAsyncIteration:
-                        break
-                    if out is None:
-                        yield b": ping\n\n"
-                        continue
-                if out.delta_text and not buffer_all:
+                    yield b": ping\n\n"
+                elif out.delta_text and not buffer_all:
                     yield chunk({"content": out.delta_text}, extra={"stratum_meta": pipeline.stream_meta(out)})
-                if out.finished:
-                    break
-                out = None
             text, calls = split_output(prompt, out.text)
             if buffer_all and text:
                 yield chunk({"content": text})
@@ -89,9 +81,10 @@ def chunk_stream(rt: pipeline.Runtime, job: pipeline.Job, stream: EngineStream, 
             if include_usage:
                 yield chunk({}, use=usage(out), choices=False)
             yield b"data: [DONE]\n\n"
-        except Exception as e:
-            log.exception("stream failed")
-            yield f"data: {json.dumps({'error': {'type': 'api_error', 'message': str(e)}})}\n\n".encode()
+        except Exception as e:  # after the 200 a failure becomes one error chunk, then the stream ends
+            if not isinstance(e, APIError):
+                log.exception("stream failed")
+            yield sse_error(as_api_error(e), job.request_id, job.endpoint)
         finally:
             await stream.close()
             pipeline.release(rt, job)

@@ -17,14 +17,15 @@ from typing import Any
 
 from fastapi import Request
 
-from stratum.admission import CostAdmission, PollutionDetector
-from stratum.engine import AsyncEngine, RequestOutput
-from stratum.sampling_params import InvalidRequestError, SamplingParams
-from stratum.sequence import CachePolicy
+from stratum.engine.admission import CostAdmission, PollutionDetector
+from stratum.engine.client import EngineClient, QueueFull, RequestStream
+from stratum.engine.outputs import EngineDeadError, RequestOutput
+from stratum.engine.request import CachePolicy
+from stratum.engine.sampling_params import InvalidRequestError, SamplingParams
 from stratum.server import tools as tool_fmt
 from stratum.server.chat import Prompt
-from stratum.server.errors import EngineUnavailable, InvalidRequest, Overloaded, RateLimited
-from stratum.server.streams import EngineStream
+from stratum.server.errors import (APIError, CachePollution, EngineUnavailable, InvalidRequest, Overloaded, RateLimited,
+                                   as_api_error)
 from stratum.telemetry.cost import CostFields, PricingModel
 from stratum.telemetry.metrics import Metrics
 from stratum.telemetry.trace import build_trace, encode_trace, hardware_view
@@ -36,15 +37,11 @@ TOP_PRIORITY = -100
 PIN_TTLS = {"5m": 300.0, "1h": 3600.0}
 
 
-class PollutionDetected(Exception):
-    """Raised as the 418 answer: the session keeps defeating the prefix cache."""
-
-
 @dataclass
 class Runtime:
     """The server's in-process orchestration state."""
 
-    engine: AsyncEngine
+    engine: EngineClient
     model_name: str
     admission: CostAdmission
     pollution: PollutionDetector
@@ -62,6 +59,7 @@ class Job:
     """Everything decided about one request before it runs."""
 
     endpoint: str
+    request_id: str
     tenant: str
     session: str
     estimate: int
@@ -97,23 +95,22 @@ def tenant_of(request: Request, user_id: str | None) -> str:
 
 
 def admit(rt: Runtime, request: Request, endpoint: str, prompt_chars: int, max_tokens: int, user_id: str | None) -> Job:
-    """Decide before any tokenization: 529 if the queue is full, 418 on pollution, 429 over budget."""
-    engine = rt.engine
-    if not engine.is_alive:
-        raise EngineUnavailable("the engine is not running")
+    """Decide before any tokenization: 503 if the engine is gone, 418 on pollution, 429 over budget,
+    529 if the queue is full. From here on the request counts against the queue (see `release`)."""
+    if not rt.engine.is_alive:
+        raise EngineUnavailable(f"the engine is not running ({rt.engine.snapshot.error or 'stopped'})")
     check_control_headers(request)
-    if engine.num_waiting >= engine.engine.config.scheduler.max_waiting:
-        rt.metrics.rejections.labels("queue_full").inc()
-        raise Overloaded(f"the waiting queue is full ({engine.engine.config.scheduler.max_waiting} requests)",
-                         headers={"retry-after": "1"})
     tenant = tenant_of(request, user_id)
     session = request.headers.get("x-stratum-session-id") or user_id or tenant
-    job = Job(endpoint, tenant, session, CostAdmission.estimate(prompt_chars, max_tokens))
+    job = Job(endpoint, request.state.request_id, tenant, session, CostAdmission.estimate(prompt_chars, max_tokens))
     if rt.pollution.is_polluted(session):
         if rt.pollution.policy == "reject":
             rt.pollution.reset(session)
             rt.metrics.rejections.labels("cache_pollution").inc()
-            raise PollutionDetected(session)
+            raise CachePollution(
+                "the last requests of this session missed the prefix cache and differ only in high-entropy values "
+                "(UUIDs, timestamps, ids); " + PollutionDetector.ADVICE,
+                headers={"x-stratum-advice": PollutionDetector.ADVICE}, extra={"stratum_reason": "cache_pollution"})
         job.advise = True
     if rt.admission.is_enabled:
         d = rt.admission.admit(tenant, job.estimate)
@@ -131,6 +128,15 @@ def admit(rt: Runtime, request: Request, endpoint: str, prompt_chars: int, max_t
                 extra={"stratum_reason": "cost_threshold_exceeded"},
             )
         job.budget_reset_at = d.reset_at
+    try:
+        rt.engine.admit(job.request_id)
+    except QueueFull as e:
+        release(rt, job)
+        rt.metrics.rejections.labels("queue_full").inc()
+        raise Overloaded(str(e), headers={"retry-after": str(e.retry_after_s)}) from None
+    except EngineDeadError as e:
+        release(rt, job)
+        raise EngineUnavailable(str(e)) from None
     return job
 
 
@@ -146,7 +152,9 @@ def check_control_headers(request: Request) -> None:
 
 def release(rt: Runtime, job: Job) -> None:
     """A request that ends without `finish` (refused after admission, aborted, disconnected) gives its
-    charged estimate back: what it actually cost was not measured, so it is not charged."""
+    charged estimate back: what it actually cost was not measured, so it is not charged. It leaves
+    the waiting queue too."""
+    rt.engine.release(job.request_id)
     if not job.is_settled and rt.admission.is_enabled:
         rt.admission.settle(job.tenant, job.estimate, 0, job.budget_reset_at)
     job.is_settled = True
@@ -175,7 +183,7 @@ def check_request(rt: Runtime, prompt: Prompt, sampling: SamplingParams) -> None
     if prompt.tool_names and tool_fmt.CLOSE not in sampling.stop:
         sampling.stop.append(tool_fmt.CLOSE)
     try:
-        rt.engine.engine.check_request(len(prompt.token_ids), sampling)
+        rt.engine.check_request(len(prompt.token_ids), sampling)
     except InvalidRequestError as e:
         raise InvalidRequest(str(e)) from None
 
@@ -184,15 +192,14 @@ async def compress(rt: Runtime, job: Job, messages: list[dict[str, Any]], reques
     """X-Stratum-Context-Mode: compressive. The longest user message, when the prompt is long, is cut
     into chunks that the same engine summarises (all chunks batched together); the answer is then
     generated from the summaries."""
-    engine = rt.engine.engine
-    template, tokenizer = engine.chat_template, engine.tokenizer
-    original = len(template.encode(messages))
+    template, tokenizer = rt.engine.chat_template, rt.engine.tokenizer
+    original = len(await asyncio.to_thread(template.encode, messages))
     users = [i for i, m in enumerate(messages) if m["role"] == "user"]
     if original <= rt.compress_threshold_tokens or not users:
         job.compression = {"applied": False, "original_prompt_tokens": original, "threshold_tokens": rt.compress_threshold_tokens}
         return messages
     target = max(users, key=lambda i: len(messages[i]["content"]))
-    ids = tokenizer.encode(messages[target]["content"])
+    ids = await asyncio.to_thread(tokenizer.encode, messages[target]["content"])
     size = rt.compress_chunk_tokens
     chunks = [tokenizer.decode(ids[i : i + size]) for i in range(0, len(ids), size)]
     async def summarise(i: int, chunk: str) -> str:
@@ -202,15 +209,21 @@ async def compress(rt: Runtime, job: Job, messages: list[dict[str, Any]], reques
         ])
         text = ""
         params = SamplingParams(max_tokens=rt.compress_summary_tokens, temperature=0.0)
-        async for out in rt.engine.generate(prompt, params, request_id=f"{request_id}-summary-{i}", priority=job.priority):
-            text = out.text
+        stream = rt.engine.submit(prompt, params, request_id=f"{request_id}-summary-{i}", priority=job.priority)
+        try:
+            async for out in stream:
+                text = out.text
+                if out.finished:
+                    break
+        finally:
+            await stream.close()
         return text.strip()
 
     summaries = await asyncio.gather(*(summarise(i, c) for i, c in enumerate(chunks)))
     compressed = [dict(m) for m in messages]
     compressed[target]["content"] = "Summary of the provided text, part by part:\n" + "\n".join(
         f"{i + 1}. {s}" for i, s in enumerate(summaries))
-    after = len(template.encode(compressed))
+    after = len(await asyncio.to_thread(template.encode, compressed))
     job.compression = {"applied": True, "original_prompt_tokens": original, "compressed_prompt_tokens": after,
                        "ratio": round(after / original, 4), "chunks": len(chunks)}
     return compressed
@@ -225,8 +238,8 @@ def pins_for(template, messages: list[dict[str, Any]], marked: dict[int, str], t
     return pins
 
 
-def start(rt: Runtime, job: Job, prompt: Prompt, sampling: SamplingParams, request_id: str,
-          pins: list[tuple[int, float]] | None = None) -> EngineStream:
+def start(rt: Runtime, job: Job, prompt: Prompt, sampling: SamplingParams,
+          pins: list[tuple[int, float]] | None = None) -> RequestStream:
     """Queue the request in the engine; warm-up (max_tokens 0) and aggressive mode pin what they cache."""
     job.prompt = prompt
     policy = job.cache_policy
@@ -237,10 +250,33 @@ def start(rt: Runtime, job: Job, prompt: Prompt, sampling: SamplingParams, reque
     marker = None
     if prompt.tool_names:
         marker = "" if prompt.is_forced_tool else tool_fmt.OPEN
-    outputs = rt.engine.generate(prompt.token_ids, sampling, request_id=request_id, priority=job.priority,
-                                 cache_policy=policy, tool_marker=marker, pin_prefixes=pins or [],
-                                 low_latency=job.is_low_latency)
-    return EngineStream(outputs)
+    return rt.engine.submit(prompt.token_ids, sampling, request_id=job.request_id, priority=job.priority,
+                            cache_policy=policy, tool_marker=marker, pin_prefixes=pins or [],
+                            low_latency=job.is_low_latency)
+
+
+async def paced(stream: RequestStream, first: RequestOutput | None, ping_interval_s: float):
+    """A stream's outputs up to and including the finished one, with None whenever ping_interval_s
+    passes without one (the caller sends a keep-alive).
+
+    Raises:
+        APIError: the engine failed the request, or the stream ended without a finished output.
+    """
+    out = first
+    while True:
+        if out is None:
+            try:
+                out = await stream.next(timeout=ping_interval_s)
+            except StopAsyncIteration:
+                raise APIError("the request ended without a result") from None
+            except Exception as e:
+                raise as_api_error(e) from None
+        yield out
+        if out is not None and out.finished:
+            if out.finish_reason == "error":
+                raise APIError(out.error or "generation failed")
+            return
+        out = None
 
 
 def stream_meta(out: RequestOutput) -> dict[str, Any]:
@@ -291,7 +327,8 @@ def finish(rt: Runtime, job: Job, out: RequestOutput) -> tuple[dict[str, str], d
             extra["compression"] = job.compression
         hardware = None
         if job.debug == "full":
-            hardware = hardware_view(rt.engine.engine, time.process_time() - job.cpu0, time.perf_counter() - job.wall0)
+            hardware = hardware_view(rt.engine.info, rt.engine.snapshot, time.process_time() - job.cpu0,
+                                     time.perf_counter() - job.wall0)
         trace = encode_trace(build_trace(stats, cost, usage, rt.pricing, extra, hardware))
         headers["x-stratum-trace"] = trace
         body["trace"] = trace
@@ -304,8 +341,8 @@ def finish(rt: Runtime, job: Job, out: RequestOutput) -> tuple[dict[str, str], d
     return headers, body
 
 
-def make_runtime(engine: AsyncEngine, model_name: str, pricing: PricingModel, budget_tokens: int | None,
+def make_runtime(engine: EngineClient, model_name: str, pricing: PricingModel, budget_tokens: int | None,
                  window_s: float, pollution_policy: str) -> Runtime:
-    metrics = Metrics(lambda: engine.engine)
+    metrics = Metrics(lambda: engine.snapshot)
     return Runtime(engine, model_name, CostAdmission(budget_tokens, window_s), PollutionDetector(pollution_policy), pricing, metrics)
 

@@ -1,14 +1,14 @@
 """Prometheus metrics for `/metrics`, on a registry owned by the server instance (no module globals).
 
 Request-level series are observed when a response is sent, from the same figures the response
-reports; engine gauges are read from the engine when scraped.
+reports; engine gauges read the snapshot the engine published after its last step.
 """
 
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from stratum.engine import RequestStats
+from stratum.engine.outputs import RequestStats
 from stratum.telemetry.cost import CostFields
 
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -17,8 +17,8 @@ _RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
 class Metrics:
-    def __init__(self, engine_source=None):
-        """Args: engine_source: a zero-argument callable returning the LLMEngine (read at scrape time)."""
+    def __init__(self, snapshot_source=None):
+        """Args: snapshot_source: a zero-argument callable returning the engine's latest EngineSnapshot."""
         r = self.registry = CollectorRegistry()
         self.requests = Counter("stratum_request_count", "Requests answered, by endpoint and outcome", ["endpoint", "status"], registry=r)
         self.cache_hit_tokens = Counter("stratum_cache_hit_count", "Prompt tokens served from the prefix cache", registry=r)
@@ -34,28 +34,26 @@ class Metrics:
         self.prefill = Histogram("stratum_prefill_time_seconds", "First scheduled to first token (prefill_latency_us)", buckets=_LATENCY_BUCKETS, registry=r)
         self.rejections = Counter("stratum_admission_rejections", "Requests rejected before any work, by reason", ["reason"], registry=r)
         self.advice = Counter("stratum_pollution_advice", "Responses carrying x-stratum-advice", registry=r)
-        if engine_source is not None:
-            self._engine_gauges(engine_source)
+        if snapshot_source is not None:
+            self._engine_gauges(snapshot_source)
 
-    def _engine_gauges(self, engine_source) -> None:
+    def _engine_gauges(self, snapshot_source) -> None:
         r = self.registry
 
         def read(fn):
-            def value():
-                engine = engine_source()
-                return fn(engine) if engine is not None else 0.0
-            return value
+            return lambda: float(fn(snapshot_source()))
 
-        Gauge("stratum_num_requests_running", "Requests in the running batch", registry=r).set_function(read(lambda e: len(e.scheduler.running)))
-        Gauge("stratum_num_requests_waiting", "Requests in the waiting queue", registry=r).set_function(read(lambda e: len(e.scheduler.waiting)))
-        Gauge("stratum_kv_cache_usage_ratio", "KV blocks held by running requests / all blocks", registry=r).set_function(read(lambda e: e.block_manager.usage()))
-        Gauge("stratum_kv_cache_cached_blocks", "Unreferenced blocks kept by the prefix cache", registry=r).set_function(read(lambda e: e.block_manager.num_cached_blocks))
-        Gauge("stratum_num_preemptions", "Recompute preemptions since start (in the current scheduler)", registry=r).set_function(read(lambda e: e.scheduler.num_preemptions))
-        Gauge("stratum_runtime_overhead_ratio", "Time outside the model forward / step time, over recent steps", registry=r).set_function(read(_overhead_ratio))
-        Gauge("stratum_engine_steps", "Engine steps run", registry=r).set_function(read(lambda e: e.num_steps))
+        Gauge("stratum_num_requests_running", "Requests in the running batch", registry=r).set_function(read(lambda s: s.num_running))
+        Gauge("stratum_num_requests_waiting", "Requests in the waiting queue", registry=r).set_function(read(lambda s: s.num_waiting))
+        Gauge("stratum_kv_cache_usage_ratio", "KV blocks held by running requests / all blocks", registry=r).set_function(read(lambda s: s.kv_usage))
+        Gauge("stratum_kv_cache_cached_blocks", "Unreferenced blocks kept by the prefix cache", registry=r).set_function(read(lambda s: s.kv_blocks.cached))
+        Gauge("stratum_num_preemptions", "Recompute preemptions since start (in the current scheduler)", registry=r).set_function(read(lambda s: s.num_preemptions))
+        Gauge("stratum_runtime_overhead_ratio", "Time outside the model forward / step time, over recent steps", registry=r).set_function(read(lambda s: s.overhead_ratio))
+        Gauge("stratum_engine_steps", "Engine steps run", registry=r).set_function(read(lambda s: s.num_steps))
+        Gauge("stratum_engine_alive", "1 while the engine loop runs", registry=r).set_function(read(lambda s: s.alive))
         mode = Gauge("stratum_engine_mode", "1 for the engine's current mode", ["mode"], registry=r)
-        mode.labels("normal").set_function(read(lambda e: float(e.mode == "normal")))
-        mode.labels("basic").set_function(read(lambda e: float(e.mode == "basic")))
+        mode.labels("normal").set_function(read(lambda s: s.mode == "normal"))
+        mode.labels("basic").set_function(read(lambda s: s.mode == "basic"))
 
     def observe_request(self, endpoint: str, model: str, stats: RequestStats, cost: CostFields, usd: float) -> None:
         self.requests.labels(endpoint, "ok").inc()
@@ -83,9 +81,3 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
-
-
-def _overhead_ratio(engine) -> float:
-    steps = list(engine.step_stats)
-    total = sum(s.step_s for s in steps)
-    return sum(s.overhead_s for s in steps) / total if total > 0 else 0.0

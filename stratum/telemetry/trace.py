@@ -63,31 +63,26 @@ def decode_trace(value: str) -> dict[str, Any]:
     return doc
 
 
-def hardware_view(engine, cpu_seconds: float | None = None, wall_seconds: float | None = None) -> dict[str, Any]:
-    """`X-Stratum-Debug: full`: threads, kernels, RSS, process CPU time, GPU memory and utilisation."""
-    import psutil
-    import torch
+def hardware_view(info, snapshot, cpu_seconds: float | None = None, wall_seconds: float | None = None) -> dict[str, Any]:
+    """`X-Stratum-Debug: full`: the engine's threads, kernels, memory and mode (from its last published
+    snapshot), and the CPU time this request's handling took.
 
-    proc = psutil.Process(os.getpid())
+    Args:
+        info: the engine's EngineInfo; snapshot: its latest EngineSnapshot.
+    """
+    config = info.config
     view: dict[str, Any] = {
-        "device": str(engine.device),
-        "dtype": str(engine.dtype).replace("torch.", ""),
-        "threads": torch.get_num_threads(),
-        "kernels": getattr(engine, "kernel_choices", {}),
-        "rss_mb": round(proc.memory_info().rss / 2**20, 1),
-        "engine_mode": engine.mode,
+        "device": config.device,
+        "dtype": config.dtype,
+        "threads": snapshot.threads,
+        "kernels": info.kernel_choices,
+        "rss_mb": snapshot.rss_mb,
+        "engine_mode": snapshot.mode,
     }
     if cpu_seconds is not None:
         view["process_cpu_seconds"] = round(cpu_seconds, 4)
         if wall_seconds:
             view["cpu_utilization"] = round(cpu_seconds / wall_seconds / (os.cpu_count() or 1), 4)
-    if engine.device.type == "cuda":
-        view["gpu_name"] = torch.cuda.get_device_name(engine.device)
-        view["gpu_memory_allocated_mb"] = round(torch.cuda.memory_allocated(engine.device) / 2**20, 1)
-        view["gpu_memory_reserved_mb"] = round(torch.cuda.memory_reserved(engine.device) / 2**20, 1)
-        try:
-            view["gpu_utilization"] = torch.cuda.utilization(engine.device)
-        except Exception as e:  # needs pynvml; say why it is missing instead of inventing it
-            view["gpu_utilization"] = None
-            view["gpu_utilization_error"] = type(e).__name__
+    if snapshot.gpu_memory_allocated_mb is not None:
+        view["gpu_memory_allocated_mb"] = snapshot.gpu_memory_allocated_mb
     return view

@@ -2,7 +2,8 @@
 
 One accounting rule drives everything: `num_computed_tokens` catches up with `num_tokens`.
 A new request starts at its prefix-cache hit; chunked prefill advances it by the chunk; a
-running decode sits at num_tokens - 1; recompute preemption resets it to 0.
+running decode sits at num_tokens - 1; recompute preemption resets it to 0. The scheduler is the
+only writer of it.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import struct
 import time
 from dataclasses import dataclass, field
 
-from stratum.sampling_params import SamplingParams
+from stratum.engine.sampling_params import SamplingParams
 
 _arrival_counter = itertools.count()
 
@@ -129,8 +130,14 @@ class Sequence:
         return self.status is SequenceStatus.FINISHED
 
     @property
+    def is_decoding(self) -> bool:
+        """All but the last token is computed: the next step computes one token and samples from it.
+        The one definition of a decode."""
+        return 0 < self.num_computed_tokens == self.num_tokens - 1
+
+    @property
     def is_prefilling(self) -> bool:
-        return self.num_computed_tokens < self.num_tokens - 1
+        return not self.is_decoding
 
     def sort_key(self) -> tuple[int, int]:
         return (self.priority, self.arrival_order)

@@ -1,4 +1,7 @@
-"""The scheduler: decides what runs each step. It never touches tensors.
+"""The scheduler: decides what runs each step, and owns the accounting. It never touches tensors.
+
+It is the only writer of `num_computed_tokens` and the only code that allocates, caches or pins KV
+blocks: the engine runs the step and hands the scheduler the step back (`commit`).
 
 Order of a step: running decodes first (one token each), then running prefills continue with a
 chunk, then waiting requests are admitted by priority class and arrival, each with a chunk that
@@ -14,19 +17,17 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
-from stratum.block_manager import BlockManager
-from stratum.config import SchedulerConfig
-from stratum.sequence import Sequence, SequenceStatus
+from stratum.engine.block_manager import BlockManager
+from stratum.engine.config import SchedulerConfig
+from stratum.engine.request import Sequence, SequenceStatus
 
 
 @dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
     num_new_tokens: int  # tokens computed this step: 1 for a decode, the chunk for a prefill
-
-    @property
-    def is_decode(self) -> bool:
-        return self.num_new_tokens == 1 and self.seq.num_computed_tokens == self.seq.num_tokens - 1
+    start: int  # seq.num_computed_tokens when it was scheduled: the chunk's first position
+    is_decode: bool  # Sequence.is_decoding when scheduled
 
 
 @dataclass
@@ -35,6 +36,13 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+
+    def add(self, seq: Sequence, num_new_tokens: int) -> None:
+        self.scheduled.append(ScheduledSeq(seq, num_new_tokens, seq.num_computed_tokens, seq.is_decoding))
+
+    @property
+    def num_decodes(self) -> int:
+        return sum(1 for s in self.scheduled if s.is_decode)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -90,6 +98,43 @@ class Scheduler:
         self.bm.cache_computed_blocks(seq, seq.cache_policy.pin_ttl_s if seq.cache_policy.pin_output else 0.0)
         self.bm.free(seq)
 
+    def commit(self, out: SchedulerOutput) -> None:
+        """The step ran: each scheduled request has computed its chunk. Advance the accounting, offer
+        the newly full blocks to the prefix cache, and pin the prefixes requests asked for."""
+        for item in out.scheduled:
+            seq = item.seq
+            prompt_left = max(0, seq.num_prompt_tokens - item.start)
+            seq.num_prompt_tokens_computed += min(item.num_new_tokens, prompt_left)
+            seq.num_computed_tokens = item.start + item.num_new_tokens
+            policy = seq.cache_policy
+            in_prompt = seq.num_computed_tokens <= seq.num_prompt_tokens
+            self.bm.cache_computed_blocks(seq, policy.pin_ttl_s if in_prompt or policy.pin_output else 0.0)
+            if seq.pin_prefixes:
+                self._pin_prefixes(seq)
+
+    def reserve(self, seq: Sequence, num_tokens: int) -> bool:
+        """Allocate blocks now for num_tokens that seq will decode (a tool call's arguments), so they
+        decode without stalls. False, changing nothing, when the pool cannot spare them."""
+        return self.bm.allocate(seq, num_tokens)
+
+    def adopt(self, seqs: list[Sequence]) -> None:
+        """Take over requests from another scheduler whose KV pool is gone (basic mode): each is
+        recomputed from its tokens."""
+        for seq in seqs:
+            seq.block_table, seq.num_computed_tokens, seq.num_inserted_blocks = [], 0, 0
+            seq.status = SequenceStatus.WAITING
+            bisect.insort(self.waiting, seq, key=self.sort_key)
+
+    def _pin_prefixes(self, seq: Sequence) -> None:
+        """Pin the prompt prefixes a request asked for (cache_control) once they are computed and cached."""
+        keep = []
+        for num_tokens, ttl in seq.pin_prefixes:
+            if num_tokens <= seq.num_computed_tokens:
+                self.bm.cache.pin(seq.full_block_hashes()[: num_tokens // self.bm.block_size], ttl)
+            else:
+                keep.append((num_tokens, ttl))
+        seq.pin_prefixes = keep
+
     def schedule(self) -> SchedulerOutput:
         if self.fault == "scheduler":
             raise RuntimeError("injected scheduler fault (STRATUM_FAULT_INJECT=scheduler)")
@@ -114,7 +159,7 @@ class Scheduler:
                 n = min(n, max(1, prefill_cap))
             if not self._allocate_or_preempt(seq, n, out):
                 continue
-            out.scheduled.append(ScheduledSeq(seq, n))
+            out.add(seq, n)
             budget -= n
         if out.preempted:
             return out  # under KV pressure admit nobody new this step
@@ -122,7 +167,8 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[i]
-            hit = self.bm.match_prefix(seq)
+            match = self.bm.match_prefix(seq)
+            hit = match.num_blocks * self.bm.block_size if match is not None else 0
             if in_flight is None:
                 in_flight = self._in_flight_keys()
             if self._waits_for_in_flight(seq, hit, in_flight):
@@ -133,14 +179,17 @@ class Scheduler:
             # the watermark keeps room for running requests to grow; with none running it would only
             # stall a request that fits the pool forever
             watermark = self.config.watermark_blocks if self.running else 0
-            if not self.bm.can_allocate(need + watermark) or not self.bm.allocate(seq, n):
+            if not self.bm.can_allocate(need + watermark) or not self.bm.allocate(seq, n, match):
                 break
+            seq.num_computed_tokens = hit
+            if seq.num_cached_tokens < 0:  # the first admission's hit is what the cache served
+                seq.num_cached_tokens = hit
             del self.waiting[i]
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.perf_counter()
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
-            out.scheduled.append(ScheduledSeq(seq, n))
+            out.add(seq, n)
             budget -= n
             in_flight.update(self._pending_keys(seq))
         return out

@@ -16,8 +16,8 @@ from __future__ import annotations
 import math
 from collections import deque
 
-from stratum.radix_cache import RadixCache
-from stratum.sequence import Sequence
+from stratum.engine.radix_cache import MatchResult, RadixCache
+from stratum.engine.request import Sequence
 
 
 class BlockManager:
@@ -66,48 +66,44 @@ class BlockManager:
             return True
         return num_blocks <= len(self.free_blocks) + self.cache.num_evictable_blocks()
 
-    def match_prefix(self, seq: Sequence) -> int:
-        """Tokens of seq's prompt the cache could serve now (no side effects beyond LRU and edge splits).
-
-        At least one token is always left to compute, so the step produces logits.
-        """
+    def match_prefix(self, seq: Sequence) -> MatchResult | None:
+        """The cached blocks that could serve seq's prompt now (no side effects beyond LRU and edge
+        splits); None when seq does not read the cache. At least one token is always left to compute,
+        so the step produces logits. Pass the match to `allocate` in the same step."""
         if not (self.enable_prefix_cache and seq.cache_policy.read):
-            return 0
+            return None
         if self.fault == "cache":
             raise RuntimeError("injected prefix-cache fault (STRATUM_FAULT_INJECT=cache)")
-        return self.cache.match_prefix(self._prefix_keys(seq)).num_blocks * self.block_size
+        return self.cache.match_prefix(self._prefix_keys(seq))
 
     # ---- changes -------------------------------------------------------------------------------
-    def allocate(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Give seq blocks for its next num_new_tokens; on first call also attach its cached prefix.
+    def allocate(self, seq: Sequence, num_new_tokens: int, match: MatchResult | None = None) -> bool:
+        """Give seq blocks for its next num_new_tokens.
+
+        With a match (a waiting request's first allocation), seq's table starts with the matched
+        blocks, shared and locked, and the new tokens follow them; the caller then counts the matched
+        tokens as computed. Without one, the new tokens follow seq.num_computed_tokens.
 
         Returns:
             False, changing nothing, when the pool cannot supply the blocks even after eviction.
         """
-        if not seq.block_table and seq.num_computed_tokens == 0 and self.enable_prefix_cache and seq.cache_policy.read:
-            match = self.cache.match_prefix(self._prefix_keys(seq))
-            hit = match.num_blocks * self.block_size
-            needed = math.ceil((hit + min(num_new_tokens, seq.num_tokens - hit)) / self.block_size) - match.num_blocks
+        if match is not None and match.num_blocks and not seq.block_table:
+            needed = -(-(match.num_blocks * self.block_size + num_new_tokens) // self.block_size) - match.num_blocks
             self.cache.lock(match.node)  # protect the hit before evicting for the rest
             if not self._reserve(needed):
                 self.cache.unlock(match.node)
                 return False
             self._locked[seq.request_id] = (match.node, match.num_blocks)
             seq.block_table = list(match.block_ids)
-            seq.num_computed_tokens = hit
             seq.num_inserted_blocks = match.num_blocks
-            if seq.num_cached_tokens < 0:
-                seq.num_cached_tokens = hit
-            num_new_tokens = min(num_new_tokens, seq.num_tokens - hit)
-        needed = self.num_blocks_needed(seq, num_new_tokens)
-        if not self._reserve(needed):
-            return False
+        else:
+            needed = self.num_blocks_needed(seq, num_new_tokens)
+            if not self._reserve(needed):
+                return False
         for _ in range(needed):
             b = self.free_blocks.popleft()
             self.ref_counts[b] = 1
             seq.block_table.append(b)
-        if seq.num_cached_tokens < 0:
-            seq.num_cached_tokens = 0
         return True
 
     def cache_computed_blocks(self, seq: Sequence, pin_ttl_s: float = 0.0) -> None:

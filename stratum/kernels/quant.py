@@ -86,7 +86,7 @@ class Q8Weight:
     """A GGUF Q8_0 weight as stored (int8 values, one fp32 scale per 32) for the native exact kernel.
 
     Used for the output projection of small decode batches: fp32 logits from the checkpoint's own
-    values, reading half the bytes of a bf16 copy (layers/csrc/q8_linear.cpp).
+    values, reading half the bytes of a bf16 copy (kernels/csrc/q8_linear.cpp).
     """
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,9 +23,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from stratum.layers.linear import Linear
-from stratum.layers import native
-from stratum.layers.quant import GROUP_SIZE, Int4Weight, Q8Weight, is_packable, unpack_q4, unpack_q8_0
+from stratum.kernels import native
+from stratum.kernels.cpu import cpu_name
+from stratum.kernels.quant import GROUP_SIZE, Int4Weight, Q8Weight
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 PLAN_VERSION = 3
@@ -45,26 +44,6 @@ class KernelPlan:
 
     def describe(self) -> dict:
         return asdict(self)
-
-
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def cpu_flags() -> set[str]:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
 
 
 def _time_us(fn, reps: int) -> float:
@@ -152,69 +131,3 @@ def select_plan(home: Path, hidden: int, intermediate: int, threads: int, can_pa
     tmp.write_text(json.dumps(plan.describe(), indent=1))
     os.replace(tmp, path)
     return plan
-
-
-# HF checkpoint names that make up each fused projection of a layer.
-_FUSED = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "self_attn.o_proj": ("self_attn.o_proj",),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-    "mlp.down_proj": ("mlp.down_proj",),
-}
-
-
-def attach_int4(model, quantized: dict, max_tokens: int, cache_dir: Path | None = None) -> int:
-    """Give every projection whose parts are all GGUF Q4 tensors a packed int4 copy.
-
-    Packing is done once per checkpoint and kept in cache_dir/int4.pt when a cache is given.
-
-    Returns:
-        The bytes of packed weights attached (0 when nothing was packable).
-    """
-    if max_tokens <= 0:
-        return 0
-    cache = cache_dir / "int4.pt" if cache_dir is not None else None
-    packed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-    if cache is not None and cache.exists():
-        try:
-            packed = torch.load(cache, weights_only=True)
-        except (OSError, RuntimeError, ValueError):
-            packed = {}
-    total, fresh = 0, not packed
-    for i, layer in enumerate(model.layers):
-        for fused, parts in _FUSED.items():
-            module: Linear = layer.get_submodule(fused)
-            key = f"layers.{i}.{fused}"
-            if key in packed:
-                module.int4 = Int4Weight.from_packed(*packed[key], module.out_features, module.in_features)
-            else:
-                tensors = [quantized.get(f"model.layers.{i}.{p}.weight") for p in parts]
-                if any(t is None or not is_packable(t.qtype) for t in tensors):
-                    continue
-                unpacked = [unpack_q4(t.qtype, t.data, t.shape) for t in tensors]
-                q, scale, zero = (torch.cat([u[j] for u in unpacked]) for j in range(3))
-                module.int4 = Int4Weight(q, scale, zero)
-                packed[key] = (module.int4.packed, module.int4.scale_zeros)
-            module.int4_max_tokens = max_tokens
-            total += module.int4.nbytes
-    if cache is not None and fresh and packed:
-        try:
-            torch.save(packed, cache)
-        except OSError:
-            pass  # only costs the packing time on the next start
-    return total
-
-
-def attach_q8_head(model, quantized: dict, max_rows: int) -> int:
-    """Give the model its output projection as stored when that is GGUF Q8_0 (tied or not).
-
-    Returns:
-        The bytes attached (0 when the plan never uses it or the checkpoint has no Q8_0 head).
-    """
-    name = "lm_head.weight" if model.lm_head is not None else "model.embed_tokens.weight"
-    head = quantized.get(name)
-    if max_rows <= 0 or head is None or head.qtype != "Q8_0":
-        return 0
-    model.lm_head_q8 = Q8Weight(*unpack_q8_0(head.data, head.shape))
-    model.q8_max_rows = max_rows
-    return model.lm_head_q8.nbytes

@@ -7,11 +7,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from stratum.layers import native
+from stratum.kernels import native
 from stratum.layers.attention import AttentionMetadata, CoverageProbe, PrefillSpan
 from stratum.models.llama import LlamaForCausalLM
-from stratum.sampler import sample
-from stratum.scheduler import SchedulerOutput
+from stratum.engine.sampler import sample
+from stratum.engine.scheduler import SchedulerOutput
 
 # Decodes share their common leading blocks through the cascade path only when it saves work.
 _MIN_SHARED_BLOCKS = 2
@@ -106,8 +106,7 @@ class ModelRunner:
         prefills: list[PrefillSpan] = []
         probe = CoverageProbe(self.coverage_layers)
         for item in sched.scheduled:
-            seq, n = item.seq, item.num_new_tokens
-            start = seq.num_computed_tokens
+            seq, n, start = item.seq, item.num_new_tokens, item.start
             row0 = len(ids)
             ids += seq.token_ids[start : start + n]
             pos += range(start, start + n)
@@ -128,7 +127,7 @@ class ModelRunner:
                 probe.slots.append(self._slots_of(table, start + n))
                 probe.results.append([])
                 probe.seqs.append(seq)
-            if n == 1 and start > 0 and not prefills:  # a one-token chunk behind a prefill stays a prefill
+            if item.is_decode and not prefills:  # the batch's leading decodes (a late one-token chunk stays a prefill)
                 decode_seqs.append(seq)
             elif start == 0:
                 prefills.append(PrefillSpan(row0, row0 + n))
@@ -137,8 +136,6 @@ class ModelRunner:
                 mask = torch.ones(n, ctx, dtype=torch.bool, device=self.device).tril(diagonal=start)
                 prefills.append(PrefillSpan(row0, row0 + n, self._slots_of(table, ctx), mask))
         meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device), native=self.native)
-        assert all(item.num_new_tokens == 1 and item.seq.num_computed_tokens > 0
-                   for item in sched.scheduled[: len(decode_seqs)]), "decodes must come first"
         if decode_seqs:
             self._prepare_decode(decode_seqs, meta)
         meta.prefills = prefills

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from stratum.sampling_params import SamplingParams
+from stratum.engine.sampling_params import SamplingParams
 
 
 def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]) -> list[int]:

@@ -15,6 +15,9 @@ from pathlib import Path
 
 import torch
 
+from stratum.home import stratum_home
+from stratum.kernels.cpu import cpu_flags, cpu_name
+
 log = logging.getLogger("stratum.native")
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "q8_linear.cpp", "rotary_cache.cpp")]
@@ -23,8 +26,6 @@ _state: dict[str, object] = {}
 
 def build_dir(home: Path) -> Path:
     """One folder per source text, torch version and CPU: the library is built with -march=native."""
-    from stratum.layers.kernels import cpu_flags, cpu_name
-
     key = hashlib.sha256()
     for path in SOURCES:
         key.update(path.read_bytes())
@@ -50,8 +51,6 @@ def _load() -> bool:
         _state["status"] = "disabled (STRATUM_NATIVE=0)"
         return False
     from torch.utils.cpp_extension import load
-
-    from stratum.models.registry import stratum_home
 
     directory = build_dir(stratum_home())
     directory.mkdir(parents=True, exist_ok=True)

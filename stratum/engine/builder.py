@@ -1,0 +1,165 @@
+"""Model and kernel construction: settings + checkpoint -> a resolved configuration and a ready model.
+
+`resolve` is the one place "auto" becomes a value (device, dtype, threads, kernel plan, context
+length, KV blocks, sampling defaults). `build_model` loads the weights in the planned dtype and
+attaches the packed kernels the plan chose.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from stratum.engine.config import EngineConfig, ResolvedConfig
+from stratum.home import stratum_home
+from stratum.kernels import native
+from stratum.kernels.plan import KernelPlan, select_plan
+from stratum.kernels.quant import Int4Weight, Int8Weight, Q8Weight, is_packable, unpack_q4, unpack_q8_0
+from stratum.layers.linear import Linear
+from stratum.models.llama import LlamaForCausalLM
+from stratum.models.loader import Checkpoint, load_checkpoint
+from stratum.models.registry import resolve_model_path, sampling_defaults
+
+
+def load(config: EngineConfig) -> Checkpoint:
+    return load_checkpoint(resolve_model_path(config.model))
+
+
+def default_threads(serving: bool) -> int:
+    """$STRATUM_NUM_THREADS, else every core; a server leaves one core to its HTTP side.
+
+    Measured on the 2-core reference machine: 1 engine thread served 1.6x (one stream) and 1.16x
+    (32 streams) the tokens/s of 2 threads, whose spin-waiting lost to the server's own work.
+    """
+    env = int(os.environ.get("STRATUM_NUM_THREADS", 0) or 0)
+    if env > 0:
+        return env
+    cores = os.cpu_count() or 1
+    return max(1, cores - 1) if serving else cores
+
+
+def resolve(config: EngineConfig, checkpoint: Checkpoint) -> ResolvedConfig:
+    """Every "auto" of config, decided once for this machine and this checkpoint."""
+    mc = checkpoint.config
+    device = config.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    threads = config.num_threads or default_threads(config.serving)
+    prefill_threads = config.prefill_threads or max(threads, os.cpu_count() or 1)
+    plan = _plan(config, checkpoint, device, threads)
+    max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
+    per_block = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * config.block_size * (2 if plan.dtype == "bfloat16" else 4)
+    num_blocks = config.num_kv_blocks or max(16, config.kv_cache_memory_mb * 2**20 // per_block)
+    defaults = sampling_defaults(config.model)
+    return ResolvedConfig(
+        model=config.model, device=device, dtype=plan.dtype, block_size=config.block_size, num_kv_blocks=num_blocks,
+        max_model_len=max_model_len, enable_prefix_cache=config.enable_prefix_cache, num_threads=threads,
+        prefill_threads=prefill_threads, kernel_plan=plan, seed=config.seed, scheduler=config.scheduler,
+        default_temperature=defaults.get("temperature", 1.0), default_top_p=defaults.get("top_p", 1.0),
+    )
+
+
+def _plan(config: EngineConfig, checkpoint: Checkpoint, device: str, threads: int) -> KernelPlan:
+    mc = checkpoint.config
+    if device != "cpu":
+        dtype = "bfloat16" if config.dtype == "auto" else config.dtype
+        return KernelPlan(device, dtype, threads, 0, source="default")
+    can_pack = any(is_packable(t.qtype) for t in checkpoint.quantized.values())
+    if config.int4_max_tokens is not None and config.dtype != "auto":  # fully specified: nothing to measure
+        plan = KernelPlan("cpu", config.dtype, threads, 0, source="configured")
+    else:
+        plan = select_plan(stratum_home(), mc.hidden_size, mc.intermediate_size, threads, can_pack, config.dtype)
+    if config.int4_max_tokens is not None:  # the configured row limit holds for both packed formats
+        rows = config.int4_max_tokens if plan.dtype == "bfloat16" else 0
+        plan = replace(plan, int4_max_tokens=rows if can_pack else 0, q8_max_rows=rows if native.available() else 0,
+                       source="configured")
+    return plan
+
+
+def build_model(config: ResolvedConfig, checkpoint: Checkpoint) -> tuple[LlamaForCausalLM, int]:
+    """The model on its device in the planned dtype, with the plan's packed kernels attached.
+
+    Takes the checkpoint's tensors (it is empty afterwards). Returns (model, bytes of packed int4 weights).
+    """
+    plan = config.kernel_plan
+    model = LlamaForCausalLM(checkpoint.config, max_positions=config.max_model_len)
+    model.load_weights(dict(checkpoint.weights))
+    model.cast_weights(config.torch_dtype)
+    model = model.to(device=torch.device(config.device)).eval()
+    checkpoint.weights.clear()  # the model holds them now
+    int4_bytes = attach_int4(model, checkpoint.quantized, plan.int4_max_tokens, checkpoint.cache_dir)
+    attach_q8_head(model, checkpoint.quantized, plan.q8_max_rows)
+    if config.device == "cpu" and config.dtype == "bfloat16":  # the low-latency hint's output projection
+        head = model.lm_head.weight if model.lm_head is not None else model.embed_tokens.weight
+        model.lm_head_int8 = Int8Weight(head)
+    checkpoint.quantized.clear()
+    return model, int4_bytes
+
+
+# HF checkpoint names that make up each fused projection of a layer.
+_FUSED = {
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
+}
+
+
+def attach_int4(model, quantized: dict, max_tokens: int, cache_dir: Path | None = None) -> int:
+    """Give every projection whose parts are all GGUF Q4 tensors a packed int4 copy.
+
+    Packing is done once per checkpoint and kept in cache_dir/int4.pt when a cache is given.
+
+    Returns:
+        The bytes of packed weights attached (0 when nothing was packable).
+    """
+    if max_tokens <= 0:
+        return 0
+    cache = cache_dir / "int4.pt" if cache_dir is not None else None
+    packed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    if cache is not None and cache.exists():
+        try:
+            packed = torch.load(cache, weights_only=True)
+        except (OSError, RuntimeError, ValueError):
+            packed = {}
+    total, fresh = 0, not packed
+    for i, layer in enumerate(model.layers):
+        for fused, parts in _FUSED.items():
+            module: Linear = layer.get_submodule(fused)
+            key = f"layers.{i}.{fused}"
+            if key in packed:
+                module.int4 = Int4Weight.from_packed(*packed[key], module.out_features, module.in_features)
+            else:
+                tensors = [quantized.get(f"model.layers.{i}.{p}.weight") for p in parts]
+                if any(t is None or not is_packable(t.qtype) for t in tensors):
+                    continue
+                unpacked = [unpack_q4(t.qtype, t.data, t.shape) for t in tensors]
+                q, scale, zero = (torch.cat([u[j] for u in unpacked]) for j in range(3))
+                module.int4 = Int4Weight(q, scale, zero)
+                packed[key] = (module.int4.packed, module.int4.scale_zeros)
+            module.int4_max_tokens = max_tokens
+            total += module.int4.nbytes
+    if cache is not None and fresh and packed:
+        try:
+            torch.save(packed, cache)
+        except OSError:
+            pass  # only costs the packing time on the next start
+    return total
+
+
+def attach_q8_head(model, quantized: dict, max_rows: int) -> int:
+    """Give the model its output projection as stored when that is GGUF Q8_0 (tied or not).
+
+    Returns:
+        The bytes attached (0 when the plan never uses it or the checkpoint has no Q8_0 head).
+    """
+    name = "lm_head.weight" if model.lm_head is not None else "model.embed_tokens.weight"
+    head = quantized.get(name)
+    if max_rows <= 0 or head is None or head.qtype != "Q8_0":
+        return 0
+    model.lm_head_q8 = Q8Weight(*unpack_q8_0(head.data, head.shape))
+    model.q8_max_rows = max_rows
+    return model.lm_head_q8.nbytes

@@ -1,0 +1,417 @@
+"""The boundary between the engine and whoever serves it.
+
+The engine side is `EngineLoop`: it owns an `LLMEngine`, applies commands between steps and, after
+every step, emits one batch of events (outputs, requests that left the queue, a fresh snapshot). The
+serving side is `EngineClient`: submit, abort, stream outputs, and a read-only `EngineSnapshot`. The
+server talks to the engine through the client alone; nothing on the serving side reads the
+scheduler or the KV pool, and nothing there waits for a step.
+
+Events and commands are plain data, so the loop can run in a thread of this process or in a
+process of its own (`stratum.engine.process`) behind the same client.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import os
+import random
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field, replace
+from typing import Any, Callable
+
+from stratum.engine.config import ResolvedConfig
+from stratum.engine.outputs import EngineDeadError, OrchestrationError, RequestOutput, StepError
+from stratum.engine.sampling_params import InvalidRequestError, SamplingParams
+
+log = logging.getLogger("stratum.engine")
+
+
+class QueueFull(RuntimeError):
+    """The waiting queue holds --max-waiting admitted requests already."""
+
+    def __init__(self, max_waiting: int, retry_after_s: int):
+        super().__init__(f"the waiting queue is full ({max_waiting} requests)")
+        self.retry_after_s = retry_after_s
+
+
+@dataclass(frozen=True, slots=True)
+class KVBlocks:
+    total: int
+    free: int
+    cached: int
+    in_use: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """What the engine looked like after its last step, published by the engine, read by anyone."""
+
+    alive: bool
+    mode: str = "normal"
+    degraded_reason: str | None = None
+    error: str | None = None  # why the loop died
+    num_running: int = 0
+    num_waiting: int = 0  # in the scheduler's queue (preempted requests included)
+    kv_blocks: KVBlocks = KVBlocks(0, 0, 0, 0)
+    num_preemptions: int = 0
+    num_steps: int = 0
+    overhead_ratio: float = 0.0  # time outside the model forward / step time, over recent steps
+    mean_step_s: float = 0.0  # over recent steps
+    threads: int = 0
+    rss_mb: float = 0.0  # the engine process's resident memory
+    gpu_memory_allocated_mb: float | None = None
+    published_at: float = field(default_factory=time.time)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks.in_use / self.kv_blocks.total if self.kv_blocks.total else 0.0
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What does not change while the engine runs: its resolved configuration and kernel choices."""
+
+    config: ResolvedConfig
+    model_name: str  # the checkpoint's own name
+    vocab_size: int
+    kernel_choices: dict[str, Any]
+
+
+def count_kv_blocks(engine) -> KVBlocks:
+    bm = engine.block_manager
+    return KVBlocks(bm.num_blocks, bm.num_free_blocks, bm.num_cached_blocks, bm.num_used_blocks)
+
+
+def take_snapshot(engine, rss_mb: float, kv_blocks: KVBlocks) -> EngineSnapshot:
+    import torch
+
+    sched = engine.scheduler
+    steps = list(engine.step_stats)[-64:]
+    total = sum(s.step_s for s in steps)
+    gpu = round(torch.cuda.memory_allocated(engine.device) / 2**20, 1) if engine.device.type == "cuda" else None
+    return EngineSnapshot(
+        alive=True, mode=engine.mode, degraded_reason=engine.degraded_reason,
+        num_running=len(sched.running), num_waiting=len(sched.waiting),
+        kv_blocks=kv_blocks,
+        num_preemptions=sched.num_preemptions, num_steps=engine.num_steps,
+        overhead_ratio=sum(s.overhead_s for s in steps) / total if total > 0 else 0.0,
+        mean_step_s=total / len(steps) if steps else 0.0, threads=torch.get_num_threads(), rss_mb=rss_mb,
+        gpu_memory_allocated_mb=gpu,
+    )
+
+
+class EngineLoop:
+    """The step loop. `submit` is thread-safe; `run` blocks until `stop` or death.
+
+    Args:
+        engine: the LLMEngine it owns; only this loop touches it.
+        emit: receives one list of events per step (or per batch of commands), in order:
+            ("out", RequestOutput), ("error", request_id, message, kind), ("started", [request_id...]),
+            ("snapshot", EngineSnapshot), and once, last, ("dead", reason).
+    """
+
+    RSS_EVERY_S = 0.5
+    # Counting cached and in-use blocks walks the pool (milliseconds for a large GPU pool): while
+    # requests run it is refreshed this often; the snapshot an idle engine leaves is always exact.
+    KV_COUNT_EVERY_S = 0.05
+
+    def __init__(self, engine, emit: Callable[[list], None]):
+        self.engine = engine
+        self.emit = emit
+        self._commands: deque = deque()
+        self._wake = threading.Condition()
+        self._stopped = False
+        self.death: str | None = None  # why run() ended, if it was not stop()
+        self._rss = (0.0, 0.0)  # (when measured, MiB)
+        self._kv: tuple[float, KVBlocks | None] = (0.0, None)
+
+    def submit(self, command: tuple) -> None:
+        with self._wake:
+            self._commands.append(command)
+            self._wake.notify()
+
+    def stop(self) -> None:
+        self._stopped = True
+        with self._wake:
+            self._wake.notify()
+
+    def run(self) -> None:
+        try:
+            self.emit([("snapshot", self._snapshot())])
+            while not self._stopped:
+                self._once()
+        except BaseException as e:  # the loop is gone: every request in it must hear so, now
+            self.death = f"{type(e).__name__}: {e}"
+            log.critical("engine loop died: %s", self.death, exc_info=not isinstance(e, KeyboardInterrupt))
+            self.emit([("dead", self.death)])
+            if not isinstance(e, Exception):
+                return  # the loop's own death (injected, or the interpreter stopping): nothing more to raise
+            raise
+
+    def _once(self) -> None:
+        with self._wake:
+            while not self._commands and not self.engine.has_unfinished() and not self._stopped:
+                self._wake.wait()
+            commands = list(self._commands)
+            self._commands.clear()
+        events: list = []
+        for command in commands:
+            self._apply(command, events)
+        if self.engine.has_unfinished() and not self._stopped:
+            self._step(events)
+        events.append(("snapshot", self._snapshot()))
+        self.emit(events)
+
+    def _apply(self, command: tuple, events: list) -> None:
+        kind = command[0]
+        if kind == "add":
+            _, rid, ids, sampling, kwargs = command
+            try:
+                self.engine.add_request(ids, sampling, request_id=rid, **kwargs)
+            except InvalidRequestError as e:
+                events.append(("error", rid, str(e), "invalid_request"))
+            except Exception as e:  # the admission hook's refusal, or a bug: this request fails, not the loop
+                log.exception("add_request failed")
+                events.append(("error", rid, f"{type(e).__name__}: {e}", "internal"))
+        elif kind == "abort":
+            self.engine.abort(command[1])
+
+    def _step(self, events: list) -> None:
+        engine = self.engine
+        try:
+            outputs = engine.step()
+        except StepError as e:  # fail the requests of that step, keep serving the rest
+            log.exception("model step failed")
+            self._fail(e.request_ids, e, events)
+            return
+        except OrchestrationError as e:
+            log.exception("orchestration failed")
+            if engine.mode == "normal":  # degrade, keep every request, and go on serving
+                engine.enter_basic_mode(str(e))
+            else:  # already basic: fail the requests in flight, never the process
+                self._fail(list(engine.requests), e, events)
+            return
+        started = engine.take_started()
+        if started:
+            events.append(("started", started))
+        events.extend(("out", out) for out in outputs)
+
+    def _fail(self, request_ids: list[str], error: Exception, events: list) -> None:
+        for rid in request_ids:
+            self.engine.abort(rid)
+            events.append(("error", rid, f"engine step failed: {error}", "internal"))
+
+    def _snapshot(self) -> EngineSnapshot:
+        now = time.monotonic()
+        if now - self._rss[0] > self.RSS_EVERY_S:
+            self._rss = (now, _rss_mb())
+        if self._kv[1] is None or now - self._kv[0] > self.KV_COUNT_EVERY_S or not self.engine.has_unfinished():
+            self._kv = (now, count_kv_blocks(self.engine))
+        return take_snapshot(self.engine, self._rss[1], self._kv[1])
+
+
+def _rss_mb() -> float:
+    try:
+        import psutil
+
+        return round(psutil.Process(os.getpid()).memory_info().rss / 2**20, 1)
+    except Exception:
+        return 0.0
+
+
+class RequestStream:
+    """One request's outputs, as the serving side reads them: `next(timeout)`, or `async for`.
+
+    Closing it before the last output aborts the request in the engine and frees its blocks (client
+    disconnects end up here)."""
+
+    def __init__(self, client: "EngineClient", request_id: str):
+        self.client = client
+        self.request_id = request_id
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.done = False
+
+    async def next(self, timeout: float | None = None) -> RequestOutput | None:
+        """The next output; None on timeout; raises the engine's error; StopAsyncIteration after the last."""
+        if self.done:
+            raise StopAsyncIteration
+        try:
+            item = await asyncio.wait_for(self.queue.get(), timeout) if timeout else await self.queue.get()
+        except asyncio.TimeoutError:
+            return None
+        if isinstance(item, BaseException):
+            self.done = True
+            self.client._forget(self.request_id)
+            raise item
+        if item.finished:
+            self.done = True
+            self.client._forget(self.request_id)
+        return item
+
+    def __aiter__(self):
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        out = None
+        while out is None:
+            out = await self.next()
+        return out
+
+    async def close(self) -> None:
+        if not self.done:
+            self.done = True
+            self.client.abort(self.request_id)
+
+
+class EngineClient:
+    """The serving side's one handle on the engine.
+
+    Args:
+        info: the engine's resolved configuration and kernel choices.
+        tokenizer, chat_template: the model's, for the serving side's own tokenization.
+        send: hands one command to the engine loop (thread-safe).
+        on_shutdown: stops the engine loop.
+    """
+
+    def __init__(self, info: EngineInfo, tokenizer, chat_template, send: Callable[[tuple], None], on_shutdown=None,
+                 engine_pid: int | None = None):
+        self.info = info
+        self.engine_pid = engine_pid or os.getpid()  # the process that runs the engine loop
+        self.config = info.config
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template
+        self._send = send
+        self._on_shutdown = on_shutdown
+        self.snapshot = EngineSnapshot(alive=True)
+        self._streams: dict[str, RequestStream] = {}
+        self._queued: set[str] = set()  # admitted, not yet scheduled: what --max-waiting counts
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._recent_e2e: deque[float] = deque(maxlen=32)
+
+    # ---- the engine side calls these (any thread) ---------------------------------------------------
+    def deliver(self, events: list) -> None:
+        """Events from the engine loop, from whatever thread reads them."""
+        for event in events:  # the snapshot is a plain reference swap: readable at once, from any thread
+            if event[0] == "snapshot":
+                self.snapshot = event[1]
+            elif event[0] == "dead":
+                self.snapshot = replace(self.snapshot, alive=False, error=event[1])
+        loop = self._loop
+        if loop is not None and not loop.is_closed():
+            try:
+                loop.call_soon_threadsafe(self._on_events, events)
+            except RuntimeError:  # the loop closed in between
+                pass
+
+    # ---- the serving side (one event loop) ----------------------------------------------------------
+    @property
+    def is_alive(self) -> bool:
+        return self.snapshot.alive
+
+    @property
+    def num_queued(self) -> int:
+        """Admitted requests that have not started running (what --max-waiting bounds)."""
+        return len(self._queued)
+
+    def admit(self, request_id: str) -> None:
+        """Count a request against the waiting queue from this moment on.
+
+        Raises:
+            EngineDeadError: the engine loop is gone.
+            QueueFull: --max-waiting requests are admitted and waiting already.
+        """
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine is not running ({self.snapshot.error or 'stopped'})")
+        limit = self.config.scheduler.max_waiting
+        if len(self._queued) >= limit:
+            raise QueueFull(limit, self._retry_after_s())
+        self._queued.add(request_id)
+
+    def release(self, request_id: str) -> None:
+        """An admitted request that will not run after all (refused, failed before submission)."""
+        self._queued.discard(request_id)
+
+    def check_request(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
+        """Raises InvalidRequestError when the request can never run on this engine."""
+        self.config.check_request(num_prompt_tokens, sampling)
+
+    def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
+               **kwargs) -> RequestStream:
+        """Queue a request in the engine now; its outputs (or its error) arrive on the stream."""
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine is not running ({self.snapshot.error or 'stopped'})")
+        self._loop = self._loop or asyncio.get_running_loop()
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self._streams:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        stream = RequestStream(self, request_id)
+        self._streams[request_id] = stream
+        self._send(("add", request_id, list(prompt_token_ids), sampling, kwargs))
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        if self._forget(request_id) and self.is_alive:
+            self._send(("abort", request_id))
+
+    def shutdown(self) -> None:
+        if self._on_shutdown is not None:
+            self._on_shutdown()
+
+    def _forget(self, request_id: str) -> bool:
+        self._queued.discard(request_id)
+        return self._streams.pop(request_id, None) is not None
+
+    def _retry_after_s(self) -> int:
+        """Seconds until a queue slot is likely free: recent request time x queued / batch size, with
+        jitter so that rejected clients do not all come back at once."""
+        typical = sum(self._recent_e2e) / len(self._recent_e2e) if self._recent_e2e else 1.0
+        batches = (len(self._queued) + self.snapshot.num_running) / max(1, self.config.scheduler.max_num_seqs)
+        return max(1, math.ceil(typical * max(1.0, batches) * random.uniform(0.5, 1.5)))
+
+    def _on_events(self, events: list) -> None:
+        for event in events:
+            kind = event[0]
+            if kind == "out":
+                out = event[1]
+                stream = self._streams.get(out.request_id)
+                if stream is not None:
+                    stream.queue.put_nowait(out)
+                if out.finished and out.stats is not None and out.stats.finish_time is not None:
+                    self._recent_e2e.append(out.stats.finish_time - out.stats.arrival_time)
+            elif kind == "started":
+                for rid in event[1]:
+                    self._queued.discard(rid)
+            elif kind == "error":
+                _, rid, message, category = event
+                stream = self._streams.get(rid)
+                if stream is not None:
+                    stream.queue.put_nowait(InvalidRequestError(message) if category == "invalid_request"
+                                            else RuntimeError(message))
+            elif kind == "dead":
+                error = EngineDeadError(f"the engine stopped: {event[1]}")
+                for stream in list(self._streams.values()):
+                    stream.queue.put_nowait(error)
+                self._streams.clear()
+                self._queued.clear()
+
+
+def start_thread_engine(engine) -> EngineClient:
+    """Run engine's loop in a thread of this process, behind an EngineClient."""
+    info = EngineInfo(engine.config, engine.model_config.name, engine.model_config.vocab_size, engine.kernel_choices)
+    holder: dict[str, EngineLoop] = {}
+    client = EngineClient(info, engine.tokenizer, engine.chat_template, lambda c: holder["loop"].submit(c))
+    loop = holder["loop"] = EngineLoop(engine, client.deliver)
+    thread = threading.Thread(target=loop.run, name="stratum-engine", daemon=True)
+
+    def shutdown():
+        loop.stop()
+        thread.join(timeout=10)
+
+    client._on_shutdown = shutdown
+    thread.start()
+    return client

@@ -1,0 +1,95 @@
+"""Engine configuration: the settings a user gives (`EngineConfig`, with "auto" values) and the
+configuration the engine runs with (`ResolvedConfig`, every value concrete).
+
+`stratum.engine.builder.resolve` is the one step from the first to the second; `serve`, `info` and
+the offline API all go through it, so nothing downstream reads "auto"."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from stratum.engine.sampling_params import SamplingParams
+    from stratum.kernels.plan import KernelPlan
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Limits of one engine step.
+
+    max_num_batched_tokens: token budget per step (decodes + prefill chunks); the prefill chunk size.
+    max_num_seqs: cap on running sequences (the decode batch).
+    max_waiting: cap on the waiting queue; beyond it requests are rejected as overloaded.
+    watermark_blocks: free blocks kept back when admitting new requests, so running ones can grow.
+    """
+
+    max_num_batched_tokens: int = 512
+    max_num_seqs: int = 64
+    max_waiting: int = 256
+    watermark_blocks: int = 4
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """What a user sets; None and "auto" mean "decide for this machine and model" (see `builder.resolve`)."""
+
+    model: str = "smollm2-135m"
+    device: str = "auto"  # "cpu", "cuda", or "auto"
+    dtype: str = "auto"  # "float32", "bfloat16", or "auto" (CUDA: bf16; CPU: whichever measures faster)
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_mb
+    kv_cache_memory_mb: int = 256
+    max_model_len: int | None = None  # None: the checkpoint's context length
+    enable_prefix_cache: bool = True
+    num_threads: int | None = None  # torch threads for decode-bound steps; None: $STRATUM_NUM_THREADS, else see `serving`
+    prefill_threads: int | None = None  # for steps with at least PREFILL_STEP_TOKENS tokens; None: every core
+    int4_max_tokens: int | None = None  # None: measured (kernels.plan); 0: never pack; N: packed int4 up to N rows
+    serving: bool = False  # a server leaves one core to its HTTP side by default
+    seed: int = 0
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """The configuration an engine runs with: no "auto", no None."""
+
+    model: str
+    device: str
+    dtype: str  # "float32" | "bfloat16"
+    block_size: int
+    num_kv_blocks: int
+    max_model_len: int
+    enable_prefix_cache: bool
+    num_threads: int
+    prefill_threads: int
+    kernel_plan: "KernelPlan"
+    seed: int
+    scheduler: SchedulerConfig
+    default_temperature: float  # the model's recommended sampling, for requests that omit it
+    default_top_p: float
+
+    def check_request(self, num_prompt_tokens: int, sampling: "SamplingParams") -> None:
+        """Raises InvalidRequestError when a request can never run here (too long, bad params)."""
+        from stratum.engine.sampling_params import InvalidRequestError
+
+        sampling.validate()
+        if num_prompt_tokens == 0:
+            raise InvalidRequestError("the prompt is empty")
+        total = num_prompt_tokens + sampling.max_tokens
+        if total > self.max_model_len:
+            raise InvalidRequestError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({sampling.max_tokens}) = {total} "
+                f"exceeds the context length of {self.max_model_len} tokens"
+            )
+        if -(-total // self.block_size) > self.num_kv_blocks:
+            raise InvalidRequestError(
+                f"prompt + max_tokens = {total} tokens exceeds the KV pool ({self.num_kv_blocks} blocks "
+                f"of {self.block_size})"
+            )
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]

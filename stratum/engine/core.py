@@ -1,0 +1,330 @@
+"""The synchronous engine: one step is schedule -> run -> commit -> postprocess.
+
+`LLMEngine` owns the model, the KV pool, the scheduler and the tokenizer of one process. The
+scheduler owns the accounting; the engine runs the model step, hands the step back to the scheduler,
+then turns sampled tokens into outputs (detokenization, stop conditions, the meta-state machine).
+It also owns the degraded basic mode.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from stratum.engine import builder
+from stratum.engine.block_manager import BlockManager
+from stratum.engine.config import EngineConfig, SchedulerConfig
+from stratum.engine.detokenizer import Detokenizer
+from stratum.engine.model_runner import ModelRunner
+from stratum.engine.outputs import OrchestrationError, RequestOutput, RequestStats, StepError, StepStats
+from stratum.engine.request import CachePolicy, Sequence, SequenceStatus
+from stratum.engine.sampling_params import InvalidRequestError, SamplingParams
+from stratum.engine.scheduler import Scheduler, SchedulerOutput
+from stratum.kernels import native
+from stratum.models.chat_template import ChatTemplate
+from stratum.models.loader import Checkpoint
+
+log = logging.getLogger("stratum.engine")
+
+# A step with this many tokens is prefill-heavy: its large matmuls are compute-bound and gain from
+# every core, while small decode steps lose more to thread synchronisation than they gain.
+PREFILL_STEP_TOKENS = 128
+
+
+class EngineKilled(BaseException):
+    """STRATUM_FAULT_INJECT=engine_death:N: the engine loop dies outright after N steps (tests).
+
+    A BaseException, like the failures it stands for, so no handler meant for request errors keeps
+    the loop alive."""
+
+
+def parse_faults(spec: str | None) -> tuple[str | None, int | None]:
+    """STRATUM_FAULT_INJECT: "scheduler" | "cache" (orchestration faults, degrade to basic mode) or
+    "engine_death:N" (the loop dies after N steps). Returns (orchestration fault, death step)."""
+    if not spec:
+        return None, None
+    if spec.startswith("engine_death"):
+        _, _, n = spec.partition(":")
+        return None, int(n or 0)
+    return spec, None
+
+
+@dataclass(slots=True)
+class _Request:
+    seq: Sequence
+    detok: Detokenizer
+    stop_ids: set[int]
+
+
+class LLMEngine:
+    """Owns the model, the KV pool, the scheduler and the tokenizer of one process.
+
+    Args:
+        config: engine settings, resolved once here (`builder.resolve`).
+        checkpoint: an already-loaded checkpoint (tests build tiny ones); else config.model is loaded.
+    """
+
+    def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None):
+        checkpoint = checkpoint or builder.load(config)
+        self.config = config = builder.resolve(config, checkpoint)
+        torch.set_num_threads(config.num_threads)
+        self._threads = config.num_threads
+        torch.manual_seed(config.seed)
+        self.model_config = checkpoint.config
+        self.model_name = config.model
+        self.tokenizer = checkpoint.tokenizer
+        self.chat_template = ChatTemplate(checkpoint.chat_template, checkpoint.tokenizer)
+        self.device = torch.device(config.device)
+        self.kernel_plan = config.kernel_plan
+        self.dtype = config.torch_dtype
+        self.max_model_len = config.max_model_len
+        self.model, self.int4_bytes = builder.build_model(config, checkpoint)
+        fault, self._death_after = parse_faults(os.environ.get("STRATUM_FAULT_INJECT"))
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_cache, fault=fault)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, fault=fault)
+        self.runner = ModelRunner(self.model, config.num_kv_blocks, config.block_size, self.device, self.dtype)
+        self.requests: dict[str, _Request] = {}
+        self.step_stats: deque[StepStats] = deque(maxlen=1024)
+        self.num_steps = 0
+        self.mode = "normal"
+        self.degraded_reason: str | None = None
+        self.tool_reserve_tokens = 128
+        self.kv_bytes_per_block = self.runner.kv_cache_bytes // config.num_kv_blocks
+        self._started: list[str] = []
+
+    @property
+    def kernel_choices(self) -> dict:
+        plan = self.kernel_plan
+        native_attention = self.runner.native
+        return {"dtype": plan.dtype, "int4_max_tokens": plan.int4_max_tokens, "int4_mb": round(self.int4_bytes / 2**20, 1),
+                "q8_output_max_rows": self.model.q8_max_rows if self.model.lm_head_q8 is not None else 0,
+                "low_latency_lm_head": "int8" if self.model.lm_head_int8 is not None else None,
+                "threads": plan.threads, "native_kernels": native.status() if self.device.type == "cpu" else "cpu only",
+                "attention": ("native paged decode" if native_attention else "paged gather") + " + cascade, torch sdpa prefill",
+                "source": plan.source}
+
+    # ---- requests ------------------------------------------------------------------------------
+    def check_request(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
+        """Raises InvalidRequestError when the request can never run (too long, bad params)."""
+        self.config.check_request(num_prompt_tokens, sampling)
+
+    def add_request(
+        self,
+        prompt_token_ids: list[int],
+        sampling: SamplingParams,
+        request_id: str | None = None,
+        priority: int = 0,
+        cache_salt: str | None = None,
+        cache_policy: CachePolicy | None = None,
+        tool_marker: str | None = None,
+        pin_prefixes: list[tuple[int, float]] | None = None,
+        low_latency: bool = False,
+    ) -> Sequence:
+        """Validate and queue one request.
+
+        Raises:
+            InvalidRequestError: out-of-range parameters or too long for the context.
+            Whatever the scheduler's admission hook raises.
+        """
+        self.check_request(len(prompt_token_ids), sampling)
+        vocab_size = self.model_config.vocab_size
+        if any(not 0 <= t < vocab_size for t in prompt_token_ids):  # else the step fails for the whole batch
+            raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})")
+        request_id = request_id or uuid.uuid4().hex
+        if request_id in self.requests:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        seq = Sequence(
+            request_id, list(prompt_token_ids), sampling, self.config.block_size,
+            priority=priority, cache_salt=cache_salt, cache_policy=cache_policy or CachePolicy(),
+            tool_marker=tool_marker, pin_prefixes=list(pin_prefixes or []), is_low_latency=low_latency,
+        )
+        if sampling.seed is not None:
+            seq.generator = torch.Generator().manual_seed(sampling.seed)
+        self.scheduler.add(seq)
+        stop_ids = set(sampling.stop_token_ids)
+        if not sampling.ignore_eos:
+            stop_ids |= set(self.model_config.eos_token_ids)
+        detok = Detokenizer(self.tokenizer, list(sampling.stop), sampling.skip_special_tokens)
+        self.requests[request_id] = _Request(seq, detok, stop_ids)
+        return seq
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request in any state and return every block it held."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        self.scheduler.abort(request_id)
+        return self._finish(req, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.num_unfinished > 0
+
+    def take_started(self) -> list[str]:
+        """Requests scheduled for the first time since the last call: they have left the queue."""
+        started, self._started = self._started, []
+        return started
+
+    # ---- the step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """schedule -> run -> postprocess.
+
+        Raises:
+            OrchestrationError: scheduling or prefix-cache logic failed (the caller may degrade).
+            StepError: the model step failed; it names the requests that were in it.
+        """
+        if self._death_after is not None and self.num_steps >= self._death_after:
+            raise EngineKilled(f"injected engine death after {self.num_steps} steps (STRATUM_FAULT_INJECT)")
+        t0 = time.perf_counter()
+        try:
+            sched = self.scheduler.schedule()
+        except Exception as e:
+            raise OrchestrationError(f"scheduler: {type(e).__name__}: {e}") from e
+        self._started += [item.seq.request_id for item in sched.scheduled if item.seq.first_scheduled_time >= t0]
+        self._set_threads(sched.num_batched_tokens)
+        try:
+            result = self.runner.execute(sched)
+        except Exception as e:
+            raise StepError([s.seq.request_id for s in sched.scheduled], e) from e
+        try:
+            self.scheduler.commit(sched)
+            outputs = self._postprocess(sched, result.sampled)
+        except Exception as e:
+            raise OrchestrationError(f"postprocess: {type(e).__name__}: {e}") from e
+        step_s = time.perf_counter() - t0
+        if not sched.is_empty:
+            self.num_steps += 1
+            self.step_stats.append(StepStats(len(sched.scheduled), sched.num_decodes, sched.num_batched_tokens, step_s, result.forward_s))
+        return outputs
+
+    def _set_threads(self, num_tokens: int) -> None:
+        """Compute-bound prefill steps use every core; decode-bound steps leave the configured ones free."""
+        threads = self.config.prefill_threads if num_tokens >= PREFILL_STEP_TOKENS else self.config.num_threads
+        if threads != self._threads:
+            torch.set_num_threads(threads)
+            self._threads = threads
+
+    def _postprocess(self, sched: SchedulerOutput, sampled: dict[str, int]) -> list[RequestOutput]:
+        now = time.perf_counter()
+        outputs = []
+        for item in sched.scheduled:
+            seq = item.seq
+            if item.start < seq.num_prompt_tokens:
+                seq.num_prefill_chunks += 1
+                seq.state = f"prefill_chunk_{seq.num_prefill_chunks}"
+            if seq.prefill_done_time is None and seq.num_computed_tokens >= seq.num_prompt_tokens:
+                seq.prefill_done_time = now
+            req = self.requests[seq.request_id]
+            token = sampled.get(seq.request_id)
+            if token is None:
+                if seq.num_computed_tokens >= seq.num_tokens and seq.sampling.max_tokens == 0:
+                    seq.state = "prefill_complete"
+                    seq.kv_bytes_at_first_token = len(seq.block_table) * self.kv_bytes_per_block
+                    outputs.append(self._finish(req, "length", running=True))
+                continue
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+                seq.state = "prefill_complete"
+                seq.kv_bytes_at_first_token = len(seq.block_table) * self.kv_bytes_per_block
+            else:
+                seq.state = f"decode_step_{seq.num_output_tokens}"
+            seq.token_ids.append(token)
+            seq.token_times.append(now)
+            reason = None
+            if token in req.stop_ids:
+                reason, seq.stop_reason = "stop", token
+            else:
+                req.detok.add(token)
+                if req.detok.stop_hit is not None:
+                    reason, seq.stop_reason = "stop", req.detok.stop_hit
+            if reason is None and seq.num_output_tokens >= seq.sampling.max_tokens:
+                reason = "length"
+            if reason is None and seq.tool_marker is not None and not seq.is_tool_prepared and seq.tool_marker in req.detok.text:
+                self._prepare_tool_use(seq)
+            if reason is not None:
+                outputs.append(self._finish(req, reason, running=True, last_token=token))
+            else:
+                outputs.append(self._output(req, [token], finished=False))
+        return outputs
+
+    def _prepare_tool_use(self, seq: Sequence) -> None:
+        """The model began a tool call: reserve KV room for its arguments now, so they decode without stalls."""
+        seq.state = "tool_use_prepared"
+        seq.is_tool_prepared = True
+        budget = seq.sampling.max_tokens - seq.num_output_tokens
+        reserve = min(budget, self.tool_reserve_tokens)
+        if reserve > 0 and self.scheduler.reserve(seq, 1 + reserve):
+            seq.num_tool_reserved_tokens = reserve
+
+    def _finish(self, req: _Request, reason: str, running: bool = False, last_token: int | None = None) -> RequestOutput:
+        seq = req.seq
+        efficiency = seq.kv_cache_efficiency(self.config.block_size)
+        if running:
+            self.scheduler.finish(seq)
+            self.requests.pop(seq.request_id, None)
+        seq.status = SequenceStatus.FINISHED
+        seq.finish_reason = reason
+        seq.finish_time = time.perf_counter()
+        req.detok.flush()
+        out = self._output(req, [last_token] if last_token is not None else [], finished=True, efficiency=efficiency)
+        seq.state = "finished"
+        return out
+
+    def _output(self, req: _Request, new_ids: list[int], finished: bool, efficiency: float | None = None) -> RequestOutput:
+        seq = req.seq
+        return RequestOutput(
+            request_id=seq.request_id,
+            delta_text=req.detok.take_delta(finished),
+            delta_token_ids=new_ids,
+            text=req.detok.text,
+            token_ids=seq.output_token_ids,
+            finished=finished,
+            finish_reason=seq.finish_reason,
+            stop_reason=seq.stop_reason,
+            stats=self.request_stats(seq) if finished or len(new_ids) == seq.num_output_tokens else None,
+            state=seq.state,
+            kv_cache_efficiency=seq.kv_cache_efficiency(self.config.block_size) if efficiency is None else efficiency,
+            mode=self.mode,
+        )
+
+    def request_stats(self, seq: Sequence) -> RequestStats:
+        return RequestStats(
+            num_prompt_tokens=seq.num_prompt_tokens,
+            num_cached_tokens=max(0, seq.num_cached_tokens),
+            num_prompt_tokens_computed=seq.num_prompt_tokens_computed,
+            num_cache_written_tokens=seq.num_cache_written_tokens,
+            num_output_tokens=seq.num_output_tokens,
+            num_preemptions=seq.num_preemptions,
+            arrival_time=seq.arrival_time,
+            first_scheduled_time=seq.first_scheduled_time,
+            first_token_time=seq.first_token_time,
+            prefill_done_time=seq.prefill_done_time,
+            finish_time=seq.finish_time,
+            token_times=list(seq.token_times),
+            kv_sparsity=seq.kv_sparsity,
+            num_kv_sparsity_samples=seq.coverage_count,
+            num_prefill_chunks=seq.num_prefill_chunks,
+            kv_bytes_at_first_token=seq.kv_bytes_at_first_token,
+            num_tool_reserved_tokens=seq.num_tool_reserved_tokens,
+        )
+
+    # ---- degraded basic mode ---------------------------------------------------------------------
+    def enter_basic_mode(self, reason: str) -> None:
+        """Scheduler or cache logic failed: keep serving FIFO, one sequence at a time, without the prefix cache.
+
+        Every unfinished request is kept and recomputed from its tokens under a fresh block manager.
+        """
+        log.error("entering basic mode: %s", reason)
+        pending = sorted(self.scheduler.waiting + self.scheduler.running, key=lambda s: s.arrival_order)
+        self.mode = "basic"
+        self.degraded_reason = reason
+        self.block_manager = BlockManager(self.block_manager.num_blocks, self.config.block_size, enable_prefix_cache=False)
+        basic = SchedulerConfig(max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens, max_num_seqs=1,
+                                max_waiting=self.config.scheduler.max_waiting, watermark_blocks=0)
+        self.scheduler = Scheduler(basic, self.block_manager, fifo=True)
+        self.scheduler.adopt(pending)

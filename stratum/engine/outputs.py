@@ -1,0 +1,91 @@
+"""What the engine hands out: per-request outputs and figures, per-step figures, and its errors.
+
+Plain data with no torch in it, so the server side can hold it without loading the model's stack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop has stopped; no request can be served."""
+
+
+class OrchestrationError(RuntimeError):
+    """Scheduling or prefix-cache logic raised: the engine can go on in basic mode."""
+
+
+class StepError(RuntimeError):
+    """The model step itself raised; the requests in it cannot go on."""
+
+    def __init__(self, request_ids: list[str], cause: Exception):
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.request_ids = request_ids
+
+
+@dataclass(slots=True)
+class RequestStats:
+    """Per-request figures, taken by the code that did the work (perf_counter seconds)."""
+
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    num_prompt_tokens_computed: int
+    num_cache_written_tokens: int
+    num_output_tokens: int
+    num_preemptions: int
+    arrival_time: float
+    first_scheduled_time: float | None
+    first_token_time: float | None
+    prefill_done_time: float | None
+    finish_time: float | None
+    token_times: list[float]
+    kv_sparsity: float | None = None
+    num_kv_sparsity_samples: int = 0
+    num_prefill_chunks: int = 0
+    kv_bytes_at_first_token: int = 0
+    num_tool_reserved_tokens: int = 0
+
+    @property
+    def queue_s(self) -> float | None:
+        return None if self.first_scheduled_time is None else self.first_scheduled_time - self.arrival_time
+
+    @property
+    def prefill_s(self) -> float | None:
+        """First scheduled prefill chunk -> first sampled token (a prefill-only request: -> end of prefill)."""
+        end = self.first_token_time if self.first_token_time is not None else self.prefill_done_time
+        if self.first_scheduled_time is None or end is None:
+            return None
+        return end - self.first_scheduled_time
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    request_id: str
+    delta_text: str
+    delta_token_ids: list[int]
+    text: str
+    token_ids: list[int]
+    finished: bool
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    stop_reason: str | int | None = None  # the stop string or stop token that ended it
+    stats: RequestStats | None = None
+    error: str | None = None
+    state: str = ""  # the request's meta-token state after this output
+    kv_cache_efficiency: float = 0.0
+    mode: str = "normal"  # "basic" when served by the degraded engine
+
+
+@dataclass(slots=True)
+class StepStats:
+    """One engine step, measured where it ran."""
+
+    num_seqs: int
+    num_decode_seqs: int
+    num_batched_tokens: int
+    step_s: float
+    forward_s: float
+
+    @property
+    def overhead_s(self) -> float:
+        return self.step_s - self.forward_s
