@@ -96,6 +96,12 @@ class Q8Weight:
         # x: [M, K] -> [M, N] fp32
         return torch.ops.stratum.q8_linear(x.float(), self.q, self.scales)
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` dequantized to fp32, exactly: an int8 times an fp16 scale fits fp32's mantissa.
+        An embedding lookup from the table as stored."""
+        m = ids.shape[0]
+        return (self.q[ids].float().view(m, -1, GROUP_SIZE) * self.scales[ids].unsqueeze(-1)).view(m, -1)
+
     @property
     def nbytes(self) -> int:
         return self.q.numel() + self.scales.numel() * 4

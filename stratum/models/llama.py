@@ -91,6 +91,7 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.lm_head_int8 = None  # set by the engine where the kernel plan offers a low-latency path
         self.lm_head_q8 = None  # the checkpoint's own Q8_0 output projection, for up to q8_max_rows rows
+        self.embed_q8 = None  # the embedding table as stored (GGUF Q8_0): looked up exactly, not from a bf16 copy
         self.q8_max_rows = 0
         self.rotary = RotaryEmbedding(
             cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
@@ -99,7 +100,8 @@ class LlamaForCausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
         """Args: input_ids, positions [T]. Returns the final hidden states [T, hidden]."""
-        x = self.embed_tokens(input_ids).float()  # the residual stream stays fp32; matmuls run in the weights' dtype
+        # the residual stream stays fp32; matmuls run in the weights' dtype
+        x = self.embed_q8.rows(input_ids) if self.embed_q8 is not None else self.embed_tokens(input_ids).float()
         rope = self.rotary.tables(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, rope, meta, kv_cache)
