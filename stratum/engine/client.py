@@ -345,7 +345,7 @@ class EngineClient:
         """Queue a request in the engine now; its outputs (or its error) arrive on the stream."""
         if not self.is_alive:
             raise EngineDeadError(f"the engine is not running ({self.snapshot.error or 'stopped'})")
-        self._loop = self._loop or asyncio.get_running_loop()
+        self._loop = asyncio.get_running_loop()
         request_id = request_id or uuid.uuid4().hex
         if request_id in self._streams:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
