@@ -72,7 +72,7 @@ def test_burst_gets_exactly_the_configured_queue(one_slot_server):
 
 
 # ---- engine death is an answer -------------------------------------------------------------------
-DEATH_AFTER_STEPS = 60
+DEATH_AFTER_STEPS = 400  # long enough for all three requests below to be in flight first
 
 
 @pytest.fixture(scope="module", params=["process", "thread"])
@@ -130,6 +130,7 @@ def test_engine_death_ends_every_request(dying_server):
     assert status == 200 and events[-1][0] == "error", events[-3:]
     assert events[-1][1]["error"]["type"] == "api_error" and events[-1][1]["request_id"].startswith("req_")
     status, lines = ended["openai_stream"][1]
+    assert status == 200 and lines, f"the OpenAI stream was not in flight when the engine died ({status})"
     last = json.loads(lines[-1][len("data: "):])
     assert status == 200 and "error" in last and last["error"]["type"] == "server_error", lines[-3:]
 
