@@ -16,7 +16,8 @@ import torch
 from stratum.engine.config import EngineConfig, ResolvedConfig
 from stratum.home import stratum_home
 from stratum.kernels import native
-from stratum.kernels.plan import KernelPlan, select_plan
+from stratum.kernels import KernelPlan
+from stratum.kernels.plan import select_plan
 from stratum.kernels.quant import Int4Weight, Int8Weight, Q8Weight, is_packable, unpack_q4, unpack_q8_0
 from stratum.layers.linear import Linear
 from stratum.models.llama import LlamaForCausalLM

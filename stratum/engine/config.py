@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from stratum.engine.sampling_params import SamplingParams
-    from stratum.kernels.plan import KernelPlan
+    from stratum.kernels import KernelPlan
 
 
 @dataclass(frozen=True)

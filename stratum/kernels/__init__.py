@@ -1,0 +1,25 @@
+"""The hardware-adaptive substrate below the model's layers: CPU detection, weight formats, the
+native kernels and the kernel plan.
+
+`KernelPlan` lives here, free of torch, because the serving process reads it in the engine's
+resolved configuration without loading the model's stack.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass(frozen=True)
+class KernelPlan:
+    device: str
+    dtype: str  # activation / dense weight dtype
+    threads: int
+    int4_max_tokens: int  # rows per matmul up to which packed int4 runs; 0 = never
+    q8_max_rows: int = 0  # logits rows up to which the native Q8_0 output projection runs; 0 = never
+    cpu: str = ""
+    timings_us: dict = field(default_factory=dict, hash=False, compare=False)
+    source: str = "measured"  # "measured" now, or "cache"
+
+    def describe(self) -> dict:
+        return asdict(self)

@@ -17,33 +17,17 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from stratum.kernels import native
+from stratum.kernels import KernelPlan, native
 from stratum.kernels.cpu import cpu_name
 from stratum.kernels.quant import GROUP_SIZE, Int4Weight, Q8Weight
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 PLAN_VERSION = 3
-
-
-@dataclass(frozen=True)
-class KernelPlan:
-    device: str
-    dtype: str  # activation / dense weight dtype
-    threads: int
-    int4_max_tokens: int  # rows per matmul up to which packed int4 runs; 0 = never
-    q8_max_rows: int = 0  # logits rows up to which the native Q8_0 output projection runs; 0 = never
-    cpu: str = ""
-    timings_us: dict = field(default_factory=dict, hash=False, compare=False)
-    source: str = "measured"  # "measured" now, or "cache"
-
-    def describe(self) -> dict:
-        return asdict(self)
 
 
 def _time_us(fn, reps: int) -> float:
