@@ -123,7 +123,7 @@ def encode_info(info: EngineInfo) -> dict:
 
 
 def decode_info(d: dict) -> EngineInfo:
-    from stratum.kernels.plan import KernelPlan
+    from stratum.kernels import KernelPlan
 
     config = dict(d["config"])
     config["kernel_plan"] = KernelPlan(**config["kernel_plan"])
@@ -278,8 +278,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def emit(events: list) -> None:
         data = _pack([encode_event(e) for e in events])
-        with lock:
-            _write_all(ev_fd, data)
+        try:
+            with lock:
+                _write_all(ev_fd, data)
+        except BrokenPipeError:  # the serving process is gone: nobody is left to serve
+            loop.stop()
 
     from stratum.engine.client import EngineLoop
     from stratum.engine.core import LLMEngine
