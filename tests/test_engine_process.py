@@ -59,6 +59,22 @@ def test_snapshot_command_and_info_round_trip(tiny_model_dir):
     assert decode_info(wire(encode_info(info))) == info
 
 
+def test_an_aborted_request_ends_with_a_last_output(tiny_model_dir):
+    """The loop emits an aborted request's last output, so the side that assembles deltas forgets it."""
+    from stratum.engine.client import EngineLoop
+
+    emitted: list = []
+    loop = EngineLoop(LLM(str(tiny_model_dir), num_kv_blocks=32).engine, emitted.extend)
+    loop.submit(("add", "a1", [1, 5, 9], SamplingParams(max_tokens=50, ignore_eos=True), {}))
+    loop._once()
+    loop._once()
+    loop.submit(("abort", "a1"))
+    loop._once()
+    last = [e[1] for e in emitted if e[0] == "out"][-1]
+    assert last.request_id == "a1" and last.finished and last.finish_reason == "abort"
+    assert emitted[-1][0] == "snapshot" and emitted[-1][1].kv_blocks.in_use == 0
+
+
 @pytest.fixture(scope="module")
 def process_client(tiny_model_dir):
     client = start_process_engine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, num_threads=1))

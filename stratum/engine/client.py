@@ -179,7 +179,9 @@ class EngineLoop:
                 log.exception("add_request failed")
                 events.append(("error", rid, f"{type(e).__name__}: {e}", "internal"))
         elif kind == "abort":
-            self.engine.abort(command[1])
+            out = self.engine.abort(command[1])
+            if out is not None:  # its last output: whoever assembles deltas can forget the request
+                events.append(("out", out))
 
     def _step(self, events: list) -> None:
         engine = self.engine
@@ -381,8 +383,9 @@ class EngineClient:
                 stream = self._streams.get(out.request_id)
                 if stream is not None:
                     stream.queue.put_nowait(out)
-                if out.finished and out.stats is not None and out.stats.finish_time is not None:
-                    self._recent_e2e.append(out.stats.finish_time - out.stats.arrival_time)
+                stats = out.stats
+                if out.finished and out.finish_reason != "abort" and stats is not None and stats.finish_time is not None:
+                    self._recent_e2e.append(stats.finish_time - stats.arrival_time)
             elif kind == "started":
                 for rid in event[1]:
                     self._queued.discard(rid)
