@@ -1,1 +1,1 @@
-"""The HTTP front: Anthropic Messages and OpenAI chat completions over one AsyncEngine."""
+"""The HTTP front: Anthropic Messages and OpenAI chat completions over one EngineClient."""
