@@ -502,3 +502,21 @@ def test_tiny_model_loads_generates_and_matches_transformers(model_dirs, arch):
     diff = (ours - ref).abs().max().item()
     assert diff <= 1e-4, f"{arch}: max |logit diff| {diff:.2e}"
     assert ours.argmax(-1)[len(prompt_ids) - 1 :].tolist() == full[len(prompt_ids) :]  # greedy followed its logits
+
+
+def test_large_texts_tokenized_in_the_helper_process_get_the_same_ids(real_model_path):
+    """offload_large_texts: the helper process encodes with the same tokenizer, special tokens
+    plain or not, and a helper that dies leaves this process to encode."""
+    tok = load_checkpoint(real_model_path).tokenizer
+    text = "lorem ipsum <|im_start|>user dolor 42 sit amet\n" * 8_000
+    plain, special = tok.encode(text), tok.encode(text, allow_special=True)
+    assert plain != special
+    tok.offload_large_texts(64 * 1024)
+    try:
+        assert tok.encode(text) == plain and tok.encode(text, allow_special=True) == special
+        assert tok.encode("short") == tok.plain.encode("short", add_special_tokens=False).ids  # stays here
+        tok._helper.proc.kill()
+        tok._helper.proc.wait()
+        assert tok.encode(text) == plain and tok._helper is None
+    finally:
+        tok.close()
