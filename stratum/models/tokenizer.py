@@ -60,7 +60,7 @@ class TextTokenizer:
         time in which a server's event loop serves nobody. With the helper only the ids' list is
         built here. Same tokenizer, same ids; if the helper fails, this process encodes again.
         """
-        self._helper = _HelperProcess(self.backend.to_str())
+        self._helper = _HelperProcess(self.backend.to_str())  # started on the first large text
         self._offload_chars = min_chars
 
     def close(self) -> None:
@@ -101,11 +101,15 @@ class _HelperProcess:
         import msgpack
 
         self._msgpack = msgpack
-        self.proc = subprocess.Popen([sys.executable, "-m", "stratum.models.tokenizer"], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE)
+        self._tokenizer_json = tokenizer_json
+        self.proc: subprocess.Popen | None = None  # started on first use: it costs nothing until a large text comes
         self._lock = threading.Lock()
         self._unpacker = msgpack.Unpacker(raw=False, max_buffer_size=1 << 30)
-        self._send(tokenizer_json)
+
+    def _start(self) -> None:
+        self.proc = subprocess.Popen([sys.executable, "-m", "stratum.models.tokenizer"], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE)
+        self._send(self._tokenizer_json)
 
     def _send(self, obj) -> None:
         self.proc.stdin.write(self._msgpack.packb(obj, use_bin_type=True))
@@ -113,6 +117,8 @@ class _HelperProcess:
 
     def encode(self, text: str, allow_special: bool) -> list[int]:
         with self._lock:
+            if self.proc is None:
+                self._start()
             self._send([text, allow_special])
             while True:
                 for reply in self._unpacker:
@@ -123,6 +129,8 @@ class _HelperProcess:
                 self._unpacker.feed(data)
 
     def close(self) -> None:
+        if self.proc is None:
+            return
         try:
             self.proc.stdin.close()
         except OSError:
