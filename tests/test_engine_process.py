@@ -54,8 +54,7 @@ def test_snapshot_command_and_info_round_trip(tiny_model_dir):
     llm = LLM(str(tiny_model_dir), num_kv_blocks=32)
     from stratum.engine.client import EngineInfo
 
-    info = EngineInfo(llm.engine.config, llm.engine.model_config.name, llm.engine.model_config.vocab_size,
-                      llm.engine.kernel_choices)
+    info = EngineInfo.of(llm.engine)
     assert decode_info(wire(encode_info(info))) == info
 
 

@@ -81,6 +81,10 @@ class EngineInfo:
     vocab_size: int
     kernel_choices: dict[str, Any]
 
+    @classmethod
+    def of(cls, engine) -> "EngineInfo":
+        return cls(engine.config, engine.model_config.name, engine.model_config.vocab_size, engine.kernel_choices)
+
 
 def count_kv_blocks(engine) -> KVBlocks:
     bm = engine.block_manager
@@ -405,16 +409,13 @@ class EngineClient:
 
 def start_thread_engine(engine) -> EngineClient:
     """Run engine's loop in a thread of this process, behind an EngineClient."""
-    info = EngineInfo(engine.config, engine.model_config.name, engine.model_config.vocab_size, engine.kernel_choices)
-    holder: dict[str, EngineLoop] = {}
-    client = EngineClient(info, engine.tokenizer, engine.chat_template, lambda c: holder["loop"].submit(c))
-    loop = holder["loop"] = EngineLoop(engine, client.deliver)
-    thread = threading.Thread(target=loop.run, name="stratum-engine", daemon=True)
-
     def shutdown():
         loop.stop()
         thread.join(timeout=10)
 
-    client._on_shutdown = shutdown
+    client = EngineClient(EngineInfo.of(engine), engine.tokenizer, engine.chat_template, lambda c: loop.submit(c),
+                          shutdown)
+    loop = EngineLoop(engine, client.deliver)
+    thread = threading.Thread(target=loop.run, name="stratum-engine", daemon=True)
     thread.start()
     return client

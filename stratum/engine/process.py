@@ -45,8 +45,12 @@ def _pack(obj):
     return msgpack.packb(obj, use_bin_type=True)
 
 
-def _unpacker() -> msgpack.Unpacker:
-    return msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=1 << 30)
+def _messages(fd: int):
+    """The messages read from fd, in order, until end-of-file."""
+    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=1 << 30)
+    while data := os.read(fd, _READ_SIZE):
+        unpacker.feed(data)
+        yield from unpacker
 
 
 def _values(obj) -> list:
@@ -167,8 +171,10 @@ class EngineProcess:
         from stratum.models.chat_template import ChatTemplate
         from stratum.models.tokenizer import TextTokenizer
 
-        unpacker = _unpacker()
-        ready = _read_one(self._ev_r, unpacker, self.proc)
+        messages = _messages(self._ev_r)
+        ready = next(messages, None)
+        if ready is None:
+            ready = ["failed", f"the engine process exited with code {self.proc.wait()} before it was ready"]
         if ready[0] != "ready":
             self.proc.wait(timeout=30)
             raise EngineStartError(ready[1] if len(ready) > 1 else "the engine process failed to start")
@@ -177,7 +183,7 @@ class EngineProcess:
                                   tok["bos_token_id"], tuple(tok["eos_token_ids"]))
         client = EngineClient(decode_info(info), tokenizer, ChatTemplate(tok["chat_template"], tokenizer), self.send,
                               self.shutdown, engine_pid=self.proc.pid)
-        threading.Thread(target=_read_events, args=(self._ev_r, unpacker, client, self.proc),
+        threading.Thread(target=_read_events, args=(self._ev_r, messages, client, self.proc),
                          name="stratum-engine-events", daemon=True).start()
         return client
 
@@ -206,31 +212,15 @@ def start_process_engine(config: EngineConfig) -> EngineClient:
     return EngineProcess(config).connect()
 
 
-def _read_one(fd: int, unpacker: msgpack.Unpacker, proc: subprocess.Popen) -> list:
-    while True:
-        for obj in unpacker:
-            return obj
-        data = os.read(fd, _READ_SIZE)
-        if not data:
-            code = proc.wait()
-            return ["failed", f"the engine process exited with code {code} before it was ready"]
-        unpacker.feed(data)
-
-
-def _read_events(fd: int, unpacker: msgpack.Unpacker, client: EngineClient, proc: subprocess.Popen) -> None:
+def _read_events(fd: int, frames, client: EngineClient, proc: subprocess.Popen) -> None:
     """Frames of events until end-of-file; then the engine process is gone, whatever the reason."""
     partial: dict[str, tuple[list[str], list[int]]] = {}  # request id -> (text pieces, token ids) so far
     dead_said = False
     try:
-        while True:
-            data = os.read(fd, _READ_SIZE)
-            if not data:
-                break
-            unpacker.feed(data)
-            for frame in unpacker:
-                events = [_decode_event(e, partial) for e in frame]
-                dead_said |= any(e[0] == "dead" for e in events)
-                client.deliver(events)
+        for frame in frames:
+            events = [_decode_event(e, partial) for e in frame]
+            dead_said |= any(e[0] == "dead" for e in events)
+            client.deliver(events)
     except Exception as e:  # a broken frame: the engine cannot be trusted any more
         log.exception("engine event stream broke")
         proc.kill()
@@ -295,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
         _write_all(ev_fd, _pack(["failed", f"{type(e).__name__}: {e}"]))
         return 1
     tok = engine.tokenizer
-    info = EngineInfo(engine.config, engine.model_config.name, engine.model_config.vocab_size, engine.kernel_choices)
+    info = EngineInfo.of(engine)
     _write_all(ev_fd, _pack(["ready", encode_info(info), {
         "json": tok.backend.to_str(), "bos_token": tok.bos_token, "eos_token": tok.eos_token,
         "bos_token_id": tok.bos_token_id, "eos_token_ids": list(tok.eos_token_ids),
@@ -303,18 +293,11 @@ def main(argv: list[str] | None = None) -> int:
     loop = EngineLoop(engine, emit)
 
     def read_commands() -> None:
-        unpacker = _unpacker()
         try:
-            while True:
-                data = os.read(args.commands, _READ_SIZE)
-                if not data:
-                    break
-                unpacker.feed(data)
-                for command in unpacker:
-                    if command[0] == "stop":
-                        loop.stop()
-                        return
-                    loop.submit(decode_command(command))
+            for command in _messages(args.commands):
+                if command[0] == "stop":
+                    return
+                loop.submit(decode_command(command))
         finally:
             loop.stop()  # the serving process closed the pipe, or died: nothing is left to serve
 
