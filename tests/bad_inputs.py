@@ -263,6 +263,9 @@ def _chat_cases() -> list[BadRequest]:
         "tool_choice unknown word": _with(CHAT, tools=[OAI_TOOL], tool_choice="sometimes"),
         "tool_choice names an unknown function": _with(CHAT, tools=[OAI_TOOL], tool_choice={"type": "function", "function": {"name": "nope"}}),
         "tool_choice required without tools": _with(CHAT, tool_choice="required"),
+        "tool_choice function is a string": _with(CHAT, tools=[OAI_TOOL], tool_choice={"type": "function", "function": "get_weather"}),
+        "tool_choice function without name": _with(CHAT, tools=[OAI_TOOL], tool_choice={"type": "function", "function": {}}),
+        "tool_choice object of another type": _with(CHAT, tools=[OAI_TOOL], tool_choice={"type": "tool", "name": "get_weather"}),
         "seed beyond 64 bits": _with(CHAT, seed=2**70),
     }
     cases = [BadRequest(f"chat: {name}", p, body=body) for name, body in bodies.items()]

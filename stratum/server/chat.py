@@ -105,9 +105,9 @@ def openai_input(req: ChatCompletionRequest) -> ChatInput:
     forced: bool | str = False
     if choice == "required":
         forced = True
-    elif isinstance(choice, dict):
-        forced = (choice.get("function") or {}).get("name") or True
-        if isinstance(forced, str) and forced not in {t["name"] for t in tools or []}:
+    elif choice is not None and choice != "auto":
+        forced = choice.function.name
+        if forced not in {t["name"] for t in tools or []}:
             raise InvalidRequest(f"tool_choice names {forced!r}, which is not in tools")
     if forced is not False and not tools:
         raise InvalidRequest("tool_choice requires tools")

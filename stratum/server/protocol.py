@@ -175,6 +175,15 @@ class OAITool(_Loose):
     function: OAIFunction
 
 
+class OAIFunctionName(_Loose):
+    name: str
+
+
+class OAINamedToolChoice(_Loose):
+    type: Literal["function"]
+    function: OAIFunctionName
+
+
 class OAIStreamOptions(_Loose):
     include_usage: bool = False
 
@@ -194,5 +203,5 @@ class ChatCompletionRequest(_Loose):
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
     user: str | None = Field(default=None, max_length=256)
     tools: list[OAITool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | dict[str, Any] | None = None
+    tool_choice: Literal["none", "auto", "required"] | OAINamedToolChoice | None = None
     ignore_eos: bool = False
