@@ -61,13 +61,17 @@ def cmd_serve(args) -> int:
     from stratum.engine.process import EngineProcess, EngineStartError
     from stratum.models.registry import PullError
 
+    import logging
+
     t0 = time.perf_counter()
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.DEBUG), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = _engine_config(args, serving=True)
     # The engine process loads the model while this one imports the web stack.
     engine = EngineProcess(config) if args.engine == "process" else None
     import uvicorn
 
     from stratum.server.app import ServerSettings, create_app
+    from stratum.server.http import Server, protocol
     from stratum.telemetry.cost import pricing_from_spec
 
     try:
@@ -87,7 +91,8 @@ def cmd_serve(args) -> int:
     keys += tuple(k.strip() for k in os.environ.get("STRATUM_API_KEYS", "").split(",") if k.strip())
     name = args.served_model_name or args.model
     settings = ServerSettings(model_name=name, aliases=(client.info.model_name,), api_keys=keys,
-                              max_body_bytes=args.max_body_bytes,
+                              max_body_bytes=args.max_body_bytes, share_prefix_cache=args.share_prefix_cache,
+                              body_timeout_s=args.read_timeout_s,
                               default_temperature=config.default_temperature, default_top_p=config.default_top_p,
                               tenant_budget_tokens=args.tenant_budget_tokens, budget_window_s=args.budget_window_s,
                               pollution_policy=args.pollution_policy, pricing=pricing_from_spec(args.pricing))
@@ -96,8 +101,18 @@ def cmd_serve(args) -> int:
     print(f"stratum: {name} loaded in {time.perf_counter() - t0:.1f}s on {config.device}/{config.dtype}, "
           f"{config.num_kv_blocks} KV blocks, {config.num_threads} engine threads in a {args.engine}; "
           f"serving on http://{args.host}:{args.port}", flush=True)
+    if keys:
+        print(f"stratum: {len(keys)} API keys; " + (
+            "the prefix cache is SHARED across keys (--share-prefix-cache): a key can observe, through cache "
+            "hits and their timing, prompts that another key sent" if args.share_prefix_cache else
+            "each key is a tenant with a prefix cache of its own"), flush=True)
+    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                   http=protocol(args.max_connections, args.read_timeout_s),
+                                   h11_max_incomplete_event_size=args.max_header_bytes,
+                                   timeout_graceful_shutdown=5),
+                    app.state.runtime, args.drain_timeout_s)
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+        server.run()
     finally:
         client.shutdown()
         client.tokenizer.close()
@@ -212,6 +227,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-key", action="append", help="accepted API key (repeatable); also STRATUM_API_KEYS=k1,k2")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
+    p.add_argument("--max-header-bytes", type=int, default=32 * 1024, help="larger request headers get 431")
+    p.add_argument("--max-connections", type=int, default=1024, help="requests on connections beyond this get 529")
+    p.add_argument("--read-timeout-s", type=float, default=30.0,
+                   help="headers that take longer to arrive, or a body that stalls this long, get 408")
+    p.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="on SIGTERM, how long in-flight requests may still run before they are ended with an error")
+    p.add_argument("--share-prefix-cache", action="store_true",
+                   help="with API keys: share cached prompts across keys (one organisation); default: a cache per key")
     p.add_argument("--tenant-budget-tokens", type=int, default=None,
                    help="admission by cost: estimated tokens a tenant may spend per window (default: unlimited)")
     p.add_argument("--budget-window-s", type=float, default=60.0)

@@ -1,13 +1,12 @@
 """Admission by cost (429), queue limits (529) and cache-pollution advice (418), decided before any work.
 
-The estimate is recomputed here as documented: ceil(prompt characters / 4) + max_tokens, where the
-prompt characters are those of the message texts (system included) joined by newlines. After a
-request finishes, its charge becomes what it measured: uncached prompt tokens + output tokens.
+A request reserves an upper bound of its cost, as documented: its prompt tokens (what count_tokens
+says) + its effective max_tokens. After it finishes, the reservation becomes what it measured:
+uncached prompt tokens + output tokens.
 """
 
 from __future__ import annotations
 
-import math
 import time
 import uuid
 from datetime import datetime, timezone
@@ -38,12 +37,13 @@ class FakeClock:
 def test_cost_admission_windows_and_settlement():
     clock = FakeClock()
     adm = CostAdmission(100, window_s=10, clock=clock)
-    assert CostAdmission.estimate(9, 5) == 3 + 5 and CostAdmission.estimate(8, 0) == 2 and CostAdmission.estimate(0, 7) == 7
     d = adm.admit("a", 60)
     assert d.is_admitted and d.remaining == 40 and d.limit == 100 and d.reset_at == 1010.0
     clock.t = 1003.2
     d = adm.admit("a", 41)  # over by one: rejected, nothing charged
     assert not d.is_admitted and d.remaining == 40 and d.retry_after_s == 7
+    assert adm.check("a", 40).is_admitted and adm.check("a").remaining == 40  # check reserves nothing
+    assert not adm.check("a", 41).is_admitted
     assert adm.admit("a", 40).is_admitted  # exactly the remainder fits
     assert not adm.admit("a", 1).is_admitted
     assert adm.admit("b", 100).is_admitted  # tenants are separate
@@ -123,9 +123,11 @@ def metric(url: str, name: str, **labels) -> float:
     return 0.0
 
 
-def estimate(system: str | None, texts: list[str], max_tokens: int) -> int:
-    chars = len("\n".join(([system] if system else []) + texts))
-    return math.ceil(chars / 4) + max_tokens
+def bound(url: str, b: dict) -> int:
+    """The reservation a request makes: its prompt tokens, counted by the server, + max_tokens."""
+    r = httpx.post(url + "/v1/messages/count_tokens", json={k: v for k, v in b.items() if k in ("model", "messages", "system")},
+                   timeout=60)
+    return r.json()["input_tokens"] + b["max_tokens"]
 
 
 def body(text: str | list[str], max_tokens: int, system: str | None = None, user_id: str | None = None) -> dict:
@@ -181,33 +183,40 @@ def test_exactly_the_over_budget_requests_are_rejected(budget_server):
     system, first = "You count things.", "How many legs does a spider have?"
     r1 = post(url, body(first, 8, system, user))
     assert r1.status_code == 200, r1.text
-    remaining = BUDGET - spent(r1)  # the estimate was replaced by the measured cost
-    # a conversation: the estimate counts every message text and the system prompt, joined by newlines
+    remaining = BUDGET - spent(r1)  # the reservation was replaced by the measured cost
+    assert int(r1.headers["anthropic-ratelimit-tokens-remaining"]) == remaining
+    # a conversation: the bound counts the whole templated prompt, system prompt included
     turns = [first, "Eight.", "Now count the legs of two spiders."]
-    over = remaining + 1 - estimate(system, turns, 0)
+    over = remaining + 1 - bound(url, body(turns, 0, system, user))
     assert over > 0
     check_rejection(post(url, body(turns, over, system, user)), remaining)
     r3 = post(url, body(turns, over - 1, system, user))  # exactly the remaining budget: admitted
     assert r3.status_code == 200, r3.text
     remaining = max(0, remaining - spent(r3))
-    one_over = max(0, remaining + 1 - estimate(None, ["ok?"], 0))
+    one_over = max(0, remaining + 1 - bound(url, body("ok?", 0, None, user)))
     check_rejection(post(url, body("ok?", one_over, None, user)), remaining)
 
 
-FILL = long_text(400, tag="fill")[: 4 * (BUDGET - 10)]  # with max_tokens 10: an estimate of exactly BUDGET
+FILL = long_text(28, tag="fill")  # about 280 tokens of the tiny model: with FILL_MAX_TOKENS, a bound of exactly BUDGET
 
 
-def test_tenants_are_separate(budget_server):
+@pytest.fixture(scope="module")
+def fill_max_tokens(budget_server) -> int:
+    n = BUDGET - bound(budget_server.url, body(FILL, 0))
+    assert 0 < n < BUDGET // 2
+    return n
+
+
+def test_tenants_are_separate(budget_server, fill_max_tokens):
     url = budget_server.url
-    fill = body(FILL, 10, None, "carol")
-    assert estimate(None, [FILL], 10) == BUDGET
+    fill = body(FILL, fill_max_tokens, None, "carol")
     first = post(url, fill)
     assert first.status_code == 200
     check_rejection(post(url, fill), max(0, BUDGET - spent(first)))
     # another user id has its own budget
-    assert post(url, body(FILL, 10, None, "dave")).status_code == 200
+    assert post(url, body(FILL, fill_max_tokens, None, "dave")).status_code == 200
     # so does each API key, which takes precedence over metadata.user_id
-    kwargs = dict(model="tiny", max_tokens=10, messages=[{"role": "user", "content": FILL}], metadata={"user_id": "carol"})
+    kwargs = dict(model="tiny", max_tokens=fill_max_tokens, messages=[{"role": "user", "content": FILL}], metadata={"user_id": "carol"})
     keyed = anthropic.Anthropic(base_url=url, api_key="key-one", max_retries=0)
     assert keyed.messages.create(**kwargs).usage.output_tokens >= 1
     with pytest.raises(anthropic.RateLimitError) as e:
@@ -218,9 +227,9 @@ def test_tenants_are_separate(budget_server):
     assert other.messages.create(**kwargs).usage.output_tokens >= 1
 
 
-def test_rejected_requests_do_no_work(budget_server):
+def test_rejected_requests_do_no_work(budget_server, fill_max_tokens):
     url = budget_server.url
-    fill = body(FILL, 10, None, "erin")
+    fill = body(FILL, fill_max_tokens, None, "erin")
     assert post(url, fill).status_code == 200
     before = {name: metric(url, name) for name in ("stratum_prompt_tokens_total", "stratum_cache_query_count_total",
                                                    "stratum_engine_steps")}
@@ -235,13 +244,69 @@ def test_rejected_requests_do_no_work(budget_server):
     assert httpx.get(url + "/health").json()["kv_blocks"] == blocks
 
 
-def test_streams_are_admitted_by_cost_too(budget_server):
+def test_streams_are_admitted_by_cost_too(budget_server, fill_max_tokens):
     url = budget_server.url
-    fill = body(FILL, 10, None, "frank")
+    fill = body(FILL, fill_max_tokens, None, "frank")
     assert post(url, fill).status_code == 200
     with httpx.stream("POST", url + "/v1/messages", json={**fill, "stream": True}, timeout=60) as r:
         assert r.status_code == 429
         assert r.headers["anthropic-ratelimit-tokens-limit"] == str(BUDGET)
+
+
+def test_concurrent_requests_cannot_overrun_the_budget(budget_server):
+    """Through the OpenAI endpoint, as a client that sends no max_tokens: each request may generate to the end
+    of the context, so none fits; with max_tokens, only as many as the budget holds run, however concurrent."""
+    import concurrent.futures
+
+    import openai
+
+    client = openai.OpenAI(base_url=budget_server.url + "/v1", api_key="overrun-tenant", max_retries=0)
+
+    def ask(max_tokens: int | None):
+        extra = {"max_tokens": max_tokens} if max_tokens is not None else {}
+        try:
+            return client.chat.completions.with_raw_response.create(
+                model="tiny", messages=[{"role": "user", "content": "Tell me a long story."}],
+                extra_body={"ignore_eos": True}, **extra)
+        except openai.RateLimitError as e:
+            return e
+
+    for max_tokens in (None, 100):
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            results = list(pool.map(ask, [max_tokens] * 4))
+        ok = [r.parse() for r in results if not isinstance(r, openai.RateLimitError)]
+        refused = [r for r in results if isinstance(r, openai.RateLimitError)]
+        if max_tokens is None:
+            assert not ok
+        else:  # as many as their bounds fit in the budget: two or three of the four
+            assert ok and len(ok) == BUDGET // (ok[0].usage.prompt_tokens + max_tokens) < 4
+        assert sum(c.usage.total_tokens - c.usage.prompt_tokens_details.cached_tokens for c in ok) <= BUDGET
+        for e in refused:
+            assert e.code == "cost_threshold_exceeded"
+            assert "max_tokens" in e.message
+            assert int(e.response.headers["x-ratelimit-limit-tokens"]) == BUDGET
+        for r in results:
+            if not isinstance(r, openai.RateLimitError):  # successful responses say where the budget stands
+                assert int(r.headers["anthropic-ratelimit-tokens-limit"]) == BUDGET
+                assert 0 <= int(r.headers["x-ratelimit-remaining-tokens"]) < BUDGET
+
+
+def test_prompts_are_counted_in_tokens_not_characters(budget_server):
+    """100 emoji are 25 tokens by the old characters / 4 rule, and hundreds of byte tokens in fact."""
+    url = budget_server.url
+    emoji = body("\U0001F600" * 100, 100, None, "emoji-user")
+    assert bound(url, emoji) > BUDGET > len("\U0001F600" * 100) // 4 + 100
+    check_rejection(post(url, emoji), BUDGET)
+
+
+def test_streams_carry_the_tenants_window(budget_server):
+    with httpx.stream("POST", budget_server.url + "/v1/messages", json={**body("Hi there.", 4, None, "stream-user"),
+                                                                       "stream": True}, timeout=60) as r:
+        assert r.status_code == 200
+        assert int(r.headers["anthropic-ratelimit-tokens-limit"]) == BUDGET
+        # at the start of a stream the request's bound is still reserved
+        assert int(r.headers["anthropic-ratelimit-tokens-remaining"]) <= BUDGET - 4 - 1
+        r.read()
 
 
 @pytest.fixture(scope="module")

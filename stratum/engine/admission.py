@@ -1,21 +1,23 @@
 """Admission by cost and cache-pollution advice, decided in-process before any work is done.
 
-A request's cost is estimated from its body alone (no tokenization): prompt characters / 4 plus
-max_tokens, in tokens. Each tenant has a token budget per fixed window. A request that would take
-the tenant over budget is rejected; one that is admitted is charged the estimate, and on finishing
-the estimate is replaced by what it really cost: uncached prompt tokens + output tokens, so prompt
+Each tenant has a token budget per fixed window. A request reserves an upper bound of what it can
+cost once its prompt is tokenized: its prompt tokens plus its effective max_tokens (the default
+included when the client sent none). A request whose bound does not fit in what the tenant has left
+is rejected, so concurrent requests can never spend more than the budget. When it finishes the
+reservation is replaced by what it really cost: uncached prompt tokens + output tokens, so prompt
 tokens served from the prefix cache are free.
 """
 
 from __future__ import annotations
 
+import hashlib
 import re
 import threading
 import time
-from collections import defaultdict, deque
-from dataclasses import dataclass, field
+from collections import OrderedDict, deque
+from dataclasses import dataclass
 
-CHARS_PER_TOKEN = 4  # the usual English rule of thumb for BPE vocabularies; an estimate only
+MIN_SWEEP = 1024  # tenants held before closed windows are swept
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,29 +48,34 @@ class CostAdmission:
         self.window_s = window_s
         self.clock = clock
         self._windows: dict[str, _Window] = {}
+        self._sweep_at = MIN_SWEEP
         self._lock = threading.Lock()
 
     @property
     def is_enabled(self) -> bool:
         return self.budget is not None
 
-    @staticmethod
-    def estimate(prompt_chars: int, max_tokens: int) -> int:
-        return -(-prompt_chars // CHARS_PER_TOKEN) + max_tokens
+    def admit(self, tenant: str, tokens: int) -> Decision:
+        """Reserve `tokens` if they fit in the tenant's window, else reject. Never partially reserves."""
+        return self._decide(tenant, tokens, reserve=True)
 
-    def admit(self, tenant: str, estimate: int) -> Decision:
-        """Charge `estimate` if it fits in the tenant's window, else reject. Never partially charges."""
+    def check(self, tenant: str, tokens: int = 0) -> Decision:
+        """Whether `tokens` would fit, reserving nothing; with 0, the window as it stands (for headers)."""
+        return self._decide(tenant, tokens, reserve=False)
+
+    def _decide(self, tenant: str, tokens: int, reserve: bool) -> Decision:
         now = self.clock()
         with self._lock:
             w = self._window(tenant, now)
             reset = w.start + self.window_s
-            if w.spent + estimate > self.budget:
+            if w.spent + tokens > self.budget:
                 return Decision(False, self.budget, max(0, self.budget - w.spent), reset, max(1, int(reset - now + 0.999)))
-            w.spent += estimate
+            if reserve:
+                w.spent += tokens
             return Decision(True, self.budget, self.budget - w.spent, reset)
 
-    def settle(self, tenant: str, estimate: int, actual: int, reset_at: float | None = None) -> None:
-        """Replace a charged estimate by the measured cost, in the window it was charged in, if still open.
+    def settle(self, tenant: str, reserved: int, actual: int, reset_at: float | None = None) -> None:
+        """Replace a reservation by the measured cost, in the window it was reserved in, if still open.
 
         Args:
             reset_at: the admitting Decision's reset_at, which identifies that window; a request that
@@ -80,11 +87,14 @@ class CostAdmission:
                 return
             if reset_at is not None and w.start + self.window_s != reset_at:
                 return
-            w.spent = max(0, w.spent - estimate + actual)
+            w.spent = max(0, w.spent - reserved + actual)
 
     def _window(self, tenant: str, now: float) -> _Window:
         w = self._windows.get(tenant)
         if w is None or now >= w.start + self.window_s:
+            if w is None and len(self._windows) >= self._sweep_at:  # forget closed windows: memory stays bounded
+                self._windows = {t: v for t, v in self._windows.items() if now < v.start + self.window_s}
+                self._sweep_at = max(MIN_SWEEP, 2 * len(self._windows))
             w = self._windows[tenant] = _Window(now)
         return w
 
@@ -103,9 +113,8 @@ def mask_high_entropy(text: str) -> str:
     return _ENTROPY.sub("<*>", text)
 
 
-@dataclass
-class _Session:
-    recent: deque = field(default_factory=lambda: deque(maxlen=10))  # (cache_hit_ratio, raw text, masked text)
+def _digest(text: str) -> bytes:
+    return hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
 
 
 class PollutionDetector:
@@ -113,25 +122,29 @@ class PollutionDetector:
     their prompts differed only in high-entropy spans (UUIDs, timestamps, hex ids).
 
     Policy: "reject" answers the next request of that session with 418; "advise" only adds the
-    x-stratum-advice header; "off" does nothing.
+    x-stratum-advice header; "off" does nothing. Prompts are kept as digests, and only the
+    `max_sessions` most recently seen sessions are kept, so memory stays bounded however many
+    sessions clients invent.
     """
 
     ADVICE = "consider using deterministic session_id"
 
-    def __init__(self, policy: str = "advise", window: int = 10, threshold: float = 0.05):
+    def __init__(self, policy: str = "advise", window: int = 10, threshold: float = 0.05, max_sessions: int = 4096):
         if policy not in ("reject", "advise", "off"):
             raise ValueError(f"pollution policy must be reject, advise or off, not {policy!r}")
         self.policy = policy
         self.window = window
         self.threshold = threshold
-        self._sessions: dict[str, _Session] = defaultdict(_Session)
+        self.max_sessions = max_sessions
+        # session -> its last `window` requests as (cache_hit_ratio, prompt digest, masked prompt digest)
+        self._sessions: OrderedDict[str, deque] = OrderedDict()
         self._lock = threading.Lock()
 
     def is_polluted(self, session: str) -> bool:
         if self.policy == "off":
             return False
         with self._lock:
-            recent = list(self._sessions[session].recent)
+            recent = list(self._sessions.get(session, ()))
         if len(recent) < self.window or any(hit >= self.threshold for hit, _, _ in recent):
             return False
         raws = {raw for _, raw, _ in recent}
@@ -141,10 +154,13 @@ class PollutionDetector:
     def record(self, session: str, cache_hit_ratio: float, prompt_text: str) -> None:
         if self.policy == "off":
             return
+        entry = (cache_hit_ratio, _digest(prompt_text), _digest(mask_high_entropy(prompt_text)))
         with self._lock:
-            s = self._sessions[session]
-            s.recent = deque(s.recent, maxlen=self.window)
-            s.recent.append((cache_hit_ratio, prompt_text, mask_high_entropy(prompt_text)))
+            recent = self._sessions.pop(session, None) or deque(maxlen=self.window)
+            recent.append(entry)
+            self._sessions[session] = recent
+            while len(self._sessions) > self.max_sessions:
+                self._sessions.popitem(last=False)
 
     def reset(self, session: str) -> None:
         with self._lock:

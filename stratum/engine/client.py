@@ -273,6 +273,13 @@ class RequestStream:
             self.done = True
             self.client.abort(self.request_id)
 
+    def cancel(self, error: BaseException) -> None:
+        """End the request now: the engine aborts it (its blocks are freed), and the reader gets `error`
+        after whatever outputs it has not read yet."""
+        if not self.done:
+            self.client.abort(self.request_id)
+            self.queue.put_nowait(error)
+
 
 class EngineClient:
     """The serving side's one handle on the engine.

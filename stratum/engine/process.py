@@ -259,9 +259,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--events", type=int, required=True, help="fd of the event pipe (write)")
     p.add_argument("--config", required=True, help="EngineConfig as JSON")
     args = p.parse_args(argv)
-    # The serving process decides when this one stops (a Ctrl-C reaches the whole process group):
-    # it closes the command pipe, and in-flight requests end in order rather than by a signal here.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # The serving process decides when this one stops (a Ctrl-C or a service manager's SIGTERM can
+    # reach the whole process group): it drains, then closes the command pipe, so in-flight requests
+    # end in order rather than by a signal here.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ev_fd = args.events
     lock = threading.Lock()

@@ -134,9 +134,5 @@ def event_stream(rt: pipeline.Runtime, job: pipeline.Job, stream: RequestStream,
             if not isinstance(e, APIError):
                 log.exception("stream failed")
             yield sse_error(as_api_error(e), job.request_id, job.endpoint)
-        finally:
-            await stream.close()
-            pipeline.release(rt, job)
 
-    headers = {"cache-control": "no-cache", **pipeline.early_headers(first, job)}
-    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+    return pipeline.event_response(events(), rt, job, pipeline.early_headers(rt, first, job))

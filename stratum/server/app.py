@@ -20,14 +20,17 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from stratum.engine.client import EngineClient, RequestStream
 from stratum.engine.outputs import RequestOutput
 from stratum.engine.sampling_params import SamplingParams
 from stratum.server import anthropic_api, openai_api, pipeline
 from stratum.server.chat import ChatInput, anthropic_input, build_prompt, openai_input
-from stratum.server.errors import (APIError, AuthenticationFailed, EngineUnavailable, InvalidRequest, MethodNotAllowed,
-                                   NotFound, RequestTooLarge, as_api_error, error_response)
+from stratum.server.errors import (APIError, AuthenticationFailed, BodyTimeout, ClientDisconnected, EngineUnavailable,
+                                   InvalidRequest, MethodNotAllowed, NotFound, Overloaded, RequestTooLarge, as_api_error,
+                                   error_response)
+from stratum.server.http import OVER_LIMIT
 from stratum.server.protocol import ChatCompletionRequest, CountTokensRequest, MessagesRequest
 from stratum.telemetry.cost import ArticleFormula, PricingModel
 
@@ -36,6 +39,8 @@ log = logging.getLogger("stratum.server")
 OPEN_PATHS = ("/health", "/metrics", "/docs", "/openapi.json")
 _DISCONNECT_CHECK_S = 0.5
 NEGOTIATION_VERSION = "v1"
+# What an OpenAI request without max_tokens may generate, at most (less when the context ends sooner).
+DEFAULT_MAX_TOKENS = 1024
 
 
 @dataclass(frozen=True)
@@ -47,6 +52,9 @@ class ServerSettings:
         header_wait_s: a stream waits this long for prefill before sending headers without its figures.
         tenant_budget_tokens: admission by cost, tokens per tenant per window; None disables it.
         pollution_policy: reject (418), advise (header only) or off.
+        share_prefix_cache: with API keys, let every key hit every other key's cached prompts (one
+            organisation, several keys); by default each key is a tenant with a cache of its own.
+        body_timeout_s: a request body that stalls this long between chunks gets 408.
     """
 
     model_name: str
@@ -60,6 +68,8 @@ class ServerSettings:
     tenant_budget_tokens: int | None = None
     budget_window_s: float = 60.0
     pollution_policy: str = "advise"
+    share_prefix_cache: bool = False
+    body_timeout_s: float = 30.0
     pricing: PricingModel = field(default_factory=ArticleFormula)
     created_at: str = field(default_factory=lambda: datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
 
@@ -67,11 +77,17 @@ class ServerSettings:
     def key_digests(self) -> tuple[bytes, ...]:
         return tuple(hashlib.sha256(k.encode()).digest() for k in self.api_keys)
 
+    @property
+    def isolate_tenants(self) -> bool:
+        """Keys are tenants, and one tenant's prompts must never be observable by another through the
+        prefix cache (its hit ratio, its timing). Without keys every client is one trust domain."""
+        return bool(self.api_keys) and not self.share_prefix_cache
+
 
 def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="Stratum", version="0.1.0", docs_url="/docs", redoc_url=None)
     rt = pipeline.make_runtime(engine, settings.model_name, settings.pricing, settings.tenant_budget_tokens,
-                               settings.budget_window_s, settings.pollution_policy)
+                               settings.budget_window_s, settings.pollution_policy, settings.isolate_tenants)
     app.state.runtime = rt
     digests = settings.key_digests
 
@@ -79,7 +95,8 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, e: APIError):
-        rt.metrics.observe_error(request.url.path, e.status)
+        if not isinstance(e, ClientDisconnected):
+            rt.metrics.observe_error(request.url.path, e.status)
         return error_response(e, request.state.request_id, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
@@ -101,14 +118,17 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     async def health():
         snap = engine.snapshot
         kv = snap.kv_blocks
-        body: dict[str, Any] = {"status": "ok" if snap.alive else "dead", "model": settings.model_name, "mode": snap.mode,
+        status = "dead" if not snap.alive else "draining" if rt.draining else "ok"
+        body: dict[str, Any] = {"status": status, "model": settings.model_name, "mode": snap.mode,
                                 "running": snap.num_running, "waiting": snap.num_waiting, "queued": engine.num_queued,
                                 "kv_blocks": {"total": kv.total, "free": kv.free, "cached": kv.cached, "in_use": kv.in_use}}
         if snap.degraded_reason:
             body["degraded_reason"] = snap.degraded_reason
         if snap.error:
             body["error"] = snap.error
-        return JSONResponse(body, status_code=200 if snap.alive else 503)
+        if rt.draining:
+            body["in_flight"] = len(rt.active)
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
     async def metrics():
@@ -144,13 +164,13 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         _check_model(settings, req.model)
         chat = anthropic_input(req)
         user_id = req.metadata.user_id if req.metadata else None
-        job = pipeline.admit(rt, request, "/v1/messages", len(chat.text), req.max_tokens, user_id)
         sampling = SamplingParams(
             max_tokens=req.max_tokens,
             temperature=settings.default_temperature if req.temperature is None else req.temperature,
             top_p=req.top_p or settings.default_top_p, top_k=req.top_k or 0,
             stop=list(req.stop_sequences or []), seed=req.seed, ignore_eos=req.ignore_eos,
         )
+        job = pipeline.admit(rt, request, "/v1/messages", req.max_tokens, user_id)
         stream, first = await _start(rt, job, request, chat, sampling, settings)
         msg_id = "msg_" + uuid.uuid4().hex[:24]
         if req.stream:
@@ -165,14 +185,14 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         _check_model(settings, req.model)
         chat = openai_input(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        job = pipeline.admit(rt, request, "/v1/chat/completions", len(chat.text), max_tokens or 0, req.user)
         stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
         sampling = SamplingParams(
-            max_tokens=max_tokens if max_tokens is not None else 1024,
+            max_tokens=max_tokens if max_tokens is not None else DEFAULT_MAX_TOKENS,
             temperature=settings.default_temperature if req.temperature is None else req.temperature,
             top_p=req.top_p or settings.default_top_p, top_k=req.top_k or 0, stop=stop, seed=req.seed,
             ignore_eos=req.ignore_eos,
         )
+        job = pipeline.admit(rt, request, "/v1/chat/completions", max_tokens, req.user)
         stream, first = await _start(rt, job, request, chat, sampling, settings, default_max=max_tokens is None)
         cid = "chatcmpl-" + uuid.uuid4().hex[:24]
         if req.stream:
@@ -186,8 +206,8 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
 
 
 class Envelope:
-    """Pure ASGI middleware: a request id on every response, the body-size limit and authentication,
-    before any route runs. (Not BaseHTTPMiddleware: it hides client disconnects from the routes.)"""
+    """Pure ASGI middleware: a request id on every response, the connection limit (see `http.protocol`),
+    the body-size limit and authentication, before any route runs. (Not BaseHTTPMiddleware: it hides client disconnects from the routes.)"""
 
     def __init__(self, app, max_body_bytes: int, digests: tuple[bytes, ...]):
         self.app = app
@@ -208,6 +228,9 @@ class Envelope:
 
         request = Request(scope)
         try:
+            if scope["state"].get(OVER_LIMIT):
+                raise Overloaded("too many connections to this server; retry shortly",
+                                 headers={"retry-after": "1", "connection": "close"})
             length = request.headers.get("content-length")
             if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
                 raise RequestTooLarge(f"request body exceeds {self.max_body_bytes} bytes")
@@ -241,6 +264,7 @@ async def _start_admitted(rt: pipeline.Runtime, job: pipeline.Job, request: Requ
     if default_max:
         sampling.max_tokens = max(1, min(sampling.max_tokens, engine.config.max_model_len - len(prompt.token_ids)))
     pipeline.check_request(rt, prompt, sampling)
+    pipeline.reserve(rt, job, len(prompt.token_ids), sampling.max_tokens)
     pins = None
     if chat.pinned:
         pins = await asyncio.to_thread(pipeline.pins_for, engine.chat_template, chat.messages, chat.pinned,
@@ -278,7 +302,19 @@ _PARSE_INLINE_BYTES = 64 * 1024
 
 async def _read_request(request: Request, settings: ServerSettings, model: type[BaseModel]):
     body = bytearray()
-    async for chunk in request.stream():
+    chunks = request.stream().__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(chunks.__anext__(), settings.body_timeout_s)
+        except StopAsyncIteration:
+            break
+        except asyncio.TimeoutError:
+            raise BodyTimeout(f"the request body stalled for {settings.body_timeout_s:g}s; received "
+                              f"{len(body)} bytes", headers={"connection": "close"}) from None
+        except ClientDisconnect:
+            log.info("%s: client disconnected while sending its body (%d bytes received)",
+                     request.state.request_id, len(body))
+            raise ClientDisconnected("client disconnected") from None
         body += chunk
         if len(body) > settings.max_body_bytes:
             raise RequestTooLarge(f"request body exceeds {settings.max_body_bytes} bytes")

@@ -50,8 +50,22 @@ class MethodNotAllowed(APIError):
     status, type = 405, "invalid_request_error"
 
 
+class BodyTimeout(APIError):
+    status, type = 408, "timeout_error"
+
+
+class ClientDisconnected(APIError):
+    """The client left before its request was read; the answer is for the log and metrics, not for it."""
+
+    status, type = 400, "invalid_request_error"
+
+
 class RequestTooLarge(APIError):
     status, type = 413, "request_too_large"
+
+
+class HeadersTooLarge(APIError):
+    status, type = 431, "request_too_large"
 
 
 class CachePollution(APIError):

@@ -1,10 +1,11 @@
 """One request's way through the runtime, shared by both APIs.
 
-    admit (418 pollution, 429 cost, 529 queue: before any tokenization)
+    admit (503 draining, 418 pollution, 429 cost, 529 queue: before any tokenization)
       -> controls (X-Stratum-Mode, system-prompt hints, priority)
       -> prompt (chat template; compressive mode; cache_control pins)
-      -> engine stream
-      -> telemetry (x-stratum-cost, trace, metrics, budget settlement)
+      -> reserve (429 unless the tenant's budget holds the request's upper bound)
+      -> engine stream (prefix-cache blocks salted with the tenant when tenants are isolated)
+      -> telemetry (x-stratum-cost, trace, metrics, budget settlement, rate-limit headers)
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
+from fastapi.responses import StreamingResponse
 
 from stratum.engine.admission import CostAdmission, PollutionDetector
 from stratum.engine.client import EngineClient, QueueFull, RequestStream
@@ -25,7 +27,7 @@ from stratum.engine.sampling_params import InvalidRequestError, SamplingParams
 from stratum.server import tools as tool_fmt
 from stratum.server.chat import Prompt
 from stratum.server.errors import (APIError, CachePollution, EngineUnavailable, InvalidRequest, Overloaded, RateLimited,
-                                   as_api_error)
+                                   as_api_error, is_openai)
 from stratum.telemetry.cost import CostFields, PricingModel
 from stratum.telemetry.metrics import Metrics
 from stratum.telemetry.trace import build_trace, encode_trace, hardware_view
@@ -47,6 +49,9 @@ class Runtime:
     pollution: PollutionDetector
     pricing: PricingModel
     metrics: Metrics
+    isolate_tenants: bool = False  # each tenant's prefix-cache blocks are salted with it
+    draining: bool = False  # shutting down: new requests get 503
+    active: dict[str, "Job"] = field(default_factory=dict)  # admitted and not yet finished or released
     aggressive_ttl_s: float = 600.0
     warmup_ttl_s: float = 300.0
     compress_threshold_tokens: int = 1024
@@ -62,8 +67,10 @@ class Job:
     request_id: str
     tenant: str
     session: str
-    estimate: int
-    budget_reset_at: float | None = None  # the budget window the estimate was charged in
+    cache_salt: str | None = None
+    reserved: int = 0  # tokens reserved against the tenant's budget: upper bounds of what runs for this request
+    spent: int = 0  # measured cost of the engine work done for it before the answer (compressive summaries)
+    budget_reset_at: float | None = None  # the budget window the reservations were made in
     cache_mode: str = "default"  # default | aggressive | bypass
     priority: int = 0
     is_low_latency: bool = False
@@ -73,7 +80,9 @@ class Job:
     prompt: Prompt | None = None
     prompt_text: str = ""
     compression: dict[str, Any] | None = None
-    is_settled: bool = False  # the admission charge was replaced by the measured cost, or given back
+    is_settled: bool = False  # the reservation was replaced by the measured cost
+    stream: RequestStream | None = None  # once submitted to the engine
+    cancelled: APIError | None = None  # ended by the server (a drain that ran out of time) before submission
     cpu0: float = field(default_factory=time.process_time)
     wall0: float = field(default_factory=time.perf_counter)
 
@@ -94,15 +103,18 @@ def tenant_of(request: Request, user_id: str | None) -> str:
     return "addr:" + (request.client.host if request.client else "unknown")
 
 
-def admit(rt: Runtime, request: Request, endpoint: str, prompt_chars: int, max_tokens: int, user_id: str | None) -> Job:
-    """Decide before any tokenization: 503 if the engine is gone, 418 on pollution, 429 over budget,
-    529 if the queue is full. From here on the request counts against the queue (see `release`)."""
+def admit(rt: Runtime, request: Request, endpoint: str, max_tokens: int | None, user_id: str | None) -> Job:
+    """Decide before any tokenization: 503 if draining or the engine is gone, 418 on pollution, 429 if
+    the tenant's budget cannot hold even max_tokens and one prompt token, 529 if the queue is full.
+    From here on the request counts against the queue (see `release`)."""
+    if rt.draining:
+        raise EngineUnavailable("the server is shutting down", headers={"connection": "close"})
     if not rt.engine.is_alive:
         raise EngineUnavailable(f"the engine is not running ({rt.engine.snapshot.error or 'stopped'})")
     check_control_headers(request)
     tenant = tenant_of(request, user_id)
     session = request.headers.get("x-stratum-session-id") or user_id or tenant
-    job = Job(endpoint, request.state.request_id, tenant, session, CostAdmission.estimate(prompt_chars, max_tokens))
+    job = Job(endpoint, request.state.request_id, tenant, session, cache_salt=tenant if rt.isolate_tenants else None)
     if rt.pollution.is_polluted(session):
         if rt.pollution.policy == "reject":
             rt.pollution.reset(session)
@@ -113,31 +125,65 @@ def admit(rt: Runtime, request: Request, endpoint: str, prompt_chars: int, max_t
                 headers={"x-stratum-advice": PollutionDetector.ADVICE}, extra={"stratum_reason": "cache_pollution"})
         job.advise = True
     if rt.admission.is_enabled:
-        d = rt.admission.admit(tenant, job.estimate)
-        headers = {
-            "anthropic-ratelimit-tokens-limit": str(d.limit),
-            "anthropic-ratelimit-tokens-remaining": str(d.remaining),
-            "anthropic-ratelimit-tokens-reset": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(d.reset_at)),
-        }
+        least = 1 + (max_tokens or 0)
+        d = rt.admission.check(tenant, least)
         if not d.is_admitted:
-            rt.metrics.rejections.labels("cost_threshold_exceeded").inc()
-            raise RateLimited(
-                f"estimated cost {job.estimate} tokens exceeds the remaining budget of {d.remaining} tokens "
-                f"for this tenant in the current {rt.admission.window_s:g}s window",
-                headers={"retry-after": str(d.retry_after_s), **headers},
-                extra={"stratum_reason": "cost_threshold_exceeded"},
-            )
-        job.budget_reset_at = d.reset_at
+            raise _over_budget(rt, job, d, least, f"this request costs at least {least} tokens (max_tokens and its prompt)")
     try:
         rt.engine.admit(job.request_id)
     except QueueFull as e:
-        release(rt, job)
         rt.metrics.rejections.labels("queue_full").inc()
-        raise Overloaded(str(e), headers={"retry-after": str(e.retry_after_s)}) from None
+        raise Overloaded(str(e), headers={"retry-after": str(e.retry_after_s), **ratelimit_headers(rt, job)}) from None
     except EngineDeadError as e:
-        release(rt, job)
         raise EngineUnavailable(str(e)) from None
+    rt.active[job.request_id] = job
     return job
+
+
+def reserve(rt: Runtime, job: Job, num_prompt_tokens: int, max_tokens: int, what: str = "this request") -> None:
+    """Reserve an upper bound of what running a prompt can cost, against the tenant's budget: every
+    prompt token (whether or not the cache will serve it) and every token it may generate.
+
+    Raises:
+        RateLimited: the bound does not fit in what the tenant has left in this window.
+    """
+    if not rt.admission.is_enabled:
+        return
+    bound = num_prompt_tokens + max_tokens
+    d = rt.admission.admit(job.tenant, bound)
+    if not d.is_admitted:
+        raise _over_budget(rt, job, d, bound, f"{what} may cost up to {bound} tokens ({num_prompt_tokens} prompt tokens + "
+                                       f"max_tokens {max_tokens})")
+    job.reserved += bound
+    if job.budget_reset_at is None:
+        job.budget_reset_at = d.reset_at
+
+
+def _over_budget(rt: Runtime, job: Job, d, tokens: int, why: str) -> RateLimited:
+    rt.metrics.rejections.labels("cost_threshold_exceeded").inc()
+    return RateLimited(
+        f"{why}, more than the {d.remaining} tokens left to this tenant in the current "
+        f"{rt.admission.window_s:g}s window",
+        headers={"retry-after": str(d.retry_after_s), **ratelimit_headers(rt, job, d)},
+        extra={"stratum_reason": "cost_threshold_exceeded", "stratum_cost_tokens": tokens},
+    )
+
+
+def ratelimit_headers(rt: Runtime, job: Job, d=None) -> dict[str, str]:
+    """The tenant's budget window as it stands, in Anthropic's headers (and OpenAI's on its routes)."""
+    if not rt.admission.is_enabled:
+        return {}
+    d = d or rt.admission.check(job.tenant)
+    headers = {
+        "anthropic-ratelimit-tokens-limit": str(d.limit),
+        "anthropic-ratelimit-tokens-remaining": str(d.remaining),
+        "anthropic-ratelimit-tokens-reset": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(d.reset_at)),
+    }
+    if is_openai(job.endpoint):
+        headers["x-ratelimit-limit-tokens"] = str(d.limit)
+        headers["x-ratelimit-remaining-tokens"] = str(d.remaining)
+        headers["x-ratelimit-reset-tokens"] = f"{max(0.0, d.reset_at - time.time()):.3f}s"
+    return headers
 
 
 def check_control_headers(request: Request) -> None:
@@ -151,12 +197,18 @@ def check_control_headers(request: Request) -> None:
 
 
 def release(rt: Runtime, job: Job) -> None:
-    """A request that ends without `finish` (refused after admission, aborted, disconnected) gives its
-    charged estimate back: what it actually cost was not measured, so it is not charged. It leaves
-    the waiting queue too."""
+    """A request that ends without `finish` (refused after admission, aborted, disconnected) is settled
+    at what was measured before its answer (compressive summaries): its own run was not measured,
+    so it is not charged. It leaves the waiting queue too."""
     rt.engine.release(job.request_id)
-    if not job.is_settled and rt.admission.is_enabled:
-        rt.admission.settle(job.tenant, job.estimate, 0, job.budget_reset_at)
+    rt.active.pop(job.request_id, None)
+    settle(rt, job, job.spent)
+
+
+def settle(rt: Runtime, job: Job, cost: int) -> None:
+    """Replace the request's reservations by its measured cost, once."""
+    if not job.is_settled and job.reserved:
+        rt.admission.settle(job.tenant, job.reserved, cost, job.budget_reset_at)
     job.is_settled = True
 
 
@@ -202,24 +254,29 @@ async def compress(rt: Runtime, job: Job, messages: list[dict[str, Any]], reques
     ids = await asyncio.to_thread(tokenizer.encode, messages[target]["content"])
     size = rt.compress_chunk_tokens
     chunks = [tokenizer.decode(ids[i : i + size]) for i in range(0, len(ids), size)]
-    async def summarise(i: int, chunk: str) -> str:
-        prompt = template.encode([
-            {"role": "system", "content": "Summarize the user's text in two or three sentences. Keep names, numbers and facts."},
-            {"role": "user", "content": chunk},
-        ])
+    prompts = [template.encode([
+        {"role": "system", "content": "Summarize the user's text in two or three sentences. Keep names, numbers and facts."},
+        {"role": "user", "content": chunk},
+    ]) for chunk in chunks]
+    params = SamplingParams(max_tokens=rt.compress_summary_tokens, temperature=0.0)
+    reserve(rt, job, sum(len(p) for p in prompts), len(prompts) * params.max_tokens, "its compression")
+
+    async def summarise(i: int, prompt: list[int]) -> str:
         text = ""
-        params = SamplingParams(max_tokens=rt.compress_summary_tokens, temperature=0.0)
-        stream = rt.engine.submit(prompt, params, request_id=f"{request_id}-summary-{i}", priority=job.priority)
+        stream = rt.engine.submit(prompt, params, request_id=f"{request_id}-summary-{i}", priority=job.priority,
+                                  cache_salt=job.cache_salt)
         try:
             async for out in stream:
                 text = out.text
                 if out.finished:
+                    if out.stats is not None:
+                        job.spent += measured_cost(usage_of(out))
                     break
         finally:
             await stream.close()
         return text.strip()
 
-    summaries = await asyncio.gather(*(summarise(i, c) for i, c in enumerate(chunks)))
+    summaries = await asyncio.gather(*(summarise(i, p) for i, p in enumerate(prompts)))
     compressed = [dict(m) for m in messages]
     compressed[target]["content"] = "Summary of the provided text, part by part:\n" + "\n".join(
         f"{i + 1}. {s}" for i, s in enumerate(summaries))
@@ -250,9 +307,60 @@ def start(rt: Runtime, job: Job, prompt: Prompt, sampling: SamplingParams,
     marker = None
     if prompt.tool_names:
         marker = "" if prompt.is_forced_tool else tool_fmt.OPEN
-    return rt.engine.submit(prompt.token_ids, sampling, request_id=job.request_id, priority=job.priority,
-                            cache_policy=policy, tool_marker=marker, pin_prefixes=pins or [],
-                            low_latency=job.is_low_latency)
+    if job.cancelled is not None:
+        raise job.cancelled
+    job.stream = rt.engine.submit(prompt.token_ids, sampling, request_id=job.request_id, priority=job.priority,
+                                  cache_policy=policy, cache_salt=job.cache_salt, tool_marker=marker,
+                                  pin_prefixes=pins or [], low_latency=job.is_low_latency)
+    return job.stream
+
+
+async def drain(rt: Runtime, timeout_s: float, grace_s: float = 2.0) -> int:
+    """Shut down gracefully: refuse new requests (503), let the admitted ones finish for up to
+    timeout_s, then end the rest with an error (an error event on a stream, an error body otherwise)
+    and give them grace_s to send it.
+
+    Returns:
+        how many requests were ended by the drain rather than finishing.
+    """
+    rt.draining = True
+    deadline = time.monotonic() + timeout_s
+    while rt.active and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    left = list(rt.active.values())
+    for job in left:
+        job.cancelled = EngineUnavailable(f"the server is shutting down; the request did not finish within the "
+                                          f"{timeout_s:g}s drain timeout")
+        if job.stream is not None:
+            job.stream.cancel(job.cancelled)
+    deadline = time.monotonic() + grace_s
+    while rt.active and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return len(left)
+
+
+def event_response(events, rt: Runtime, job: Job, headers: dict[str, str]) -> StreamingResponse:
+    """An SSE response whose request is closed and released however the response ends, including a
+    client that disconnects before the first event (when the generator's own cleanup never runs)."""
+
+    async def close() -> None:
+        if job.stream is not None:
+            await job.stream.close()
+        release(rt, job)
+
+    return _EventStream(events, close, media_type="text/event-stream", headers={"cache-control": "no-cache", **headers})
+
+
+class _EventStream(StreamingResponse):
+    def __init__(self, content, on_close, **kwargs):
+        super().__init__(content, **kwargs)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
 
 
 async def paced(stream: RequestStream, first: RequestOutput | None, ping_interval_s: float):
@@ -283,6 +391,11 @@ def stream_meta(out: RequestOutput) -> dict[str, Any]:
     return {"stratum_state": out.state, "kv_cache_efficiency": round(out.kv_cache_efficiency, 4)}
 
 
+def measured_cost(usage: dict[str, int]) -> int:
+    """What a finished request is charged against its tenant's budget: uncached prompt tokens + output."""
+    return usage["input_tokens"] + usage["cache_creation_input_tokens"] + usage["output_tokens"]
+
+
 def usage_of(out: RequestOutput) -> dict[str, int]:
     s = out.stats
     return {
@@ -294,13 +407,14 @@ def usage_of(out: RequestOutput) -> dict[str, int]:
     }
 
 
-def early_headers(out: RequestOutput | None, job: Job) -> dict[str, str]:
-    """Headers a stream can send after prefill: cost so far, and the engine mode."""
+def early_headers(rt: Runtime, out: RequestOutput | None, job: Job) -> dict[str, str]:
+    """Headers a stream can send after prefill: cost so far, the engine mode, the tenant's budget."""
     headers = {"x-stratum-mode": out.mode if out is not None else "normal", "x-stratum-cache-mode": job.cache_mode}
     if out is not None and out.stats is not None:
         headers["x-stratum-cost"] = CostFields.from_stats(out.stats).header()
     if job.advise:
         headers["x-stratum-advice"] = PollutionDetector.ADVICE
+    headers.update(ratelimit_headers(rt, job))
     return headers
 
 
@@ -333,16 +447,16 @@ def finish(rt: Runtime, job: Job, out: RequestOutput) -> tuple[dict[str, str], d
         headers["x-stratum-trace"] = trace
         body["trace"] = trace
     rt.metrics.observe_request(job.endpoint, rt.model_name, stats, cost, usd)
-    if rt.admission.is_enabled and not job.is_settled:
-        uncached = usage["input_tokens"] + usage["cache_creation_input_tokens"]
-        rt.admission.settle(job.tenant, job.estimate, uncached + usage["output_tokens"], job.budget_reset_at)
-    job.is_settled = True
+    rt.active.pop(job.request_id, None)
+    settle(rt, job, job.spent + measured_cost(usage))
+    headers.update(ratelimit_headers(rt, job))
     rt.pollution.record(job.session, cost.cache_hit_ratio, job.prompt_text)
     return headers, body
 
 
 def make_runtime(engine: EngineClient, model_name: str, pricing: PricingModel, budget_tokens: int | None,
-                 window_s: float, pollution_policy: str) -> Runtime:
+                 window_s: float, pollution_policy: str, isolate_tenants: bool = False) -> Runtime:
     metrics = Metrics(lambda: engine.snapshot)
-    return Runtime(engine, model_name, CostAdmission(budget_tokens, window_s), PollutionDetector(pollution_policy), pricing, metrics)
+    return Runtime(engine, model_name, CostAdmission(budget_tokens, window_s), PollutionDetector(pollution_policy), pricing,
+                   metrics, isolate_tenants=isolate_tenants)
 
