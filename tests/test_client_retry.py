@@ -62,10 +62,10 @@ def test_429_waits_retry_after_then_succeeds(servers):
     events = []
     client, tap = make_client(servers["budget"].url, api_key="tenant-wait",
                               retry_policy=RetryPolicy(max_wait_s=5), event_hooks={"retry": events.append})
-    first = client.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": unique_text(1000)}])
-    # the measured cost (uncached prompt tokens) left less than the next estimate (252) in the window
-    assert first.usage.input_tokens + first.usage.cache_creation_input_tokens > 150
-    second = client.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": unique_text(1000)}])
+    first = client.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": unique_text(250)}])
+    # the measured cost (uncached prompt tokens) left less than the next request's bound in the window
+    assert first.usage.input_tokens + first.usage.cache_creation_input_tokens > 200
+    second = client.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": unique_text(250)}])
     assert [(e.status, e.reason, e.action) for e in events] == [(429, "cost_threshold_exceeded", "wait")]
     assert 1 <= events[0].delay_s <= 3
     assert second.stratum.retries == events and second.content is not None
@@ -80,15 +80,21 @@ def test_429_trims_the_oldest_turns_when_allowed(servers):
                               event_hooks={"retry": events.append})
     history = []
     for _ in range(4):
-        history += [{"role": "user", "content": unique_text(400)}, {"role": "assistant", "content": unique_text(400)}]
+        history += [{"role": "user", "content": unique_text(90)}, {"role": "assistant", "content": unique_text(90)}]
     messages = history + [{"role": "user", "content": "And the total?"}]
-    assert estimate_tokens({"messages": messages, "max_tokens": 2}) > 400
+
+    def bound(kept: list[dict]) -> int:  # what the server reserves: counted prompt tokens + max_tokens
+        r = httpx.post(servers["budget"].url + "/v1/messages/count_tokens", json={"model": "tiny", "messages": kept})
+        return r.json()["input_tokens"] + 2
+
+    assert bound(messages) > 400 > estimate_tokens({"messages": messages, "max_tokens": 2})  # more than chars / 4
     msg = client.messages.create(model="tiny", max_tokens=2, messages=messages)
     assert [(e.status, e.action) for e in events] == [(429, "trim")] and events[0].delay_s == 0
     sent = posted_bodies(tap)
-    # the fewest oldest turns dropped that fit the remaining 400 tokens: the last exchange and the question stay
+    # the fewest oldest turns dropped that fit the remaining 400 tokens, as the server counted them (the 429's
+    # stratum_cost_tokens scales the client's estimate): the last exchange and the question stay
     assert len(sent[0]["messages"]) == 9 and sent[1]["messages"] == messages[-3:]
-    assert estimate_tokens({"messages": messages[-5:], "max_tokens": 2}) > 400
+    assert bound(messages[-3:]) <= 400
     assert msg.stratum.retries == events
 
 
@@ -262,6 +268,21 @@ def test_decide_maps_each_reason_to_its_action_only():
     assert policy.decide(Failure(529, "overloaded_error"), 1, params).action == "backoff"
     for status in (400, 401, 404, 413, 500, 503):
         assert policy.decide(Failure(status, "api_error"), 1, params) is None
+
+
+def test_the_servers_count_scales_the_trim_target():
+    body = {"type": "error", "error": {"type": "rate_limit_error", "stratum_reason": "cost_threshold_exceeded",
+                                       "stratum_cost_tokens": 800}}
+    failure = Failure.from_response(429, body, {"anthropic-ratelimit-tokens-remaining": "400", "retry-after": "9"})
+    assert failure.cost_tokens == 800 and failure.remaining_tokens == 400
+    for bad in (True, -3, "800", None):
+        assert Failure.from_response(429, {"error": {**body["error"], "stratum_cost_tokens": bad}}, {}).cost_tokens is None
+    # the client estimates 2 x 100 + 1 = 201 tokens; the server counted 800: 400 left is 100 in the estimate's units
+    params = {"max_tokens": 1, "messages": [{"role": "user", "content": "a" * 400}, {"role": "assistant", "content": "ok"},
+                                            {"role": "user", "content": "b" * 396}]}
+    decision = RetryPolicy(trim=DropOldestTurns(), max_wait_s=1).decide(failure, 1, params)
+    assert decision.action == "trim" and decision.params["messages"] == params["messages"][2:]
+    assert "400 remaining" in decision.detail
 
 
 def test_trim_policies():

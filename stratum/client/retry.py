@@ -26,7 +26,9 @@ from typing import Any, Callable, Mapping, Protocol, Sequence
 
 log = logging.getLogger("stratum.client.retry")
 
-CHARS_PER_TOKEN = 4  # the server's admission estimate (docs/telemetry.md): ceil(prompt chars / 4) + max_tokens
+# The client cannot run the server's tokenizer: it estimates a prompt at ceil(chars / 4) tokens and, once
+# a 429 says what the server counted (error.stratum_cost_tokens, docs/telemetry.md), scales to that count.
+CHARS_PER_TOKEN = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,13 +54,16 @@ class Failure:
     retry_after_s: float | None = None
     remaining_tokens: int | None = None
     request_id: str | None = None
+    cost_tokens: int | None = None  # what the server counted the refused request at
 
     @classmethod
     def from_response(cls, status: int, body: Any, headers: Mapping[str, str]) -> "Failure":
         error = body.get("error") if isinstance(body, Mapping) else None
         error = error if isinstance(error, Mapping) else {}
+        cost = error.get("stratum_cost_tokens")
         return cls(status, error.get("type"), error.get("stratum_reason"), _float(headers.get("retry-after")),
-                   _int(headers.get("anthropic-ratelimit-tokens-remaining")), headers.get("request-id"))
+                   _int(headers.get("anthropic-ratelimit-tokens-remaining")), headers.get("request-id"),
+                   cost if isinstance(cost, int) and not isinstance(cost, bool) and cost > 0 else None)
 
     @property
     def reason(self) -> str | None:
@@ -295,14 +300,19 @@ class RetryPolicy:
         return decision
 
     def _on_cost(self, failure: Failure, params: Mapping[str, Any]) -> Decision:
-        target = failure.remaining_tokens
-        if self.trim is not None and target is not None:
+        remaining = failure.remaining_tokens
+        if self.trim is not None and remaining is not None:
             before = estimate_tokens(params)
+            target, scaled = remaining, ""
+            if failure.cost_tokens:  # the server's remaining budget, in this estimate's units
+                target = remaining * before // failure.cost_tokens
+                scaled = f" ({target} in estimate units: the server counted {failure.cost_tokens})"
             trimmed = self.trim.trim(params, target)
             if trimmed is not None:
                 after = estimate_tokens(trimmed)
                 if after <= target:
-                    return Decision("trim", params=trimmed, detail=f"estimate {before} -> {after} tokens, {target} remaining")
+                    return Decision("trim", params=trimmed,
+                                    detail=f"estimate {before} -> {after} tokens, {remaining} remaining{scaled}")
         wait = failure.retry_after_s if failure.retry_after_s is not None else 1.0
         if wait > self.max_wait_s:
             return Decision("give_up", detail=f"retry-after {wait:g} s exceeds max_wait_s={self.max_wait_s:g}")
