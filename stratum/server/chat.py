@@ -105,7 +105,7 @@ def openai_input(req: ChatCompletionRequest) -> ChatInput:
     forced: bool | str = False
     if choice == "required":
         forced = True
-    elif choice is not None and choice != "auto":
+    elif choice is not None and not isinstance(choice, str):  # {"type": "function", "function": {"name": ...}}
         forced = choice.function.name
         if forced not in {t["name"] for t in tools or []}:
             raise InvalidRequest(f"tool_choice names {forced!r}, which is not in tools")
