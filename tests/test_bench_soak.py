@@ -6,8 +6,11 @@ from __future__ import annotations
 import json
 import random
 
+import pytest
+
 from stratum.bench import soak
 from stratum.bench.soak import Outcome, Probe, Tally, growth_pct, make_prompt, rss_after
+from tests.conftest import ServerProcess
 
 
 def test_growth_pct():
@@ -53,16 +56,24 @@ def test_prompts_mix_the_shared_prefix_and_unique_texts():
     assert max(len(u) for u in unique) > 4 * len(min(unique, key=len))  # lengths vary widely
 
 
-def test_soak_against_the_tiny_server(tiny_server, tmp_path, capsys):
+@pytest.fixture(scope="module")
+def soak_server(tiny_model_dir):
+    """A server of its own: a soak fills the prefix cache, which other tests' block counts must not inherit."""
+    server = ServerProcess(str(tiny_model_dir), "--served-model-name", "tiny", "--kv-cache-mb", "8").wait_ready()
+    yield server
+    server.stop()
+
+
+def test_soak_against_a_tiny_server(soak_server, tmp_path, capsys):
     out = tmp_path / "soak.json"
-    argv = ["--url", tiny_server.url, "--pid", str(tiny_server.proc.pid), "--model", "tiny", "--clients", "2",
+    argv = ["--url", soak_server.url, "--pid", str(soak_server.proc.pid), "--model", "tiny", "--clients", "2",
             "--duration-s", "6", "--sample-every-s", "2", "--probe-every-s", "2", "--max-prompt-tokens", "100",
             "--max-tokens", "32", "--disconnect-fraction", "0.3", "--timeout-s", "60", "--no-progress",
             "--out", str(out)]
     assert soak.main(argv) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc == json.loads(out.read_text())
-    assert doc["failures"] == 0, (doc["failure_samples"], tiny_server.output())
+    assert doc["failures"] == 0, (doc["failure_samples"], soak_server.output())
     assert doc["requests"] > 0 and doc["output_tokens"] > 0
     assert doc["disconnects"] > 0  # seed 0: client 1's 4th request hangs up after its first event
     assert doc["probe"]["count"] >= 2 and doc["probe"]["mismatched"] == 0
