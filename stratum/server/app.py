@@ -207,7 +207,8 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
 
 class Envelope:
     """Pure ASGI middleware: a request id on every response, the connection limit (see `http.protocol`),
-    the body-size limit and authentication, before any route runs. (Not BaseHTTPMiddleware: it hides client disconnects from the routes.)"""
+    the body-size limit and authentication, before any route runs. (Not BaseHTTPMiddleware: it hides
+    client disconnects from the routes.)"""
 
     def __init__(self, app, max_body_bytes: int, digests: tuple[bytes, ...]):
         self.app = app
