@@ -2,10 +2,10 @@
 
 - Requests the HTTP parser refuses (a malformed Content-Length, a broken request line, headers over
   the size limit) are answered in the API's error shape with a request id: 400, or 431 for headers;
-  headers that do not all arrive within `header_timeout_s` get 408.
-  The connection is then half-closed and what the client still sends is read and dropped for a
-  moment before it closes, so the client reads the answer instead of a connection reset.
-- Connections beyond `max_connections` have their requests answered 503 (see `Envelope`).
+  headers that do not all arrive within `header_timeout_s` get 408, and a connection that sends
+  nothing for that long is closed. A refused connection is half-closed, and what the client still
+  sends is read and dropped for a moment, so the client reads the answer instead of a reset.
+- Connections beyond `max_connections` have their requests answered 529 (see `app.Envelope`).
 - SIGTERM or SIGINT starts a drain (`pipeline.drain`); a second signal exits at once.
 """
 
