@@ -299,6 +299,12 @@ def test_prompts_are_counted_in_tokens_not_characters(budget_server):
     check_rejection(post(url, emoji), BUDGET)
 
 
+def test_refusals_after_admission_carry_the_tenants_window_too(budget_server):
+    r = post(budget_server.url, body("x " * 2100, 1, None, "long-prompt-user"))  # over the 2,048-token context
+    assert r.status_code == 400, r.text
+    assert int(r.headers["anthropic-ratelimit-tokens-remaining"]) == BUDGET  # refused: nothing reserved
+
+
 def test_streams_carry_the_tenants_window(budget_server):
     with httpx.stream("POST", budget_server.url + "/v1/messages", json={**body("Hi there.", 4, None, "stream-user"),
                                                                        "stream": True}, timeout=60) as r:

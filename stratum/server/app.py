@@ -245,11 +245,14 @@ class Envelope:
 async def _start(rt: pipeline.Runtime, job: pipeline.Job, request: Request, chat: ChatInput, sampling: SamplingParams,
                  settings: ServerSettings, default_max: bool = False) -> tuple[RequestStream, RequestOutput | None]:
     """Controls, compression, prompt, engine: returns the stream and its first output (prefill done), if it
-    came within header_wait_s. Admission errors raised by the engine surface here as 4xx."""
+    came within header_wait_s. Admission errors raised by the engine surface here as 4xx, with the
+    tenant's budget window."""
     try:
         return await _start_admitted(rt, job, request, chat, sampling, settings, default_max)
-    except BaseException:
+    except BaseException as e:
         pipeline.release(rt, job)
+        if isinstance(e, APIError):
+            e.headers = {**pipeline.ratelimit_headers(rt, job), **e.headers}
         raise
 
 
