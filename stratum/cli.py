@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--share-prefix-cache", action="store_true",
                    help="with API keys: share cached prompts across keys (one organisation); default: a cache per key")
     p.add_argument("--tenant-budget-tokens", type=int, default=None,
-                   help="admission by cost: estimated tokens a tenant may spend per window (default: unlimited)")
+                   help="admission by cost: tokens a tenant may spend per window (default: unlimited)")
     p.add_argument("--budget-window-s", type=float, default=60.0)
     p.add_argument("--pollution-policy", default="advise", choices=["reject", "advise", "off"])
     p.add_argument("--pricing", default="article", help="article[:k=v,...] or tokens[:k=v,...] (see docs/telemetry.md)")
