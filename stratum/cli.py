@@ -102,7 +102,7 @@ def cmd_serve(args) -> int:
           f"{config.num_kv_blocks} KV blocks, {config.num_threads} engine threads in a {args.engine}; "
           f"serving on http://{args.host}:{args.port}", flush=True)
     if keys:
-        print(f"stratum: {len(keys)} API keys; " + (
+        print(f"stratum: {len(keys)} API key{'s' if len(keys) != 1 else ''}; " + (
             "the prefix cache is SHARED across keys (--share-prefix-cache): a key can observe, through cache "
             "hits and their timing, prompts that another key sent" if args.share_prefix_cache else
             "each key is a tenant with a prefix cache of its own"), flush=True)
