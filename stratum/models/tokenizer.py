@@ -7,6 +7,7 @@ disabled, so "<|im_start|>" typed by a user is plain text and cannot forge a cha
 from __future__ import annotations
 
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -93,6 +94,9 @@ class TextTokenizer:
         return self.backend.token_to_id(token)
 
 
+HELPER_NICENESS = 10  # the helper's scheduling priority below the server's and the engine's
+
+
 class _HelperProcess:
     """`python -m stratum.models.tokenizer`: the same tokenizer in a process of its own, one request
     at a time over its stdin/stdout as msgpack frames ([text, allow_special] -> uint32 ids as bytes)."""
@@ -109,6 +113,10 @@ class _HelperProcess:
     def _start(self) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "stratum.models.tokenizer"], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE)
+        try:  # a large text is background work: the engine and the event loop come first for the CPU
+            os.setpriority(os.PRIO_PROCESS, self.proc.pid, HELPER_NICENESS)
+        except (AttributeError, OSError):
+            pass
         self._send(self._tokenizer_json)
 
     def _send(self, obj) -> None:
@@ -122,7 +130,7 @@ class _HelperProcess:
             self._send([text, allow_special])
             while True:
                 for reply in self._unpacker:
-                    return array("I", reply).tolist()
+                    return _to_list(array("I", reply))
                 data = self.proc.stdout.read1(1 << 20)
                 if not data:
                     raise EOFError("the tokenizer helper exited")
@@ -136,6 +144,18 @@ class _HelperProcess:
         except OSError:
             pass
         self.proc.wait(timeout=10)
+
+
+_LIST_SLICE = 1 << 16
+
+
+def _to_list(ids: array) -> list[int]:
+    """ids as a list, converted a slice at a time: one `tolist` of a million ids holds the interpreter
+    lock for ~25 ms, which the server's event loop would wait out; between slices it can run."""
+    out: list[int] = []
+    for i in range(0, len(ids), _LIST_SLICE):
+        out += ids[i : i + _LIST_SLICE].tolist()
+    return out
 
 
 def _serve_helper() -> None:

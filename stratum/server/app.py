@@ -10,6 +10,7 @@ import hashlib
 import hmac
 import json
 import logging
+import re
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -327,6 +328,9 @@ async def _read_request(request: Request, settings: ServerSettings, model: type[
     return await asyncio.to_thread(lambda: _parse(model, _decode_json(bytes(body))))
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
 def _decode_json(body: bytes) -> dict[str, Any]:
     try:
         data = json.loads(body)
@@ -336,10 +340,11 @@ def _decode_json(body: bytes) -> dict[str, Any]:
         raise InvalidRequest(f"request body is not valid JSON: {type(e).__name__}: {e}"[:300]) from None
     if not isinstance(data, dict):
         raise InvalidRequest("request body must be a JSON object")
-    try:
-        json.dumps(data, ensure_ascii=False).encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidRequest("request body contains a lone UTF-16 surrogate") from None
+    if _SURROGATE_ESCAPE.search(body):  # only an escape can put a lone surrogate in valid UTF-8 JSON
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequest("request body contains a lone UTF-16 surrogate") from None
     return data
 
 
