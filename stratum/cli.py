@@ -64,7 +64,8 @@ def cmd_serve(args) -> int:
     import logging
 
     t0 = time.perf_counter()
-    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.DEBUG), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.DEBUG),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = _engine_config(args, serving=True)
     # The engine process loads the model while this one imports the web stack.
     engine = EngineProcess(config) if args.engine == "process" else None

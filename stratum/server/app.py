@@ -30,7 +30,7 @@ from stratum.server import anthropic_api, openai_api, pipeline
 from stratum.server.chat import ChatInput, anthropic_input, build_prompt, openai_input
 from stratum.server.errors import (APIError, AuthenticationFailed, BodyTimeout, ClientDisconnected, EngineUnavailable,
                                    InvalidRequest, MethodNotAllowed, NotFound, Overloaded, RequestTooLarge, as_api_error,
-                                   error_response)
+                                   error_response, new_request_id)
 from stratum.server.http import OVER_LIMIT
 from stratum.server.protocol import ChatCompletionRequest, CountTokensRequest, MessagesRequest
 from stratum.telemetry.cost import ArticleFormula, PricingModel
@@ -219,7 +219,7 @@ class Envelope:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        request_id = "req_" + uuid.uuid4().hex[:24]
+        request_id = new_request_id()
         scope.setdefault("state", {})["request_id"] = request_id
 
         async def send_with_id(message):

@@ -10,6 +10,7 @@ both with the request id, which every response also carries as the `request-id` 
 from __future__ import annotations
 
 import json
+import uuid
 from typing import Any
 
 from fastapi.responses import JSONResponse
@@ -98,6 +99,11 @@ def as_api_error(e: BaseException) -> APIError:
     if isinstance(e, EngineDeadError):
         return EngineUnavailable(str(e))
     return APIError(str(e) or type(e).__name__)
+
+
+def new_request_id() -> str:
+    """The id of one request, on its response's `request-id` header and in its error bodies."""
+    return "req_" + uuid.uuid4().hex[:24]
 
 
 def is_openai(path: str) -> bool:

@@ -15,7 +15,6 @@ import asyncio
 import json
 import logging
 import signal
-import uuid
 from http import HTTPStatus
 
 import h11
@@ -23,7 +22,7 @@ import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from stratum.server import pipeline
-from stratum.server.errors import APIError, BodyTimeout, HeadersTooLarge, InvalidRequest, error_body
+from stratum.server.errors import APIError, BodyTimeout, HeadersTooLarge, InvalidRequest, error_body, new_request_id
 
 log = logging.getLogger("stratum.server")
 
@@ -87,7 +86,7 @@ def protocol(max_connections: int, header_timeout_s: float) -> type[asyncio.Prot
 
         def _refuse(self, err: APIError) -> None:
             """Answer err and close, written directly: the parser cannot frame a response any more."""
-            request_id = "req_" + uuid.uuid4().hex[:24]
+            request_id = new_request_id()
             body = json.dumps(error_body(err, request_id, "")).encode()
             head = (f"HTTP/1.1 {err.status} {HTTPStatus(err.status).phrase}\r\ncontent-type: application/json\r\n"
                     f"content-length: {len(body)}\r\nrequest-id: {request_id}\r\nconnection: close\r\n\r\n")
@@ -122,8 +121,7 @@ class Server(uvicorn.Server):
         self.rt = rt
         self.drain_timeout_s = drain_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._drain: asyncio.Task | None = None
-        self.num_cut = 0  # requests the drain ended before they finished
+        self._drain: asyncio.Task | None = None  # held so that the task is not collected while it runs
 
     async def startup(self, sockets=None) -> None:
         self._loop = asyncio.get_running_loop()
@@ -142,7 +140,7 @@ class Server(uvicorn.Server):
     async def _drain_then_exit(self, why: str) -> None:
         log.warning("%s: draining %d requests in flight (up to %gs), refusing new ones", why, len(self.rt.active),
                     self.drain_timeout_s)
-        self.num_cut = await pipeline.drain(self.rt, self.drain_timeout_s)
-        if self.num_cut:
-            log.warning("drain timeout: ended %d requests with an error", self.num_cut)
+        num_cut = await pipeline.drain(self.rt, self.drain_timeout_s)
+        if num_cut:
+            log.warning("drain timeout: ended %d requests with an error", num_cut)
         self.should_exit = True
