@@ -61,7 +61,7 @@ def test_sampler_greedy_rows_are_argmax():
     logits = torch.randn(5, 50, generator=torch.Generator().manual_seed(0))
     greedy_row, top1_row = SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, top_k=1)
     params = [greedy_row, top1_row, greedy_row, top1_row, greedy_row]
-    assert sample(logits, params, [None] * 5) == logits.argmax(-1).tolist()
+    assert sample(logits, params, [None] * 5).tokens == logits.argmax(-1).tolist()
 
 
 def test_sampler_top_p_keeps_the_smallest_set_reaching_the_mass():
@@ -70,11 +70,11 @@ def test_sampler_top_p_keeps_the_smallest_set_reaching_the_mass():
     drawn = set()
     for seed in range(200):
         g = torch.Generator().manual_seed(seed)
-        drawn.update(sample(logits, [SamplingParams(temperature=1.0, top_p=0.75)], [g]))
+        drawn.update(sample(logits, [SamplingParams(temperature=1.0, top_p=0.75)], [g]).tokens)
     assert drawn == {0, 1}  # 0.5 < 0.75 <= 0.5 + 0.3
     for seed in range(50):
         g = torch.Generator().manual_seed(seed)
-        assert sample(logits, [SamplingParams(temperature=1.0, top_p=1e-6)], [g]) == [0]
+        assert sample(logits, [SamplingParams(temperature=1.0, top_p=1e-6)], [g]).tokens == [0]
 
 
 def test_sampler_top_k_draws_only_from_the_k_best():
@@ -82,7 +82,7 @@ def test_sampler_top_k_draws_only_from_the_k_best():
     drawn = set()
     for seed in range(200):
         g = torch.Generator().manual_seed(seed)
-        drawn.update(sample(logits, [SamplingParams(temperature=2.0, top_k=2)], [g]))
+        drawn.update(sample(logits, [SamplingParams(temperature=2.0, top_k=2)], [g]).tokens)
     assert drawn == {1, 2}
 
 
@@ -90,10 +90,10 @@ def test_sampler_seeded_row_ignores_its_batch_companions():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(4, 100, generator=g)
     seeded = SamplingParams(temperature=1.0, seed=7)
-    alone = [sample(logits[2:3], [seeded], [torch.Generator().manual_seed(7)])[0] for _ in range(3)]
+    alone = [sample(logits[2:3], [seeded], [torch.Generator().manual_seed(7)]).tokens[0] for _ in range(3)]
     torch.manual_seed(123)
     params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.5), seeded, SamplingParams(temperature=0.0)]
-    batch = sample(logits, params, [None, torch.Generator().manual_seed(99), torch.Generator().manual_seed(7), None])
+    batch = sample(logits, params, [None, torch.Generator().manual_seed(99), torch.Generator().manual_seed(7), None]).tokens
     assert alone == [batch[2]] * 3
 
 
@@ -218,3 +218,48 @@ def test_invalid_requests_are_rejected_at_admission(tiny_model_dir, prompt, para
     with pytest.raises(InvalidRequestError, match=message):
         llm.engine.add_request(prompt, params)
     assert not llm.engine.has_unfinished() and llm.engine.requests == {}
+
+
+# ---- log-probabilities and grammars --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("params", [greedy(8, logprobs=5), SamplingParams(max_tokens=8, temperature=0.7, seed=3, ignore_eos=True,
+                                                                           logprobs=5)])
+def test_logprobs_match_a_recomputation_from_the_logits(llm, params):
+    params = dataclasses.replace(params, return_logits=True)
+    seqs, outs = run(llm, PROMPTS, params)
+    for seq, out in zip(seqs, outs):
+        assert len(out.logprobs) == len(out.token_ids) == 8
+        p = seq.num_prompt_tokens
+        for j, (token, (logprob, top)) in enumerate(zip(out.token_ids, out.logprobs)):
+            temperature = 1.0 if params.is_greedy else params.temperature
+            expected = torch.log_softmax(seq.logits[p + j - 1] / temperature, dim=-1)
+            assert logprob == pytest.approx(float(expected[token]), abs=1e-4)
+            values = [v for _, v in top]
+            assert len(top) == 5 and values == sorted(values, reverse=True)
+            assert [t for t, _ in top] == expected.topk(5).indices.tolist()
+
+
+def test_grammar_restricts_every_token_and_ends_the_request(tiny_model_dir):
+    import json
+
+    import jsonschema
+    import llguidance
+
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "s": {"enum": ["yes", "no"]}}, "required": ["n", "s"],
+              "additionalProperties": False}
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
+    llm = tiny_llm(tiny_model_dir)
+    params = [SamplingParams(max_tokens=64, temperature=1.0, seed=s, grammar=grammar) for s in range(6)]
+    _, outs = run(llm, PROMPTS + PROMPTS[:2], params)
+    for out in outs:
+        assert out.finish_reason == "stop" and out.stop_reason is None  # the grammar completed, not max_tokens
+        jsonschema.validate(json.loads(out.text), schema)
+    plain = run(llm, PROMPTS[:1], greedy(8))[1][0]
+    assert not plain.text.startswith("{")  # unconstrained rows of the same engine stay free
+
+
+def test_an_invalid_grammar_is_rejected_at_admission(llm):
+    with pytest.raises(InvalidRequestError, match="grammar"):
+        llm.engine.add_request(PROMPTS[0], SamplingParams(grammar="start: undefined_rule"))

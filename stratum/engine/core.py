@@ -21,6 +21,7 @@ from stratum.engine import builder
 from stratum.engine.block_manager import BlockManager
 from stratum.engine.config import EngineConfig, SchedulerConfig
 from stratum.engine.detokenizer import Detokenizer
+from stratum.engine.grammar import GrammarCompiler
 from stratum.engine.model_runner import ModelRunner
 from stratum.engine.outputs import OrchestrationError, RequestOutput, RequestStats, StepError, StepStats
 from stratum.engine.request import CachePolicy, Sequence, SequenceStatus
@@ -79,6 +80,7 @@ class LLMEngine:
         self.model_config = checkpoint.config
         self.model_name = config.model
         self.tokenizer = checkpoint.tokenizer
+        self.grammars = GrammarCompiler(checkpoint.tokenizer, checkpoint.config.vocab_size)
         self.chat_template = ChatTemplate(checkpoint.chat_template, checkpoint.tokenizer)
         self.device = torch.device(config.device)
         self.kernel_plan = config.kernel_plan
@@ -146,6 +148,8 @@ class LLMEngine:
         )
         if sampling.seed is not None:
             seq.generator = torch.Generator().manual_seed(sampling.seed)
+        if sampling.grammar is not None:
+            seq.matcher = self.grammars.matcher(sampling.grammar)
         self.scheduler.add(seq)
         stop_ids = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:
@@ -193,13 +197,14 @@ class LLMEngine:
             raise StepError([s.seq.request_id for s in sched.scheduled], e) from e
         try:
             self.scheduler.commit(sched)
-            outputs = self._postprocess(sched, result.sampled)
+            outputs = self._postprocess(sched, result.sampled, result.logprobs)
         except Exception as e:
             raise OrchestrationError(f"postprocess: {type(e).__name__}: {e}") from e
         step_s = time.perf_counter() - t0
         if not sched.is_empty:
             self.num_steps += 1
-            self.step_stats.append(StepStats(len(sched.scheduled), sched.num_decodes, sched.num_batched_tokens, step_s, result.forward_s))
+            self.step_stats.append(StepStats(len(sched.scheduled), sched.num_decodes, sched.num_batched_tokens, step_s,
+                                             result.forward_s, result.mask_s))
         return outputs
 
     def _set_threads(self, num_tokens: int) -> None:
@@ -209,7 +214,7 @@ class LLMEngine:
             torch.set_num_threads(threads)
             self._threads = threads
 
-    def _postprocess(self, sched: SchedulerOutput, sampled: dict[str, int]) -> list[RequestOutput]:
+    def _postprocess(self, sched: SchedulerOutput, sampled: dict[str, int], logprobs: dict) -> list[RequestOutput]:
         now = time.perf_counter()
         outputs = []
         for item in sched.scheduled:
@@ -235,6 +240,8 @@ class LLMEngine:
                 seq.state = f"decode_step_{seq.num_output_tokens}"
             seq.token_ids.append(token)
             seq.token_times.append(now)
+            if seq.request_id in logprobs:
+                seq.logprobs.append(logprobs[seq.request_id])
             reason = None
             if token in req.stop_ids:
                 reason, seq.stop_reason = "stop", token
@@ -242,6 +249,8 @@ class LLMEngine:
                 req.detok.add(token)
                 if req.detok.stop_hit is not None:
                     reason, seq.stop_reason = "stop", req.detok.stop_hit
+                elif seq.matcher is not None and self._grammar_done(seq, token):
+                    reason = "stop"
             if reason is None and seq.num_output_tokens >= seq.sampling.max_tokens:
                 reason = "length"
             if reason is None and seq.tool_marker is not None and not seq.is_tool_prepared and seq.tool_marker in req.detok.text:
@@ -251,6 +260,15 @@ class LLMEngine:
             else:
                 outputs.append(self._output(req, [token], finished=False))
         return outputs
+
+    @staticmethod
+    def _grammar_done(seq: Sequence, token: int) -> bool:
+        """Advance the request's grammar by its new token: True once the grammar is complete (the
+        sampler only offered accepted tokens, so a rejection means a bug, and also ends it)."""
+        if not seq.matcher.consume_token(token):
+            log.error("%s: grammar rejected a sampled token: %s", seq.request_id, seq.matcher.get_error())
+            return True
+        return seq.matcher.is_stopped()
 
     def _prepare_tool_use(self, seq: Sequence) -> None:
         """The model began a tool call: reserve KV room for its arguments now, so they decode without stalls."""
@@ -277,10 +295,15 @@ class LLMEngine:
 
     def _output(self, req: _Request, new_ids: list[int], finished: bool, efficiency: float | None = None) -> RequestOutput:
         seq = req.seq
+        delta_logprobs = None
+        if seq.sampling.logprobs is not None:
+            delta_logprobs = seq.logprobs[len(seq.logprobs) - len(new_ids):] if new_ids else []
         return RequestOutput(
             request_id=seq.request_id,
             delta_text=req.detok.take_delta(finished),
             delta_token_ids=new_ids,
+            delta_logprobs=delta_logprobs,
+            logprobs=list(seq.logprobs) if finished and delta_logprobs is not None else None,
             text=req.detok.text,
             token_ids=seq.output_token_ids,
             finished=finished,

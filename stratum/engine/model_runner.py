@@ -10,7 +10,8 @@ import torch
 from stratum.kernels import native
 from stratum.layers.attention import AttentionMetadata, CoverageProbe, PrefillSpan
 from stratum.models.llama import LlamaForCausalLM
-from stratum.engine.sampler import sample
+from stratum.engine import grammar
+from stratum.engine.sampler import Logprobs, sample
 from stratum.engine.scheduler import SchedulerOutput
 
 # Decodes share their common leading blocks through the cascade path only when it saves work.
@@ -23,8 +24,10 @@ COVERAGE_EVERY = 8
 @dataclass
 class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)  # request_id -> new token, for sequences that sampled
+    logprobs: dict[str, Logprobs] = field(default_factory=dict)  # request_id -> its token's logprobs, where asked for
     forward_s: float = 0.0  # wall time inside the model forward and logits
-    sample_s: float = 0.0
+    sample_s: float = 0.0  # masks and sampling
+    mask_s: float = 0.0  # grammar masks alone
 
 
 class ModelRunner:
@@ -75,8 +78,15 @@ class ModelRunner:
         if samplers:
             idx = [j for _, j in samplers]
             seqs = [s for s, _ in samplers]
-            tokens = sample(logits[idx], [s.sampling for s in seqs], [s.generator for s in seqs])
-            out.sampled = {s.request_id: t for s, t in zip(seqs, tokens)}
+            allowed = None
+            constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
+            if constrained:
+                masks = grammar.allowed_tokens([seqs[i].matcher for i in constrained], logits.shape[-1])
+                allowed = dict(zip(constrained, masks))
+                out.mask_s = time.perf_counter() - t1
+            result = sample(logits[idx], [s.sampling for s in seqs], [s.generator for s in seqs], allowed)
+            out.sampled = {s.request_id: t for s, t in zip(seqs, result.tokens)}
+            out.logprobs = {s.request_id: lp for s, lp in zip(seqs, result.logprobs) if lp is not None}
         out.sample_s = time.perf_counter() - t1
         return out
 

@@ -74,6 +74,10 @@ class RequestOutput:
     state: str = ""  # the request's meta-token state after this output
     kv_cache_efficiency: float = 0.0
     mode: str = "normal"  # "basic" when served by the degraded engine
+    # With sampling.logprobs: (logprob, [(token id, logprob), ...]) per token of delta_token_ids, and
+    # on the finished output the whole output's in `logprobs`.
+    delta_logprobs: list | None = None
+    logprobs: list | None = None
 
 
 @dataclass(slots=True)
@@ -85,6 +89,7 @@ class StepStats:
     num_batched_tokens: int
     step_s: float
     forward_s: float
+    mask_s: float = 0.0  # grammar masks (constrained requests)
 
     @property
     def overhead_s(self) -> float:

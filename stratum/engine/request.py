@@ -95,6 +95,8 @@ class Sequence:
     pin_prefixes: list[tuple[int, float]] = field(default_factory=list)  # (prompt tokens, ttl seconds) to pin once computed
     logits: dict[int, object] = field(default_factory=dict)  # position -> fp32 logits, only with return_logits
     generator: object | None = None  # torch.Generator for seeded sampling
+    matcher: object | None = None  # the grammar's state (llguidance LLMatcher), for constrained requests
+    logprobs: list = field(default_factory=list)  # per output token, when sampling.logprobs is set
 
     def __post_init__(self):
         if not self.token_ids:

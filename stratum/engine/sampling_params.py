@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 # Temperatures below this sample as greedy: dividing logits by them overflows to inf/nan.
 _GREEDY_TEMPERATURE = 1e-5
+MAX_LOGPROBS = 20  # top alternatives per token, OpenAI's limit
 
 
 class InvalidRequestError(ValueError):
@@ -19,7 +20,8 @@ class SamplingParams:
 
     temperature 0 is greedy. top_k 0 and top_p 1.0 disable those filters. max_tokens 0 prefills
     only (the prompt is computed and cached, nothing is sampled). `seed` makes sampling
-    reproducible per request, independent of what else is batched with it.
+    reproducible per request, independent of what else is batched with it. `grammar` restricts
+    every sampled token to what the grammar accepts, and the request stops when the grammar is complete.
     """
 
     max_tokens: int = 16
@@ -32,6 +34,8 @@ class SamplingParams:
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     return_logits: bool = False  # keep the fp32 logits of every prompt position and sampled token (tests)
+    logprobs: int | None = None  # report each sampled token's log-probability and this many top alternatives
+    grammar: str | None = None  # an llguidance grammar the output must follow (see stratum.engine.grammar)
 
     def validate(self) -> None:
         """Raises InvalidRequestError for any out-of-range field."""
@@ -43,6 +47,8 @@ class SamplingParams:
             raise InvalidRequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:
             raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop sequences must be non-empty strings")
 
