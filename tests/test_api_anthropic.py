@@ -125,16 +125,38 @@ def test_stop_sequence_sets_stop_reason_and_sequence(client):
 
 # ---- usage and the prefix cache ----------------------------------------------------------------
 def test_usage_input_tokens_exclude_cached_tokens(client):
+    """Anthropic's rules: reads are what the cache served, writes only what a cache_control breakpoint
+    marked; automatic caching of an unmarked prompt is not a cache write."""
     messages = [user(f"cache test {uuid.uuid4().hex} " + "the capital of Japan is Tokyo. " * 12)]
     total = count(client, messages)
     first = greedy(client, messages, max_tokens=4)
     second = greedy(client, messages, max_tokens=4)
     for msg in (first, second):
         assert prompt_tokens(msg.usage) == total
-    assert second.usage.cache_read_input_tokens > 0
+        assert msg.usage.cache_creation_input_tokens == 0
     assert second.usage.cache_read_input_tokens > first.usage.cache_read_input_tokens
+    assert second.usage.input_tokens == total - second.usage.cache_read_input_tokens
+
+
+def test_cold_prompt_without_cache_control_is_all_input(client):
+    system = f"cold {uuid.uuid4().hex}: answer briefly."  # no block of it is cached anywhere
+    messages = [user("the capital of Japan is Tokyo. " * 8)]
+    total = count(client, messages, system=system)
+    msg = greedy(client, messages, max_tokens=4, system=system)
+    assert msg.usage.input_tokens == total
+    assert msg.usage.cache_creation_input_tokens == 0 and msg.usage.cache_read_input_tokens == 0
+
+
+def test_cache_control_reports_writes_then_reads(client):
+    system = [{"type": "text", "text": f"marked {uuid.uuid4().hex}: " + "a long shared instruction. " * 20,
+               "cache_control": {"type": "ephemeral"}}]
+    total = count(client, [user("hi")], system=system)
+    first = greedy(client, [user("hi")], max_tokens=4, system=system)
+    second = greedy(client, [user("hello")], max_tokens=4, system=system)
+    assert first.usage.cache_read_input_tokens == 0 and first.usage.cache_creation_input_tokens > 0
+    assert prompt_tokens(first.usage) == total
     assert second.usage.cache_creation_input_tokens < first.usage.cache_creation_input_tokens
-    assert first.usage.cache_creation_input_tokens > 0
+    assert second.usage.cache_read_input_tokens >= first.usage.cache_creation_input_tokens - 16  # all full blocks
 
 
 def test_count_tokens_matches_usage(client):

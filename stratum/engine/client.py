@@ -281,6 +281,46 @@ class RequestStream:
             self.queue.put_nowait(error)
 
 
+class RequestGroup:
+    """Several requests read as one stream (n samples of one prompt): the outputs of all of them in
+    the order they arrive, `done` once every member has finished. Same interface as RequestStream."""
+
+    def __init__(self, members: list[RequestStream]):
+        self.members = {m.request_id: m for m in members}
+        self.request_id = members[0].request_id
+        self.queue = members[0].queue  # shared by every member
+
+    @property
+    def done(self) -> bool:
+        return all(m.done for m in self.members.values())
+
+    async def next(self, timeout: float | None = None) -> RequestOutput | None:
+        if self.done:
+            raise StopAsyncIteration
+        try:
+            item = await asyncio.wait_for(self.queue.get(), timeout) if timeout else await self.queue.get()
+        except asyncio.TimeoutError:
+            return None
+        if isinstance(item, BaseException):
+            await self.close()
+            raise item
+        if item.finished:
+            member = self.members[item.request_id]
+            member.done = True
+            member.client._forget(member.request_id)
+        return item
+
+    async def close(self) -> None:
+        for m in self.members.values():
+            await m.close()
+
+    def cancel(self, error: BaseException) -> None:
+        for m in self.members.values():
+            if not m.done:
+                m.client.abort(m.request_id)
+        self.queue.put_nowait(error)
+
+
 class EngineClient:
     """The serving side's one handle on the engine.
 
@@ -366,6 +406,18 @@ class EngineClient:
         self._streams[request_id] = stream
         self._send(("add", request_id, list(prompt_token_ids), sampling, kwargs))
         return stream
+
+    def submit_group(self, prompt_token_ids: list[int], samplings: list[SamplingParams], request_ids: list[str],
+                     **kwargs) -> RequestGroup:
+        """Queue one prompt several times, each with its own sampling (n samples). The members follow
+        each other into the scheduler, so the later ones hit the prefix-cache blocks the first computes."""
+        members = []
+        for sampling, rid in zip(samplings, request_ids):
+            stream = self.submit(prompt_token_ids, sampling, rid, **kwargs)
+            if members:
+                stream.queue = members[0].queue
+            members.append(stream)
+        return RequestGroup(members)
 
     def abort(self, request_id: str) -> None:
         if self._forget(request_id) and self.is_alive:

@@ -6,6 +6,7 @@ disabled, so "<|im_start|>" typed by a user is plain text and cannot forge a cha
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import subprocess
@@ -92,6 +93,37 @@ class TextTokenizer:
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a byte-level BPE token may hold part of a UTF-8 character)."""
+        piece = self.backend.id_to_token(token_id)
+        if piece is None:
+            return b""
+        if token_id in self._special_ids:
+            return piece.encode()
+        table = _byte_decoder()
+        if all(ch in table for ch in piece):
+            return bytes(table[ch] for ch in piece)
+        return self.backend.decode([token_id], skip_special_tokens=False).encode()
+
+    @functools.cached_property
+    def _special_ids(self) -> set[int]:
+        return set(self.backend.get_added_tokens_decoder())
+
+
+@functools.cache
+def _byte_decoder() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in character -> the byte it stands for (GPT-2's table: printable
+    Latin-1 bytes stand for themselves, the other 68 are shifted to code points from 256 up)."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = list(printable)
+    shift = 0
+    for b in range(256):
+        if b not in printable:
+            printable.append(b)
+            chars.append(256 + shift)
+            shift += 1
+    return {chr(c): b for b, c in zip(printable, chars)}
 
 
 HELPER_NICENESS = 10  # the helper's scheduling priority below the server's and the engine's

@@ -13,26 +13,27 @@ import logging
 import re
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from stratum.engine.client import EngineClient, RequestStream
+from stratum.engine.client import EngineClient, RequestGroup, RequestStream
 from stratum.engine.outputs import RequestOutput
 from stratum.engine.sampling_params import SamplingParams
 from stratum.server import anthropic_api, openai_api, pipeline
-from stratum.server.chat import ChatInput, anthropic_input, build_prompt, openai_input
+from stratum.server.chat import ChatInput, Prompt, anthropic_input, build_prompt, openai_input
 from stratum.server.errors import (APIError, AuthenticationFailed, BodyTimeout, ClientDisconnected, EngineUnavailable,
                                    InvalidRequest, MethodNotAllowed, NotFound, Overloaded, RequestTooLarge, as_api_error,
                                    error_response, new_request_id)
 from stratum.server.http import OVER_LIMIT
-from stratum.server.protocol import ChatCompletionRequest, CountTokensRequest, MessagesRequest
+from stratum.server.protocol import ChatCompletionRequest, CompletionRequest, CountTokensRequest, MessagesRequest
 from stratum.telemetry.cost import ArticleFormula, PricingModel
 
 log = logging.getLogger("stratum.server")
@@ -42,6 +43,11 @@ _DISCONNECT_CHECK_S = 0.5
 NEGOTIATION_VERSION = "v1"
 # What an OpenAI request without max_tokens may generate, at most (less when the context ends sooner).
 DEFAULT_MAX_TOKENS = 1024
+# Response headers a browser page may read (CORS): the request id, the cost and the budget.
+EXPOSED_HEADERS = ["request-id", "x-stratum-cost", "x-stratum-trace", "x-stratum-mode", "x-stratum-cache-mode",
+                   "x-stratum-advice", "retry-after", "anthropic-ratelimit-tokens-limit",
+                   "anthropic-ratelimit-tokens-remaining", "anthropic-ratelimit-tokens-reset",
+                   "x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +62,7 @@ class ServerSettings:
         share_prefix_cache: with API keys, let every key hit every other key's cached prompts (one
             organisation, several keys); by default each key is a tenant with a cache of its own.
         body_timeout_s: a request body that stalls this long between chunks gets 408.
+        cors_origins: web origins allowed to call the API from a browser ("*" for any); none by default.
     """
 
     model_name: str
@@ -71,6 +78,7 @@ class ServerSettings:
     pollution_policy: str = "advise"
     share_prefix_cache: bool = False
     body_timeout_s: float = 30.0
+    cors_origins: tuple[str, ...] = ()
     pricing: PricingModel = field(default_factory=ArticleFormula)
     created_at: str = field(default_factory=lambda: datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
 
@@ -93,6 +101,9 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     digests = settings.key_digests
 
     app.add_middleware(Envelope, max_body_bytes=settings.max_body_bytes, digests=digests)
+    if settings.cors_origins:  # outermost: a browser's preflight is answered before authentication
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST", "OPTIONS"],
+                           allow_headers=["*"], expose_headers=EXPOSED_HEADERS, max_age=600)
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, e: APIError):
@@ -176,9 +187,9 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         msg_id = "msg_" + uuid.uuid4().hex[:24]
         if req.stream:
             return anthropic_api.event_stream(rt, job, stream, first, msg_id, req.model, settings.ping_interval_s)
-        out = await _collect(request, stream, first, rt, job)
+        out, = await _collect(request, stream, first, rt, job)
         headers, _ = pipeline.finish(rt, job, out)
-        return JSONResponse(anthropic_api.message_body(msg_id, req.model, job.prompt, out), headers=headers)
+        return JSONResponse(anthropic_api.message_body(msg_id, req.model, job, out), headers=headers)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -186,22 +197,40 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         _check_model(settings, req.model)
         chat = openai_input(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        sampling = SamplingParams(
-            max_tokens=max_tokens if max_tokens is not None else DEFAULT_MAX_TOKENS,
-            temperature=settings.default_temperature if req.temperature is None else req.temperature,
-            top_p=req.top_p or settings.default_top_p, top_k=req.top_k or 0, stop=stop, seed=req.seed,
-            ignore_eos=req.ignore_eos,
-        )
+        sampling = _openai_sampling(req, settings, max_tokens, req.top_logprobs or 0 if req.logprobs else None)
         job = pipeline.admit(rt, request, "/v1/chat/completions", max_tokens, req.user)
-        stream, first = await _start(rt, job, request, chat, sampling, settings, default_max=max_tokens is None)
+        stream, first = await _start(rt, job, request, chat, sampling, settings, default_max=max_tokens is None, n=req.n)
         cid = "chatcmpl-" + uuid.uuid4().hex[:24]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return openai_api.chunk_stream(rt, job, stream, first, cid, req.model, include_usage, settings.ping_interval_s)
-        out = await _collect(request, stream, first, rt, job)
-        headers, _ = pipeline.finish(rt, job, out)
-        return JSONResponse(openai_api.completion_body(cid, req.model, job.prompt, out), headers=headers)
+        outs = await _collect(request, stream, first, rt, job)
+        headers, _ = pipeline.finish(rt, job, pipeline.merge(outs))
+        return JSONResponse(openai_api.completion_body(cid, req.model, job, outs, engine.tokenizer), headers=headers)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = await _read_request(request, settings, CompletionRequest)
+        _check_model(settings, req.model)
+        if req.echo and req.logprobs is not None:
+            raise InvalidRequest("echo with logprobs is not supported: prompt tokens are not scored")
+        prompts = req.prompt if isinstance(req.prompt, list) and not isinstance(req.prompt[0], int) else [req.prompt]
+        if len(prompts) > 1:
+            raise InvalidRequest("one prompt per request: send a list of prompts as separate requests")
+        sampling = _openai_sampling(req, settings, req.max_tokens, req.logprobs)
+        job = pipeline.admit(rt, request, "/v1/completions", req.max_tokens, req.user)
+        text = prompts[0] if isinstance(prompts[0], str) else None
+        stream, first = await _start(rt, job, request, None, sampling, settings, default_max=req.max_tokens is None,
+                                     n=req.n, raw=prompts[0])
+        cid = "cmpl-" + uuid.uuid4().hex[:24]
+        echo = (text if text is not None else engine.tokenizer.decode(prompts[0])) if req.echo else ""
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return openai_api.text_stream(rt, job, stream, first, cid, req.model, include_usage, settings.ping_interval_s,
+                                          echo)
+        outs = await _collect(request, stream, first, rt, job)
+        headers, _ = pipeline.finish(rt, job, pipeline.merge(outs))
+        return JSONResponse(openai_api.text_body(cid, req.model, outs, echo, engine.tokenizer), headers=headers)
 
     return app
 
@@ -243,13 +272,24 @@ class Envelope:
         await self.app(scope, receive, send_with_id)
 
 
-async def _start(rt: pipeline.Runtime, job: pipeline.Job, request: Request, chat: ChatInput, sampling: SamplingParams,
-                 settings: ServerSettings, default_max: bool = False) -> tuple[RequestStream, RequestOutput | None]:
+def _openai_sampling(req, settings: ServerSettings, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+    return SamplingParams(
+        max_tokens=max_tokens if max_tokens is not None else DEFAULT_MAX_TOKENS,
+        temperature=settings.default_temperature if req.temperature is None else req.temperature,
+        top_p=req.top_p or settings.default_top_p, top_k=req.top_k or 0, stop=stop, seed=req.seed,
+        ignore_eos=req.ignore_eos, logprobs=logprobs,
+    )
+
+
+async def _start(rt: pipeline.Runtime, job: pipeline.Job, request: Request, chat: ChatInput | None,
+                 sampling: SamplingParams, settings: ServerSettings, default_max: bool = False, n: int = 1,
+                 raw: str | list[int] | None = None) -> tuple[RequestStream | RequestGroup, RequestOutput | None]:
     """Controls, compression, prompt, engine: returns the stream and its first output (prefill done), if it
     came within header_wait_s. Admission errors raised by the engine surface here as 4xx, with the
-    tenant's budget window."""
+    tenant's budget window. `raw` is a completions prompt (text or token ids) used as is, without `chat`."""
     try:
-        return await _start_admitted(rt, job, request, chat, sampling, settings, default_max)
+        return await _start_admitted(rt, job, request, chat, sampling, settings, default_max, n, raw)
     except BaseException as e:
         pipeline.release(rt, job)
         if isinstance(e, APIError):
@@ -257,24 +297,31 @@ async def _start(rt: pipeline.Runtime, job: pipeline.Job, request: Request, chat
         raise
 
 
-async def _start_admitted(rt: pipeline.Runtime, job: pipeline.Job, request: Request, chat: ChatInput,
-                          sampling: SamplingParams, settings: ServerSettings, default_max: bool):
+async def _start_admitted(rt: pipeline.Runtime, job: pipeline.Job, request: Request, chat: ChatInput | None,
+                          sampling: SamplingParams, settings: ServerSettings, default_max: bool, n: int,
+                          raw: str | list[int] | None):
     engine = rt.engine
-    pipeline.apply_controls(job, request, chat.system_text)
-    if request.headers.get("x-stratum-context-mode", "").strip().lower() == "compressive":
-        chat = ChatInput(await pipeline.compress(rt, job, chat.messages, request.state.request_id), chat.tools,
-                         chat.forced_tool, chat.system_text)
-    prompt = await asyncio.to_thread(build_prompt, engine.chat_template, chat)
-    job.prompt_text = chat.text
+    if chat is None:
+        pipeline.apply_controls(job, request, "")
+        ids = raw if isinstance(raw, list) else await asyncio.to_thread(engine.tokenizer.encode, raw)
+        prompt, job.prompt_text = Prompt(list(ids)), raw if isinstance(raw, str) else ""
+    else:
+        pipeline.apply_controls(job, request, chat.system_text)
+        if request.headers.get("x-stratum-context-mode", "").strip().lower() == "compressive":
+            chat = replace(chat, messages=await pipeline.compress(rt, job, chat.messages, request.state.request_id))
+        prompt = await asyncio.to_thread(build_prompt, engine.chat_template, chat)
+        job.prompt_text = chat.text
+    sampling.grammar = prompt.grammar
     if default_max:
         sampling.max_tokens = max(1, min(sampling.max_tokens, engine.config.max_model_len - len(prompt.token_ids)))
     pipeline.check_request(rt, prompt, sampling)
-    pipeline.reserve(rt, job, len(prompt.token_ids), sampling.max_tokens)
+    pipeline.reserve(rt, job, len(prompt.token_ids), n * sampling.max_tokens)
     pins = None
-    if chat.pinned:
+    if chat is not None and chat.pinned:
         pins = await asyncio.to_thread(pipeline.pins_for, engine.chat_template, chat.messages, chat.pinned,
                                        prompt.template_tools)
-    stream = pipeline.start(rt, job, prompt, sampling, pins)
+        job.cache_breakpoint = max(length for length, _ in pins)
+    stream = pipeline.start(rt, job, prompt, sampling, pins, n)
     try:
         first = await _next(stream, settings.header_wait_s)
     except StopAsyncIteration:
@@ -376,21 +423,30 @@ async def _next(stream: RequestStream, timeout: float | None = None):
         raise as_api_error(e) from None
 
 
-async def _collect(request: Request, stream: RequestStream, first: RequestOutput | None, rt: pipeline.Runtime,
-                   job: pipeline.Job) -> RequestOutput:
-    """Run a non-streaming request to the end; a client disconnect aborts it (and gives back its charge)."""
+async def _collect(request: Request, stream: RequestStream | RequestGroup, first: RequestOutput | None,
+                   rt: pipeline.Runtime, job: pipeline.Job) -> list[RequestOutput]:
+    """Run a non-streaming request to the end; a client disconnect aborts it (and gives back its charge).
+
+    Returns:
+        the finished output of each choice, in choice order (one unless n > 1).
+    """
     try:
+        finals: dict[int, RequestOutput] = {}
         out = first
         next_check = time.monotonic() + _DISCONNECT_CHECK_S
-        while out is None or not out.finished:
+        while len(finals) < len(job.choices):
+            if out is not None and out.finished:
+                if out.finish_reason == "error":
+                    raise APIError(out.error or "generation failed")
+                finals[job.choices[out.request_id]] = out
+                if len(finals) == len(job.choices):
+                    break
             out = await _next(stream, timeout=_DISCONNECT_CHECK_S)
             if time.monotonic() >= next_check:  # checked while tokens flow too, not only in pauses
                 next_check = time.monotonic() + _DISCONNECT_CHECK_S
                 if await request.is_disconnected():
                     raise EngineUnavailable("client disconnected")
-        if out.finish_reason == "error":
-            raise APIError(out.error or "generation failed")
-        return out
+        return [finals[i] for i in range(len(finals))]
     except StopAsyncIteration:
         pipeline.release(rt, job)
         raise APIError("the request ended without a result") from None

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from stratum.models.chat_template import ChatTemplate, ChatTemplateError
+from stratum.server import structured
 from stratum.server import tools as tool_fmt
 from stratum.server.errors import InvalidRequest
 from stratum.server.protocol import ChatCompletionRequest, CountTokensRequest, MessagesRequest
@@ -21,6 +22,8 @@ class ChatInput:
     forced_tool: bool | str = False  # False, True (any tool), or a tool name
     system_text: str = ""
     pinned: dict[int, str | None] = field(default_factory=dict)  # message index -> cache_control ttl
+    output_schema: dict[str, Any] | None = None  # structured outputs: the answer is JSON matching it
+    output_strict: bool = True  # a schema keyword that cannot be enforced is a 400 (else it is ignored)
 
     @property
     def text(self) -> str:
@@ -34,9 +37,13 @@ class Prompt:
     tool_names: set[str] = field(default_factory=set)
     is_forced_tool: bool = False
     template_tools: list[dict] | None = None
+    forced_name: str | None = None  # the tool a forced call must name, when the request (or a lone tool) fixes it
+    grammar: str | None = None  # what the answer must follow (`structured`), for the engine's sampler
 
 
 def _block_text(block) -> str:
+    if block.type in ("thinking", "redacted_thinking"):  # a recorded model's reasoning is not part of the prompt
+        return ""
     if block.type == "text":
         return block.text
     if block.type == "tool_use":
@@ -62,7 +69,8 @@ def anthropic_input(req: MessagesRequest | CountTokensRequest) -> ChatInput:
     choice = req.tool_choice
     tools = None
     if req.tools and not (choice and choice.type == "none"):
-        tools = [{"name": t.name, "description": t.description or "", "parameters": t.input_schema} for t in req.tools]
+        tools = [{"name": t.name, "description": t.description or "", "parameters": t.input_schema, "strict": bool(t.strict)}
+                 for t in req.tools]
     if choice and choice.type == "tool" and choice.name not in {t.name for t in req.tools or []}:
         raise InvalidRequest(f"tool_choice names {choice.name!r}, which is not in tools")
     if choice and choice.type in ("any", "tool") and not req.tools:
@@ -74,15 +82,16 @@ def anthropic_input(req: MessagesRequest | CountTokensRequest) -> ChatInput:
         forced = choice.name
     for m in req.messages:
         blocks = [] if isinstance(m.content, str) else m.content
-        text = m.content if isinstance(m.content, str) else "\n".join(_block_text(b) for b in blocks)
+        text = m.content if isinstance(m.content, str) else "\n".join(t for t in map(_block_text, blocks) if t)
         if messages and messages[-1]["role"] == m.role:
             messages[-1]["content"] += "\n" + text
         else:
             messages.append({"role": m.role, "content": text})
-        marks = [b.cache_control for b in blocks if b.cache_control]
+        marks = [b.cache_control for b in blocks if getattr(b, "cache_control", None)]
         if marks:
             pinned[len(messages) - 1] = marks[-1].ttl
-    return ChatInput(messages, tools, forced, system_text, pinned)
+    schema = req.output_schema if isinstance(req, MessagesRequest) else None
+    return ChatInput(messages, tools, forced, system_text, pinned, output_schema=schema)
 
 
 def openai_input(req: ChatCompletionRequest) -> ChatInput:
@@ -101,7 +110,8 @@ def openai_input(req: ChatCompletionRequest) -> ChatInput:
     choice = req.tool_choice
     tools = None
     if req.tools and choice != "none":
-        tools = [{"name": t.function.name, "description": t.function.description or "", "parameters": t.function.parameters} for t in req.tools]
+        tools = [{"name": t.function.name, "description": t.function.description or "", "parameters": t.function.parameters,
+                  "strict": bool(t.function.strict)} for t in req.tools]
     forced: bool | str = False
     if choice == "required":
         forced = True
@@ -112,7 +122,8 @@ def openai_input(req: ChatCompletionRequest) -> ChatInput:
     if forced is not False and not tools:
         raise InvalidRequest("tool_choice requires tools")
     system_text = "\n".join(m["content"] for m in messages if m["role"] == "system")
-    return ChatInput(messages, tools, forced, system_text)
+    schema, strict = (req.response_format.schema if req.response_format else None) or (None, True)
+    return ChatInput(messages, tools, forced, system_text, output_schema=schema, output_strict=strict)
 
 
 def _args(arguments: str):
@@ -130,12 +141,10 @@ def build_prompt(template: ChatTemplate, chat: ChatInput) -> Prompt:
     """
     messages = [dict(m) for m in chat.messages]
     tools, forced_tool = chat.tools, chat.forced_tool
+    if chat.output_schema is not None:
+        _add_system(messages, "Answer with JSON that matches this JSON schema:\n" + json.dumps(chat.output_schema, ensure_ascii=False))
     if tools and "tools" not in template.source:
-        prompt_text = tool_fmt.tools_system_prompt(tools)
-        if messages and messages[0]["role"] == "system":
-            messages[0]["content"] = messages[0]["content"] + "\n\n" + prompt_text
-        else:
-            messages.insert(0, {"role": "system", "content": prompt_text})
+        _add_system(messages, tool_fmt.tools_system_prompt(tools))
         template_tools = None
     else:
         template_tools = [{"type": "function", "function": t} for t in tools] if tools else None
@@ -155,4 +164,14 @@ def build_prompt(template: ChatTemplate, chat: ChatInput) -> Prompt:
         ids = template.encode(messages, tools=template_tools, continue_final=is_continuation)
     except ChatTemplateError as e:
         raise InvalidRequest(str(e)) from None
-    return Prompt(ids, prefill, {t["name"] for t in tools or []}, forced_tool is not False, template_tools)
+    prompt = Prompt(ids, prefill, {t["name"] for t in tools or []}, forced_tool is not False, template_tools,
+                    forced_tool if isinstance(forced_tool, str) else None)
+    prompt.grammar = structured.answer_grammar(chat, prompt)
+    return prompt
+
+
+def _add_system(messages: list[dict[str, Any]], text: str) -> None:
+    if messages and messages[0]["role"] == "system":
+        messages[0]["content"] = messages[0]["content"] + "\n\n" + text
+    else:
+        messages.insert(0, {"role": "system", "content": text})

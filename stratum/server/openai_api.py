@@ -1,4 +1,8 @@
-"""OpenAI chat completions: the response body and the SSE chunk stream."""
+"""OpenAI chat completions and (legacy) completions: response bodies and SSE chunk streams.
+
+n > 1 answers with one choice per sample; usage counts the prompt once. logprobs come from the
+distribution each token was sampled from (`stratum.engine.sampler`).
+"""
 
 from __future__ import annotations
 
@@ -10,9 +14,10 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from stratum.engine.client import RequestStream
+from stratum.engine.client import RequestGroup, RequestStream
 from stratum.engine.outputs import RequestOutput
 from stratum.server import pipeline
+from stratum.server import tools as tool_fmt
 from stratum.server.anthropic_api import split_output
 from stratum.server.errors import APIError, as_api_error, sse_error
 
@@ -20,9 +25,9 @@ log = logging.getLogger("stratum.server")
 
 
 def finish_reason(out: RequestOutput, has_calls: bool) -> str:
-    if has_calls:
-        return "tool_calls"
-    return "length" if out.finish_reason == "length" else "stop"
+    if out.finish_reason == "length":
+        return "length"
+    return "tool_calls" if has_calls else "stop"
 
 
 def usage(out: RequestOutput) -> dict[str, Any]:
@@ -32,56 +37,191 @@ def usage(out: RequestOutput) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": s.num_cached_tokens}}
 
 
+def new_call_id() -> str:
+    return "call_" + uuid.uuid4().hex[:24]
+
+
 def tool_calls(calls) -> list[dict[str, Any]]:
-    return [{"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+    return [{"id": new_call_id(), "type": "function",
              "function": {"name": n, "arguments": json.dumps(a, ensure_ascii=False)}} for n, a in calls]
 
 
-def completion_body(cid: str, model: str, prompt, out: RequestOutput) -> dict[str, Any]:
-    text, calls = split_output(prompt, out.text)
-    message: dict[str, Any] = {"role": "assistant", "content": text if (text or not calls) else None}
-    if calls:
-        message["tool_calls"] = tool_calls(calls)
-    return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish_reason(out, bool(calls)), "logprobs": None}],
-            "usage": usage(out)}
+# ---- log-probabilities -----------------------------------------------------------------------------
+def _token(tokenizer, token_id: int) -> tuple[str, list[int]]:
+    raw = tokenizer.token_bytes(token_id)
+    return raw.decode("utf-8", errors="replace"), list(raw)
 
 
-def chunk_stream(rt: pipeline.Runtime, job: pipeline.Job, stream: RequestStream, first: RequestOutput | None, cid: str,
-                 model: str, include_usage: bool, ping_interval_s: float) -> StreamingResponse:
+def chat_logprobs(tokenizer, token_ids: list[int], entries: list | None) -> dict[str, Any] | None:
+    """Chat's `logprobs.content`: per token its text, bytes, logprob and top alternatives, best first."""
+    if entries is None:
+        return None
+    content = []
+    for token_id, (logprob, top) in zip(token_ids, entries):
+        text, raw = _token(tokenizer, token_id)
+        alternatives = []
+        for alt, lp in top:
+            alt_text, alt_raw = _token(tokenizer, alt)
+            alternatives.append({"token": alt_text, "logprob": lp, "bytes": alt_raw})
+        content.append({"token": text, "logprob": logprob, "bytes": raw, "top_logprobs": alternatives})
+    return {"content": content, "refusal": None}
+
+
+def text_logprobs(tokenizer, token_ids: list[int], entries: list | None, offset: int) -> dict[str, Any] | None:
+    """Completions' `logprobs`: tokens, token_logprobs, top_logprobs (token -> logprob) and text_offset."""
+    if entries is None:
+        return None
+    tokens, values, tops, offsets = [], [], [], []
+    for token_id, (logprob, top) in zip(token_ids, entries):
+        text, _ = _token(tokenizer, token_id)
+        tokens.append(text)
+        values.append(logprob)
+        tops.append({_token(tokenizer, alt)[0]: lp for alt, lp in top})
+        offsets.append(offset)
+        offset += len(text)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+# ---- chat completions ------------------------------------------------------------------------------
+def completion_body(cid: str, model: str, job: pipeline.Job, outs: list[RequestOutput], tokenizer) -> dict[str, Any]:
+    choices = []
+    for i, out in enumerate(outs):
+        text, calls = split_output(job.prompt, out.text)
+        message: dict[str, Any] = {"role": "assistant", "content": text if (text or not calls) else None}
+        if calls:
+            message["tool_calls"] = tool_calls(calls)
+        choices.append({"index": i, "message": message, "finish_reason": finish_reason(out, bool(calls)),
+                        "logprobs": chat_logprobs(tokenizer, out.token_ids, out.logprobs)})
+    return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model, "choices": choices,
+            "usage": usage(pipeline.merge(outs))}
+
+
+def _sse(body: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
+
+
+def chunk_stream(rt: pipeline.Runtime, job: pipeline.Job, stream: RequestStream | RequestGroup,
+                 first: RequestOutput | None, cid: str, model: str, include_usage: bool,
+                 ping_interval_s: float) -> StreamingResponse:
+    """One chunk per output per choice: content deltas, tool-call deltas (the name first, then argument
+    fragments as they are generated), the finish reason, the cost, then usage if asked and [DONE]."""
     prompt = job.prompt
+    tokenizer = rt.engine.tokenizer
     created = int(time.time())
 
-    def chunk(delta: dict[str, Any], finish: str | None = None, use=None, choices=True, extra=None) -> bytes:
+    def chunk(index: int | None, delta: dict[str, Any], finish: str | None = None, logprobs=None, extra=None,
+              use=None) -> bytes:
         body: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                                "choices": [{"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}] if choices else []}
+                                "choices": [] if index is None else [
+                                    {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
         if use is not None:
             body["usage"] = use
         if extra:
             body.update(extra)
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
+        return _sse(body)
 
     async def events():
-        buffer_all = bool(prompt.tool_names)
-        out = None
+        prefill = prompt.prefill if prompt.is_forced_tool else ""
+        splitters = {i: tool_fmt.AnswerSplitter(prompt.tool_names, prefill) for i in job.choices.values()}
+        calls = {i: -1 for i in job.choices.values()}  # the index of each choice's current tool call
+        finals: dict[int, RequestOutput] = {}
         try:
-            yield chunk({"role": "assistant", "content": ""})
+            for i in splitters:
+                yield chunk(i, {"role": "assistant", "content": ""})
             async for out in pipeline.paced(stream, first, ping_interval_s):
                 if out is None:
                     yield b": ping\n\n"
-                elif out.delta_text and not buffer_all:
-                    yield chunk({"content": out.delta_text}, extra={"stratum_meta": pipeline.stream_meta(out)})
-            text, calls = split_output(prompt, out.text)
-            if buffer_all and text:
-                yield chunk({"content": text})
-            if calls:
-                yield chunk({"tool_calls": [dict(c, index=i) for i, c in enumerate(tool_calls(calls))]})
-            _, cost = pipeline.finish(rt, job, out)
-            yield chunk({}, finish=finish_reason(out, bool(calls)), extra={"stratum_cost": cost})
+                    continue
+                i = job.choices[out.request_id]
+                pieces = splitters[i].feed(out.delta_text) if out.delta_text else []
+                if out.finished:
+                    pieces += splitters[i].flush()
+                logprobs = chat_logprobs(tokenizer, out.delta_token_ids, out.delta_logprobs)
+                meta = {"stratum_meta": pipeline.stream_meta(out)}
+                for what, value in pieces:
+                    if what == "text":
+                        yield chunk(i, {"content": value}, logprobs=logprobs, extra=meta)
+                        logprobs = None
+                    elif what == "name":
+                        calls[i] += 1
+                        yield chunk(i, {"tool_calls": [{"index": calls[i], "id": new_call_id(), "type": "function",
+                                                        "function": {"name": value, "arguments": ""}}]}, extra=meta)
+                    elif what == "args":
+                        yield chunk(i, {"tool_calls": [{"index": calls[i], "function": {"arguments": value}}]},
+                                    logprobs=logprobs, extra=meta)
+                        logprobs = None
+                if logprobs is not None and logprobs["content"]:  # tokens whose text is held back or markup
+                    yield chunk(i, {}, logprobs=logprobs)
+                if out.finished:
+                    finals[i] = out
+                    if len(finals) < len(job.choices):
+                        yield chunk(i, {}, finish=finish_reason(out, calls[i] >= 0))
+            merged = pipeline.merge([finals[i] for i in range(len(finals))])
+            _, cost = pipeline.finish(rt, job, merged)
+            yield chunk(i, {}, finish=finish_reason(finals[i], calls[i] >= 0), extra={"stratum_cost": cost})
             if include_usage:
-                yield chunk({}, use=usage(out), choices=False)
+                yield chunk(None, {}, use=usage(merged))
             yield b"data: [DONE]\n\n"
         except Exception as e:  # after the 200 a failure becomes one error chunk, then the stream ends
+            if not isinstance(e, APIError):
+                log.exception("stream failed")
+            yield sse_error(as_api_error(e), job.request_id, job.endpoint)
+
+    return pipeline.event_response(events(), rt, job, pipeline.early_headers(rt, first, job))
+
+
+# ---- completions -----------------------------------------------------------------------------------
+def text_body(cid: str, model: str, outs: list[RequestOutput], echo: str, tokenizer) -> dict[str, Any]:
+    choices = [{"index": i, "text": echo + out.text, "finish_reason": finish_reason(out, False),
+                "logprobs": text_logprobs(tokenizer, out.token_ids, out.logprobs, len(echo))}
+               for i, out in enumerate(outs)]
+    return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model, "choices": choices,
+            "usage": usage(pipeline.merge(outs))}
+
+
+def text_stream(rt: pipeline.Runtime, job: pipeline.Job, stream: RequestStream | RequestGroup,
+                first: RequestOutput | None, cid: str, model: str, include_usage: bool, ping_interval_s: float,
+                echo: str) -> StreamingResponse:
+    tokenizer = rt.engine.tokenizer
+    created = int(time.time())
+
+    def chunk(index: int | None, text: str, finish: str | None = None, logprobs=None, extra=None, use=None) -> bytes:
+        body: dict[str, Any] = {"id": cid, "object": "text_completion", "created": created, "model": model,
+                                "choices": [] if index is None else [
+                                    {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}]}
+        if use is not None:
+            body["usage"] = use
+        if extra:
+            body.update(extra)
+        return _sse(body)
+
+    async def events():
+        offsets = {i: len(echo) for i in job.choices.values()}
+        finals: dict[int, RequestOutput] = {}
+        try:
+            if echo:
+                for i in offsets:
+                    yield chunk(i, echo)
+            async for out in pipeline.paced(stream, first, ping_interval_s):
+                if out is None:
+                    yield b": ping\n\n"
+                    continue
+                i = job.choices[out.request_id]
+                logprobs = text_logprobs(tokenizer, out.delta_token_ids, out.delta_logprobs, offsets[i])
+                offsets[i] += len(out.delta_text)
+                if out.finished:
+                    finals[i] = out
+                if out.delta_text or logprobs:
+                    yield chunk(i, out.delta_text, logprobs=logprobs, extra={"stratum_meta": pipeline.stream_meta(out)})
+                if out.finished and len(finals) < len(job.choices):
+                    yield chunk(i, "", finish=finish_reason(out, False))
+            merged = pipeline.merge([finals[i] for i in range(len(finals))])
+            _, cost = pipeline.finish(rt, job, merged)
+            yield chunk(i, "", finish=finish_reason(finals[i], False), extra={"stratum_cost": cost})
+            if include_usage:
+                yield chunk(None, "", use=usage(merged))
+            yield b"data: [DONE]\n\n"
+        except Exception as e:
             if not isinstance(e, APIError):
                 log.exception("stream failed")
             yield sse_error(as_api_error(e), job.request_id, job.endpoint)

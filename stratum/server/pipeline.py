@@ -13,15 +13,15 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from stratum.engine.admission import CostAdmission, PollutionDetector
-from stratum.engine.client import EngineClient, QueueFull, RequestStream
-from stratum.engine.outputs import EngineDeadError, RequestOutput
+from stratum.engine.client import EngineClient, QueueFull, RequestGroup, RequestStream
+from stratum.engine.outputs import EngineDeadError, RequestOutput, RequestStats
 from stratum.engine.request import CachePolicy
 from stratum.engine.sampling_params import InvalidRequestError, SamplingParams
 from stratum.server import tools as tool_fmt
@@ -71,6 +71,7 @@ class Job:
     reserved: int = 0  # tokens reserved against the tenant's budget: upper bounds of what runs for this request
     spent: int = 0  # measured cost of the engine work done for it before the answer (compressive summaries)
     budget_reset_at: float | None = None  # the budget window the reservations were made in
+    cache_breakpoint: int = 0  # prompt tokens up to the last cache_control breakpoint (0: none marked)
     cache_mode: str = "default"  # default | aggressive | bypass
     priority: int = 0
     is_low_latency: bool = False
@@ -81,7 +82,8 @@ class Job:
     prompt_text: str = ""
     compression: dict[str, Any] | None = None
     is_settled: bool = False  # the reservation was replaced by the measured cost
-    stream: RequestStream | None = None  # once submitted to the engine
+    stream: RequestStream | RequestGroup | None = None  # once submitted to the engine
+    choices: dict[str, int] = field(default_factory=lambda: {})  # engine request id -> choice index (n samples)
     cancelled: APIError | None = None  # ended by the server (a drain that ran out of time) before submission
     cpu0: float = field(default_factory=time.process_time)
     wall0: float = field(default_factory=time.perf_counter)
@@ -296,8 +298,9 @@ def pins_for(template, messages: list[dict[str, Any]], marked: dict[int, str], t
 
 
 def start(rt: Runtime, job: Job, prompt: Prompt, sampling: SamplingParams,
-          pins: list[tuple[int, float]] | None = None) -> RequestStream:
-    """Queue the request in the engine; warm-up (max_tokens 0) and aggressive mode pin what they cache."""
+          pins: list[tuple[int, float]] | None = None, n: int = 1) -> RequestStream | RequestGroup:
+    """Queue the request in the engine; warm-up (max_tokens 0) and aggressive mode pin what they cache.
+    n > 1 queues n samples of the prompt, each with its own seed (seed + i when the request gives one)."""
     job.prompt = prompt
     policy = job.cache_policy
     if job.cache_mode == "aggressive":
@@ -309,9 +312,14 @@ def start(rt: Runtime, job: Job, prompt: Prompt, sampling: SamplingParams,
         marker = "" if prompt.is_forced_tool else tool_fmt.OPEN
     if job.cancelled is not None:
         raise job.cancelled
-    job.stream = rt.engine.submit(prompt.token_ids, sampling, request_id=job.request_id, priority=job.priority,
-                                  cache_policy=policy, cache_salt=job.cache_salt, tool_marker=marker,
-                                  pin_prefixes=pins or [], low_latency=job.is_low_latency)
+    kwargs = dict(priority=job.priority, cache_policy=policy, cache_salt=job.cache_salt, tool_marker=marker,
+                  pin_prefixes=pins or [], low_latency=job.is_low_latency)
+    job.choices = {job.request_id if i == 0 else f"{job.request_id}.{i}": i for i in range(n)}
+    if n == 1:
+        job.stream = rt.engine.submit(prompt.token_ids, sampling, request_id=job.request_id, **kwargs)
+    else:
+        samplings = [replace(sampling, seed=None if sampling.seed is None else sampling.seed + i) for i in range(n)]
+        job.stream = rt.engine.submit_group(prompt.token_ids, samplings, list(job.choices), **kwargs)
     return job.stream
 
 
@@ -363,14 +371,15 @@ class _EventStream(StreamingResponse):
             await self._on_close()
 
 
-async def paced(stream: RequestStream, first: RequestOutput | None, ping_interval_s: float):
-    """A stream's outputs up to and including the finished one, with None whenever ping_interval_s
-    passes without one (the caller sends a keep-alive).
+async def paced(stream: RequestStream | RequestGroup, first: RequestOutput | None, ping_interval_s: float):
+    """A stream's outputs up to and including the last finished one (of every member of a group), with
+    None whenever ping_interval_s passes without one (the caller sends a keep-alive).
 
     Raises:
         APIError: the engine failed the request, or the stream ended without a finished output.
     """
     out = first
+    left = len(stream.members) if isinstance(stream, RequestGroup) else 1
     while True:
         if out is None:
             try:
@@ -383,8 +392,35 @@ async def paced(stream: RequestStream, first: RequestOutput | None, ping_interva
         if out is not None and out.finished:
             if out.finish_reason == "error":
                 raise APIError(out.error or "generation failed")
-            return
+            left -= 1
+            if not left:
+                return
         out = None
+
+
+def merge(outs: list[RequestOutput]) -> RequestOutput:
+    """One output standing for n samples of a prompt, for usage and telemetry: the prompt counted once
+    (as the first sample read it), the work and the output tokens of all of them."""
+    if len(outs) == 1:
+        return outs[0]
+    first = outs[0]
+    stats = [o.stats for o in outs]
+    s0 = stats[0]
+    merged = RequestStats(
+        num_prompt_tokens=s0.num_prompt_tokens, num_cached_tokens=s0.num_cached_tokens,
+        num_prompt_tokens_computed=sum(s.num_prompt_tokens_computed for s in stats),
+        num_cache_written_tokens=sum(s.num_cache_written_tokens for s in stats),
+        num_output_tokens=sum(s.num_output_tokens for s in stats),
+        num_preemptions=sum(s.num_preemptions for s in stats), arrival_time=min(s.arrival_time for s in stats),
+        first_scheduled_time=min((s.first_scheduled_time for s in stats if s.first_scheduled_time), default=None),
+        first_token_time=min((s.first_token_time for s in stats if s.first_token_time), default=None),
+        prefill_done_time=max((s.prefill_done_time for s in stats if s.prefill_done_time), default=None),
+        finish_time=max((s.finish_time for s in stats if s.finish_time), default=None),
+        token_times=sorted(t for s in stats for t in s.token_times), kv_sparsity=s0.kv_sparsity,
+        num_kv_sparsity_samples=s0.num_kv_sparsity_samples, num_prefill_chunks=s0.num_prefill_chunks,
+        kv_bytes_at_first_token=sum(s.kv_bytes_at_first_token for s in stats),
+        num_tool_reserved_tokens=sum(s.num_tool_reserved_tokens for s in stats))
+    return replace(first, stats=merged, kv_cache_efficiency=sum(o.kv_cache_efficiency for o in outs) / len(outs))
 
 
 def stream_meta(out: RequestOutput) -> dict[str, Any]:
@@ -396,15 +432,25 @@ def measured_cost(usage: dict[str, int]) -> int:
     return usage["input_tokens"] + usage["cache_creation_input_tokens"] + usage["output_tokens"]
 
 
-def usage_of(out: RequestOutput) -> dict[str, int]:
+def usage_of(out: RequestOutput, breakpoint: int = 0) -> dict[str, int]:
+    """Anthropic's usage: cache reads are the prompt tokens the prefix cache served; cache writes are
+    the tokens up to the request's last cache_control breakpoint that it did not read (the cache holds
+    them now, pinned); input_tokens is the rest. Automatic caching of unmarked prompts is not a
+    cache write here (`stratum_cost.cache_written_tokens` reports it)."""
     s = out.stats
+    created = max(0, min(breakpoint, s.num_prompt_tokens) - s.num_cached_tokens)
     return {
-        # Anthropic's rule: input_tokens counts neither cache reads nor cache writes
-        "input_tokens": s.num_prompt_tokens - s.num_cached_tokens - s.num_cache_written_tokens,
+        "input_tokens": s.num_prompt_tokens - s.num_cached_tokens - created,
         "output_tokens": s.num_output_tokens,
         "cache_read_input_tokens": s.num_cached_tokens,
-        "cache_creation_input_tokens": s.num_cache_written_tokens,
+        "cache_creation_input_tokens": created,
     }
+
+
+def admitted_usage(job: Job) -> dict[str, int]:
+    """Usage before the engine has said what its cache served: every prompt token as input."""
+    n = len(job.prompt.token_ids) if job.prompt is not None else 0
+    return {"input_tokens": n, "output_tokens": 0, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
 
 
 def early_headers(rt: Runtime, out: RequestOutput | None, job: Job) -> dict[str, str]:
@@ -426,14 +472,14 @@ def finish(rt: Runtime, job: Job, out: RequestOutput) -> tuple[dict[str, str], d
     """
     stats = out.stats
     cost = CostFields.from_stats(stats)
-    usage = usage_of(out)
+    usage = usage_of(out, job.cache_breakpoint)
     usd = rt.pricing.price(cost, usage)
     headers = {"x-stratum-cost": cost.header(), "x-stratum-mode": out.mode, "x-stratum-cache-mode": job.cache_mode}
     if job.advise:
         headers["x-stratum-advice"] = PollutionDetector.ADVICE
         rt.metrics.advice.inc()
     body: dict[str, Any] = {"cost": cost.as_dict(), "header": headers["x-stratum-cost"], "final_cost_estimate": round(usd, 10),
-                            "mode": out.mode}
+                            "mode": out.mode, "cache_written_tokens": stats.num_cache_written_tokens}
     if job.debug:
         extra: dict[str, Any] = {"engine_mode": out.mode, "cache_mode": job.cache_mode, "priority": job.priority,
                                  "low_latency": job.is_low_latency}
