@@ -91,6 +91,7 @@ class LLMEngine:
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_cache, fault=fault)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, fault=fault)
         self.runner = ModelRunner(self.model, config.num_kv_blocks, config.block_size, self.device, self.dtype)
+        self.runner.grammars = self.grammars
         self.requests: dict[str, _Request] = {}
         self.step_stats: deque[StepStats] = deque(maxlen=1024)
         self.num_steps = 0

@@ -49,6 +49,7 @@ class ModelRunner:
         self.coverage_layers = frozenset({0, n // 2, n - 1})
         # decode attention reads the pool in place through the native kernel where it is built (CPU)
         self.native = device.type == "cpu" and native.available()
+        self.grammars: grammar.GrammarCompiler | None = None  # the engine's, for constrained requests
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -82,7 +83,13 @@ class ModelRunner:
             constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
             if constrained:
                 masks = grammar.allowed_tokens([seqs[i].matcher for i in constrained], logits.shape[-1])
-                allowed = dict(zip(constrained, masks))
+                allowed = {}
+                for i, mask in zip(constrained, masks):
+                    seq = seqs[i]
+                    if (seq.sampling.max_tokens - seq.num_output_tokens <= grammar.WIND_DOWN_TOKENS
+                            and not seq.matcher.is_accepting()):
+                        mask = grammar.wind_down(mask, self.grammars.closers)
+                    allowed[i] = mask
                 out.mask_s = time.perf_counter() - t1
             result = sample(logits[idx], [s.sampling for s in seqs], [s.generator for s in seqs], allowed)
             out.sampled = {s.request_id: t for s, t in zip(seqs, result.tokens)}

@@ -40,13 +40,38 @@ def _schema(schema: dict[str, Any], strict: bool, where: str) -> str:
     """
     if not isinstance(schema, dict):
         raise InvalidRequest(f"{where}: a JSON schema must be an object")
-    body = dict(schema)
+    body = closed(schema)
     body["x-guidance"] = {**_JSON_FORM, "lenient": not strict}
     try:
         engine_grammar.check(_grammar_of_schema(body))
     except InvalidRequestError as e:
         raise InvalidRequest(f"{where}: unsupported JSON schema: {e}") from None
     return "%json " + json.dumps(body, ensure_ascii=False)
+
+
+_SUBSCHEMAS = ("items", "additionalItems", "contains", "not", "if", "then", "else")
+_SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties")
+
+
+def closed(schema: Any) -> Any:
+    """The schema with `additionalProperties: false` wherever an object lists its properties and says
+    nothing about others: a generated object holds the declared keys only (what strict tools require,
+    and xgrammar's default strict mode does), instead of inventing keys until max_tokens."""
+    if isinstance(schema, list):
+        return [closed(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMAS + _SCHEMA_LISTS:
+        if key in out:
+            out[key] = closed(out[key])
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: closed(v) for k, v in out[key].items()}
+    if "properties" in out and "additionalProperties" not in out and "patternProperties" not in out:
+        out["additionalProperties"] = False
+    return out
 
 
 def _grammar_of_schema(body: dict[str, Any]) -> str:
