@@ -159,6 +159,12 @@ def _messages_cases() -> list[BadRequest]:
         "system is one object": _with(MESSAGE, system={"type": "text", "text": "x"}),
         "system list of strings": _with(MESSAGE, system=["x"]),
         "system image block": _with(MESSAGE, system=[{"type": "image", "source": {}}]),
+        "output_config format of another type": _with(MESSAGE, output_config={"format": {"type": "regex", "schema": {}}}),
+        "output_config schema not enforceable": _with(MESSAGE, output_config={"format": {"type": "json_schema", "schema": {
+            "type": "object", "propertyNames": {"pattern": "a"}}}}),
+        "strict tool schema not enforceable": _with(MESSAGE, tools=[_with(TOOL, strict=True, input_schema={
+            "type": "object", "propertyNames": {"pattern": "a"}})]),
+        "thinking block without its text": _content([{"type": "thinking", "signature": "s"}]),
         # sampling
         "temperature 1.5": _with(MESSAGE, temperature=1.5),
         "temperature negative": _with(MESSAGE, temperature=-0.1),
@@ -250,7 +256,16 @@ def _chat_cases() -> list[BadRequest]:
         "temperature 2.5": _with(CHAT, temperature=2.5),
         "top_p 0": _with(CHAT, top_p=0),
         "top_k -1": _with(CHAT, top_k=-1),
-        "n is 2": _with(CHAT, n=2),
+        "n is 0": _with(CHAT, n=0),
+        "n over the limit": _with(CHAT, n=17),
+        "top_logprobs 21": _with(CHAT, logprobs=True, top_logprobs=21),
+        "top_logprobs without logprobs": _with(CHAT, top_logprobs=2),
+        "response_format unknown type": _with(CHAT, response_format={"type": "yaml"}),
+        "response_format json_schema without a schema": _with(CHAT, response_format={"type": "json_schema"}),
+        "response_format schema not enforceable": _with(CHAT, response_format={"type": "json_schema", "json_schema": {
+            "name": "x", "strict": True, "schema": {"type": "object", "propertyNames": {"pattern": "a"}}}}),
+        "response_format unsatisfiable schema": _with(CHAT, response_format={"type": "json_schema", "json_schema": {
+            "name": "x", "schema": {"type": "string", "minLength": 5, "maxLength": 2}}}),
         "max_tokens negative": _with(CHAT, max_tokens=-1),
         "max_completion_tokens negative": _with(CHAT, max_completion_tokens=-5),
         "stop is a number": _with(CHAT, stop=5),
@@ -276,6 +291,25 @@ def _chat_cases() -> list[BadRequest]:
         BadRequest("chat: max_tokens over the context", p, _with(CHAT, max_tokens=4000), message_has=("4000", str(CONTEXT_LENGTH))),
     ]
     return cases
+
+
+def _completions_cases() -> list[BadRequest]:
+    p = "/v1/completions"
+    base = {"model": "tiny", "prompt": "hi", "max_tokens": 4}
+    bodies = {
+        "prompt missing": _without(base, "prompt"),
+        "prompt empty list": _with(base, prompt=[]),
+        "prompt is a number": _with(base, prompt=5),
+        "several prompts": _with(base, prompt=["a", "b"]),
+        "token id out of range": _with(base, prompt=[10**6]),
+        "logprobs 6": _with(base, logprobs=6),
+        "echo with logprobs": _with(base, echo=True, logprobs=1),
+        "suffix": _with(base, suffix="end"),
+        "best_of above n": _with(base, best_of=3),
+        "max_tokens negative": _with(base, max_tokens=-1),
+    }
+    return [BadRequest(f"completions: {name}", p, body=body) for name, body in bodies.items()] + [
+        BadRequest("completions: unknown model", p, _with(base, model="davinci"), status=404, error_type=NOT_FOUND)]
 
 
 def _route_cases() -> list[BadRequest]:
@@ -326,5 +360,6 @@ def _guarded_cases() -> list[BadRequest]:
     return auth + size + keyed_but_bad
 
 
-CORPUS: list[BadRequest] = _messages_cases() + _count_tokens_cases() + _chat_cases() + _route_cases() + _guarded_cases()
+CORPUS: list[BadRequest] = (_messages_cases() + _count_tokens_cases() + _chat_cases() + _completions_cases() + _route_cases()
+                             + _guarded_cases())
 assert len({c.name for c in CORPUS}) == len(CORPUS), "case names must be unique"

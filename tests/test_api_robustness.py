@@ -67,13 +67,13 @@ def _openapi_with_bodies(url: str) -> dict:
     gap. `model` is pinned to the served name and max_tokens kept small, so positive cases reach the
     engine instead of stopping at 404 or spending seconds decoding.
     """
-    from stratum.server.protocol import ChatCompletionRequest, CountTokensRequest, MessagesRequest
+    from stratum.server.protocol import ChatCompletionRequest, CompletionRequest, CountTokensRequest, MessagesRequest
 
     spec = httpx.get(url + "/openapi.json", timeout=10).json()
     components = spec.setdefault("components", {}).setdefault("schemas", {})
     small = {"type": "integer", "minimum": 0, "maximum": 32}
     for path, model in {"/v1/messages": MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest,
-                        "/v1/chat/completions": ChatCompletionRequest}.items():
+                        "/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest}.items():
         operation = spec["paths"][path]["post"]
         if "requestBody" in operation:
             continue
@@ -123,7 +123,7 @@ def test_schemathesis_finds_no_server_errors(fuzz_server):
                 elif response.status_code >= 400:
                     data = response.json()
                     error = data.get("error") if isinstance(data.get("error"), dict) else {}
-                    if operation.path.startswith("/v1/chat/completions"):
+                    if operation.path.startswith(("/v1/chat/completions", "/v1/completions")):
                         if "type" in data or not error.get("type") or not {"message", "param", "code"} <= set(error):
                             problem = "error body not in OpenAI's shape"
                     elif data.get("type") != "error" or not error.get("type"):
