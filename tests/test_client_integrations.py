@@ -294,7 +294,8 @@ def test_real_model_meta_states_and_a_semantically_cached_answer(real_server):
                                     messages=[{"role": "user", "content": "What is the weather in Tokyo?"}])
     blocks = [e.content_block.type for e in stream if e.type == "content_block_start"]
     assert blocks == ["tool_use"]
-    assert [m.stratum_state for m in metas] == ["tool_use_prepared"]  # the runtime saw the call begin
+    states = [m.stratum_state for m in metas]  # one per argument fragment, streamed as generated
+    assert states[0] == "tool_use_prepared" and len(states) > 1  # the runtime saw the call begin
     assert stream.stratum.is_final and stream.stratum.final_cost_estimate > 0
 
     def ask(question: str) -> str:

@@ -66,6 +66,7 @@ def event_stream(rt: pipeline.Runtime, job: pipeline.Job, stream: RequestStream,
         splitter = tool_fmt.AnswerSplitter(prompt.tool_names, prompt.prefill if prompt.is_forced_tool else "")
         has_calls = False
         final = None
+        call_meta = None  # the meta of the output where a tool call began, for its block's first delta
 
         def close():
             nonlocal kind
@@ -75,7 +76,7 @@ def event_stream(rt: pipeline.Runtime, job: pipeline.Job, stream: RequestStream,
             return sse("content_block_stop", {"type": "content_block_stop", "index": index})
 
         def blocks(pieces, meta):
-            nonlocal index, kind, has_calls
+            nonlocal index, kind, has_calls, call_meta
             for what, value in pieces:
                 if what == "text":
                     if kind != "text":
@@ -92,7 +93,8 @@ def event_stream(rt: pipeline.Runtime, job: pipeline.Job, stream: RequestStream,
                         "type": "tool_use", "id": tool_fmt.new_tool_id(), "name": value, "input": {}}})
                 elif what == "args":
                     yield sse("content_block_delta", {"type": "content_block_delta", "index": index, "delta": {
-                        "type": "input_json_delta", "partial_json": value, "meta": meta}})
+                        "type": "input_json_delta", "partial_json": value, "meta": call_meta or meta}})
+                    call_meta = None
                 else:
                     yield close()
 
@@ -108,6 +110,8 @@ def event_stream(rt: pipeline.Runtime, job: pipeline.Job, stream: RequestStream,
                     yield sse("ping", {"type": "ping"})
                     continue
                 final = out
+                if out.state == "tool_use_prepared":
+                    call_meta = pipeline.stream_meta(out)
                 if out.delta_text:
                     for event in blocks(splitter.feed(out.delta_text), pipeline.stream_meta(out)):
                         if event:

@@ -307,6 +307,8 @@ def start(rt: Runtime, job: Job, prompt: Prompt, sampling: SamplingParams,
         policy = CachePolicy(pin_ttl_s=rt.aggressive_ttl_s, pin_output=True)
     elif sampling.max_tokens == 0 and policy.write:
         policy = CachePolicy(pin_ttl_s=rt.warmup_ttl_s)
+    if policy.pin_ttl_s:  # asked to be cached, as a cache_control breakpoint on the whole prompt asks
+        job.cache_breakpoint = len(prompt.token_ids)
     marker = None
     if prompt.tool_names:
         marker = "" if prompt.is_forced_tool else tool_fmt.OPEN
@@ -434,11 +436,12 @@ def measured_cost(usage: dict[str, int]) -> int:
 
 def usage_of(out: RequestOutput, breakpoint: int = 0) -> dict[str, int]:
     """Anthropic's usage: cache reads are the prompt tokens the prefix cache served; cache writes are
-    the tokens up to the request's last cache_control breakpoint that it did not read (the cache holds
-    them now, pinned); input_tokens is the rest. Automatic caching of unmarked prompts is not a
+    the tokens up to the request's last cache_control breakpoint (a warm-up or aggressive mode marks the
+    whole prompt) that it wrote to the cache (they are pinned now); input_tokens is the rest. Automatic caching of unmarked prompts is not a
     cache write here (`stratum_cost.cache_written_tokens` reports it)."""
     s = out.stats
-    created = max(0, min(breakpoint, s.num_prompt_tokens) - s.num_cached_tokens)
+    written_end = s.num_cached_tokens + s.num_cache_written_tokens  # full blocks this request cached
+    created = max(0, min(breakpoint, written_end) - s.num_cached_tokens)
     return {
         "input_tokens": s.num_prompt_tokens - s.num_cached_tokens - created,
         "output_tokens": s.num_output_tokens,
