@@ -230,6 +230,14 @@ def _rss_mb() -> float:
         return 0.0
 
 
+async def _take(queue: asyncio.Queue, timeout: float | None):
+    """The next item, or None when timeout passes first."""
+    try:
+        return await asyncio.wait_for(queue.get(), timeout) if timeout else await queue.get()
+    except asyncio.TimeoutError:
+        return None
+
+
 class RequestStream:
     """One request's outputs, as the serving side reads them: `next(timeout)`, or `async for`.
 
@@ -246,9 +254,8 @@ class RequestStream:
         """The next output; None on timeout; raises the engine's error; StopAsyncIteration after the last."""
         if self.done:
             raise StopAsyncIteration
-        try:
-            item = await asyncio.wait_for(self.queue.get(), timeout) if timeout else await self.queue.get()
-        except asyncio.TimeoutError:
+        item = await _take(self.queue, timeout)
+        if item is None:
             return None
         if isinstance(item, BaseException):
             self.done = True
@@ -297,9 +304,8 @@ class RequestGroup:
     async def next(self, timeout: float | None = None) -> RequestOutput | None:
         if self.done:
             raise StopAsyncIteration
-        try:
-            item = await asyncio.wait_for(self.queue.get(), timeout) if timeout else await self.queue.get()
-        except asyncio.TimeoutError:
+        item = await _take(self.queue, timeout)
+        if item is None:
             return None
         if isinstance(item, BaseException):
             await self.close()

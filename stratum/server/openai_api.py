@@ -96,7 +96,15 @@ def completion_body(cid: str, model: str, job: pipeline.Job, outs: list[RequestO
             "usage": usage(pipeline.merge(outs))}
 
 
-def _sse(body: dict[str, Any]) -> bytes:
+def _chunk(cid: str, kind: str, created: int, model: str, index: int | None, payload: dict[str, Any],
+           finish: str | None, logprobs, extra: dict[str, Any] | None, use: dict[str, Any] | None) -> bytes:
+    """One SSE chunk: one choice's payload (a delta or text), or none with only usage (index None)."""
+    body: dict[str, Any] = {"id": cid, "object": kind, "created": created, "model": model, "choices": [] if index is None
+                            else [{"index": index, **payload, "finish_reason": finish, "logprobs": logprobs}]}
+    if use is not None:
+        body["usage"] = use
+    if extra:
+        body.update(extra)
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
 
 
@@ -111,14 +119,7 @@ def chunk_stream(rt: pipeline.Runtime, job: pipeline.Job, stream: RequestStream 
 
     def chunk(index: int | None, delta: dict[str, Any], finish: str | None = None, logprobs=None, extra=None,
               use=None) -> bytes:
-        body: dict[str, Any] = {"id": cid, "object": "chat.completion.chunk", "created": created, "model": model,
-                                "choices": [] if index is None else [
-                                    {"index": index, "delta": delta, "finish_reason": finish, "logprobs": logprobs}]}
-        if use is not None:
-            body["usage"] = use
-        if extra:
-            body.update(extra)
-        return _sse(body)
+        return _chunk(cid, "chat.completion.chunk", created, model, index, {"delta": delta}, finish, logprobs, extra, use)
 
     async def events():
         prefill = prompt.prefill if prompt.is_forced_tool else ""
@@ -186,14 +187,7 @@ def text_stream(rt: pipeline.Runtime, job: pipeline.Job, stream: RequestStream |
     created = int(time.time())
 
     def chunk(index: int | None, text: str, finish: str | None = None, logprobs=None, extra=None, use=None) -> bytes:
-        body: dict[str, Any] = {"id": cid, "object": "text_completion", "created": created, "model": model,
-                                "choices": [] if index is None else [
-                                    {"index": index, "text": text, "finish_reason": finish, "logprobs": logprobs}]}
-        if use is not None:
-            body["usage"] = use
-        if extra:
-            body.update(extra)
-        return _sse(body)
+        return _chunk(cid, "text_completion", created, model, index, {"text": text}, finish, logprobs, extra, use)
 
     async def events():
         offsets = {i: len(echo) for i in job.choices.values()}
