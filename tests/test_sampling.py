@@ -263,3 +263,16 @@ def test_grammar_restricts_every_token_and_ends_the_request(tiny_model_dir):
 def test_an_invalid_grammar_is_rejected_at_admission(llm):
     with pytest.raises(InvalidRequestError, match="grammar"):
         llm.engine.add_request(PROMPTS[0], SamplingParams(grammar="start: undefined_rule"))
+
+
+def test_prompt_logprobs_score_every_prompt_token(tiny_model_dir):
+    llm = tiny_llm(tiny_model_dir, scheduler=SchedulerConfig(max_num_batched_tokens=16))  # chunked prompts
+    run(llm, PROMPTS[1:2], greedy(1))  # cache the prompt: scoring must recompute it anyway
+    seqs, outs = run(llm, PROMPTS, SamplingParams(max_tokens=0, prompt_logprobs=3, return_logits=True))
+    for seq, out in zip(seqs, outs):
+        assert len(out.prompt_logprobs) == seq.num_prompt_tokens and out.prompt_logprobs[0] is None
+        for p in range(1, seq.num_prompt_tokens):
+            logprob, top = out.prompt_logprobs[p]
+            expected = torch.log_softmax(seq.logits[p - 1], dim=-1)
+            assert logprob == pytest.approx(float(expected[seq.prompt_token_ids[p]]), abs=1e-4)
+            assert [t for t, _ in top] == expected.topk(3).indices.tolist()

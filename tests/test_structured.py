@@ -219,6 +219,35 @@ def test_completions_echo_stop_n_stream(oai):
         assert cut.choices[0].text == out[: out.index(stop)]
 
 
+def test_completions_score_an_echoed_prompt(oai):
+    """echo + logprobs + max_tokens 0, as evaluation harnesses score a continuation: every prompt token but
+    the first gets its logprob given the tokens before it, the same whatever follows it."""
+    short = oai.completions.create(model="tiny", prompt="The capital of Japan", max_tokens=0, echo=True, logprobs=2)
+    long = oai.completions.create(model="tiny", prompt="The capital of Japan is Tokyo", max_tokens=0, echo=True, logprobs=2)
+    a, b = short.choices[0].logprobs, long.choices[0].logprobs
+    assert short.choices[0].text == "The capital of Japan" and "".join(a.tokens) == short.choices[0].text
+    assert a.token_logprobs[0] is None and a.top_logprobs[0] is None
+    assert all(isinstance(v, float) and v <= 0 for v in a.token_logprobs[1:])
+    assert a.text_offset == [sum(map(len, a.tokens[:k])) for k in range(len(a.tokens))]
+    n = len(a.tokens)
+    assert b.tokens[:n] == a.tokens
+    assert b.token_logprobs[1:n] == pytest.approx(a.token_logprobs[1:], abs=1e-3)
+
+
+def test_completions_several_prompts_and_samples(oai):
+    prompts = ["Hello there", "Once upon a time there was"]
+    r = oai.completions.create(model="tiny", prompt=prompts, max_tokens=3, n=2, seed=2, extra_body={"ignore_eos": True})
+    assert [c.index for c in r.choices] == [0, 1, 2, 3]
+    sizes = [oai.completions.create(model="tiny", prompt=p, max_tokens=1).usage.prompt_tokens for p in prompts]
+    assert r.usage.prompt_tokens == sum(sizes) and r.usage.completion_tokens == 12
+    echoed = oai.completions.create(model="tiny", prompt=prompts, max_tokens=2, echo=True, stream=True)
+    texts: dict[int, str] = {}
+    for chunk in echoed:
+        for c in chunk.choices:
+            texts[c.index] = texts.get(c.index, "") + c.text
+    assert texts[0].startswith(prompts[0]) and texts[1].startswith(prompts[1])
+
+
 # ---- content blocks, CORS ----------------------------------------------------------------------------
 def test_thinking_blocks_are_accepted_and_left_out(claude):
     history = [user("hi"), {"role": "assistant", "content": [

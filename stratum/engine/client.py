@@ -413,13 +413,14 @@ class EngineClient:
         self._send(("add", request_id, list(prompt_token_ids), sampling, kwargs))
         return stream
 
-    def submit_group(self, prompt_token_ids: list[int], samplings: list[SamplingParams], request_ids: list[str],
+    def submit_group(self, prompts: list[list[int]], samplings: list[SamplingParams], request_ids: list[str],
                      **kwargs) -> RequestGroup:
-        """Queue one prompt several times, each with its own sampling (n samples). The members follow
-        each other into the scheduler, so the later ones hit the prefix-cache blocks the first computes."""
+        """Queue several requests read as one stream: n samples of a prompt (each with its own sampling),
+        or several prompts. The members follow each other into the scheduler, so samples of one prompt
+        hit the prefix-cache blocks the first of them computes."""
         members = []
-        for sampling, rid in zip(samplings, request_ids):
-            stream = self.submit(prompt_token_ids, sampling, rid, **kwargs)
+        for ids, sampling, rid in zip(prompts, samplings, request_ids):
+            stream = self.submit(ids, sampling, rid, **kwargs)
             if members:
                 stream.queue = members[0].queue
             members.append(stream)

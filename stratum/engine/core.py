@@ -142,9 +142,12 @@ class LLMEngine:
         request_id = request_id or uuid.uuid4().hex
         if request_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        cache_policy = cache_policy or CachePolicy()
+        if sampling.prompt_logprobs is not None:  # every prompt position is scored, so none is read from the cache
+            cache_policy = CachePolicy(read=False, write=cache_policy.write)
         seq = Sequence(
             request_id, list(prompt_token_ids), sampling, self.config.block_size,
-            priority=priority, cache_salt=cache_salt, cache_policy=cache_policy or CachePolicy(),
+            priority=priority, cache_salt=cache_salt, cache_policy=cache_policy,
             tool_marker=tool_marker, pin_prefixes=list(pin_prefixes or []), is_low_latency=low_latency,
         )
         if sampling.seed is not None:
@@ -305,6 +308,7 @@ class LLMEngine:
             delta_token_ids=new_ids,
             delta_logprobs=delta_logprobs,
             logprobs=list(seq.logprobs) if finished and delta_logprobs is not None else None,
+            prompt_logprobs=self._prompt_logprobs(seq) if finished or len(new_ids) == seq.num_output_tokens else None,
             text=req.detok.text,
             token_ids=seq.output_token_ids,
             finished=finished,
@@ -315,6 +319,13 @@ class LLMEngine:
             kv_cache_efficiency=seq.kv_cache_efficiency(self.config.block_size) if efficiency is None else efficiency,
             mode=self.mode,
         )
+
+    @staticmethod
+    def _prompt_logprobs(seq: Sequence) -> list | None:
+        """Per prompt token its (logprob, top) given the tokens before it; None for the first token."""
+        if seq.sampling.prompt_logprobs is None:
+            return None
+        return [seq.prompt_logprobs.get(p) for p in range(seq.num_prompt_tokens)]
 
     def request_stats(self, seq: Sequence) -> RequestStats:
         return RequestStats(

@@ -74,8 +74,11 @@ class ModelRunner:
             return out
         logits = logits.cpu()
         for seq, index, pos in recorders:
-            for j, p in zip(index, pos):
-                seq.logits.setdefault(p, logits[j].clone())
+            if seq.sampling.return_logits:
+                for j, p in zip(index, pos):
+                    seq.logits.setdefault(p, logits[j].clone())
+            if seq.sampling.prompt_logprobs is not None:
+                self._score_prompt(seq, logits, index, pos)
         if samplers:
             idx = [j for _, j in samplers]
             seqs = [s for s, _ in samplers]
@@ -96,6 +99,22 @@ class ModelRunner:
             out.logprobs = {s.request_id: lp for s, lp in zip(seqs, result.logprobs) if lp is not None}
         out.sample_s = time.perf_counter() - t1
         return out
+
+    @staticmethod
+    def _score_prompt(seq, logits: torch.Tensor, index: range, pos: range) -> None:
+        """Each prompt token's log-probability given the tokens before it, from the row one position back
+        (the raw model distribution), with the top alternatives there."""
+        pairs = [(j, p + 1) for j, p in zip(index, pos) if p + 1 < seq.num_prompt_tokens and p + 1 not in seq.prompt_logprobs]
+        if not pairs:
+            return
+        rows = torch.log_softmax(logits[[j for j, _ in pairs]], dim=-1)
+        targets = torch.tensor([seq.token_ids[p] for _, p in pairs])
+        chosen = rows.gather(1, targets[:, None])[:, 0].tolist()
+        top = seq.sampling.prompt_logprobs
+        values, ids = rows.topk(top, dim=-1) if top else (None, None)
+        for k, (_, p) in enumerate(pairs):
+            alternatives = list(zip(ids[k].tolist(), values[k].tolist())) if top else []
+            seq.prompt_logprobs[p] = (chosen[k], alternatives)
 
     def _logits(self, hidden: torch.Tensor, logit_rows: list[int], fast_rows: list[int]) -> torch.Tensor:
         """Logits of the selected rows; rows of low-latency requests use the fast output projection."""
@@ -118,7 +137,7 @@ class ModelRunner:
         slots: list[int] = []
         logit_rows: list[int] = []
         samplers = []  # (seq, row in logits)
-        recorders = []  # (seq, logits rows, positions) for return_logits
+        recorders = []  # (seq, logits rows, positions) for return_logits and prompt logprobs
         decode_seqs = []
         prefills: list[PrefillSpan] = []
         probe = CoverageProbe(self.coverage_layers)
@@ -130,7 +149,8 @@ class ModelRunner:
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             will_sample = start + n == seq.num_tokens and seq.num_output_tokens < seq.sampling.max_tokens
-            if seq.sampling.return_logits:
+            scores_prompt = seq.sampling.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1
+            if seq.sampling.return_logits or scores_prompt:
                 first = len(logit_rows)
                 logit_rows += range(row0, row0 + n)
                 recorders.append((seq, range(first, first + n), range(start, start + n)))

@@ -78,6 +78,7 @@ class RequestOutput:
     # on the finished output the whole output's in `logprobs`.
     delta_logprobs: list | None = None
     logprobs: list | None = None
+    prompt_logprobs: list | None = None  # with sampling.prompt_logprobs, on the finished output: per prompt token
 
 
 @dataclass(slots=True)

@@ -97,6 +97,7 @@ class Sequence:
     generator: object | None = None  # torch.Generator for seeded sampling
     matcher: object | None = None  # the grammar's state (llguidance LLMatcher), for constrained requests
     logprobs: list = field(default_factory=list)  # per output token, when sampling.logprobs is set
+    prompt_logprobs: dict = field(default_factory=dict)  # prompt position -> (logprob, top), with sampling.prompt_logprobs
 
     def __post_init__(self):
         if not self.token_ids:

@@ -35,6 +35,7 @@ class SamplingParams:
     skip_special_tokens: bool = True
     return_logits: bool = False  # keep the fp32 logits of every prompt position and sampled token (tests)
     logprobs: int | None = None  # report each sampled token's log-probability and this many top alternatives
+    prompt_logprobs: int | None = None  # score every prompt token (and this many alternatives); the prompt is recomputed
     grammar: str | None = None  # an llguidance grammar the output must follow (see stratum.engine.grammar)
 
     def validate(self) -> None:
@@ -49,6 +50,8 @@ class SamplingParams:
             raise InvalidRequestError(f"top_k must be >= 0, got {self.top_k}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise InvalidRequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise InvalidRequestError(f"prompt logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if any(not s for s in self.stop):
             raise InvalidRequestError("stop sequences must be non-empty strings")
 

@@ -43,6 +43,8 @@ _DISCONNECT_CHECK_S = 0.5
 NEGOTIATION_VERSION = "v1"
 # What an OpenAI request without max_tokens may generate, at most (less when the context ends sooner).
 DEFAULT_MAX_TOKENS = 1024
+# Choices one request may ask for: prompts x n on /v1/completions.
+MAX_CHOICES = 64
 # Response headers a browser page may read (CORS): the request id, the cost and the budget.
 EXPOSED_HEADERS = ["request-id", "x-stratum-cost", "x-stratum-trace", "x-stratum-mode", "x-stratum-cache-mode",
                    "x-stratum-advice", "retry-after", "anthropic-ratelimit-tokens-limit",
@@ -205,32 +207,31 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return openai_api.chunk_stream(rt, job, stream, first, cid, req.model, include_usage, settings.ping_interval_s)
         outs = await _collect(request, stream, first, rt, job)
-        headers, _ = pipeline.finish(rt, job, pipeline.merge(outs))
+        headers, _ = pipeline.finish(rt, job, pipeline.merge(outs, job.n))
         return JSONResponse(openai_api.completion_body(cid, req.model, job, outs, engine.tokenizer), headers=headers)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         req = await _read_request(request, settings, CompletionRequest)
         _check_model(settings, req.model)
-        if req.echo and req.logprobs is not None:
-            raise InvalidRequest("echo with logprobs is not supported: prompt tokens are not scored")
         prompts = req.prompt if isinstance(req.prompt, list) and not isinstance(req.prompt[0], int) else [req.prompt]
-        if len(prompts) > 1:
-            raise InvalidRequest("one prompt per request: send a list of prompts as separate requests")
+        if len(prompts) * req.n > MAX_CHOICES:
+            raise InvalidRequest(f"{len(prompts)} prompts x n {req.n} exceeds {MAX_CHOICES} choices per request")
         sampling = _openai_sampling(req, settings, req.max_tokens, req.logprobs)
+        if req.echo and req.logprobs is not None:  # score the prompt too (what evaluation harnesses ask)
+            sampling.prompt_logprobs = req.logprobs
         job = pipeline.admit(rt, request, "/v1/completions", req.max_tokens, req.user)
-        text = prompts[0] if isinstance(prompts[0], str) else None
         stream, first = await _start(rt, job, request, None, sampling, settings, default_max=req.max_tokens is None,
-                                     n=req.n, raw=prompts[0])
+                                     n=req.n, raw=prompts)
         cid = "cmpl-" + uuid.uuid4().hex[:24]
-        echo = (text if text is not None else engine.tokenizer.decode(prompts[0])) if req.echo else ""
+        echoes = [(p if isinstance(p, str) else engine.tokenizer.decode(p)) if req.echo else "" for p in prompts]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return openai_api.text_stream(rt, job, stream, first, cid, req.model, include_usage, settings.ping_interval_s,
-                                          echo)
+                                          echoes)
         outs = await _collect(request, stream, first, rt, job)
-        headers, _ = pipeline.finish(rt, job, pipeline.merge(outs))
-        return JSONResponse(openai_api.text_body(cid, req.model, outs, echo, engine.tokenizer), headers=headers)
+        headers, _ = pipeline.finish(rt, job, pipeline.merge(outs, job.n))
+        return JSONResponse(openai_api.text_body(cid, req.model, job, outs, echoes, engine.tokenizer), headers=headers)
 
     return app
 
@@ -283,11 +284,11 @@ def _openai_sampling(req, settings: ServerSettings, max_tokens: int | None, logp
 
 
 async def _start(rt: pipeline.Runtime, job: pipeline.Job, request: Request, chat: ChatInput | None,
-                 sampling: SamplingParams, settings: ServerSettings, default_max: bool = False, n: int = 1,
-                 raw: str | list[int] | None = None) -> tuple[RequestStream | RequestGroup, RequestOutput | None]:
+                              sampling: SamplingParams, settings: ServerSettings, default_max: bool = False, n: int = 1,
+                 raw: list[str | list[int]] | None = None) -> tuple[RequestStream | RequestGroup, RequestOutput | None]:
     """Controls, compression, prompt, engine: returns the stream and its first output (prefill done), if it
     came within header_wait_s. Admission errors raised by the engine surface here as 4xx, with the
-    tenant's budget window. `raw` is a completions prompt (text or token ids) used as is, without `chat`."""
+    tenant's budget window. `raw` is completions' prompts (texts or token ids) used as they are, without `chat`."""
     try:
         return await _start_admitted(rt, job, request, chat, sampling, settings, default_max, n, raw)
     except BaseException as e:
@@ -299,12 +300,13 @@ async def _start(rt: pipeline.Runtime, job: pipeline.Job, request: Request, chat
 
 async def _start_admitted(rt: pipeline.Runtime, job: pipeline.Job, request: Request, chat: ChatInput | None,
                           sampling: SamplingParams, settings: ServerSettings, default_max: bool, n: int,
-                          raw: str | list[int] | None):
+                          raw: list[str | list[int]] | None):
     engine = rt.engine
+    prompts = None
     if chat is None:
         pipeline.apply_controls(job, request, "")
-        ids = raw if isinstance(raw, list) else await asyncio.to_thread(engine.tokenizer.encode, raw)
-        prompt, job.prompt_text = Prompt(list(ids)), raw if isinstance(raw, str) else ""
+        prompts = [list(p) if isinstance(p, list) else await asyncio.to_thread(engine.tokenizer.encode, p) for p in raw]
+        prompt, job.prompt_text = Prompt(prompts[0]), "\n".join(p for p in raw if isinstance(p, str))
     else:
         pipeline.apply_controls(job, request, chat.system_text)
         if request.headers.get("x-stratum-context-mode", "").strip().lower() == "compressive":
@@ -312,16 +314,18 @@ async def _start_admitted(rt: pipeline.Runtime, job: pipeline.Job, request: Requ
         prompt = await asyncio.to_thread(build_prompt, engine.chat_template, chat)
         job.prompt_text = chat.text
     sampling.grammar = prompt.grammar
+    every = prompts or [prompt.token_ids]
     if default_max:
-        sampling.max_tokens = max(1, min(sampling.max_tokens, engine.config.max_model_len - len(prompt.token_ids)))
-    pipeline.check_request(rt, prompt, sampling)
-    pipeline.reserve(rt, job, len(prompt.token_ids), n * sampling.max_tokens)
+        sampling.max_tokens = max(1, min(sampling.max_tokens, engine.config.max_model_len - max(map(len, every))))
+    for ids in every:
+        pipeline.check_request(rt, Prompt(ids, tool_names=prompt.tool_names), sampling)
+    pipeline.reserve(rt, job, sum(map(len, every)), len(every) * n * sampling.max_tokens)
     pins = None
     if chat is not None and chat.pinned:
         pins = await asyncio.to_thread(pipeline.pins_for, engine.chat_template, chat.messages, chat.pinned,
                                        prompt.template_tools)
         job.cache_breakpoint = max(length for length, _ in pins)
-    stream = pipeline.start(rt, job, prompt, sampling, pins, n)
+    stream = pipeline.start(rt, job, prompt, sampling, pins, n, prompts)
     try:
         first = await _next(stream, settings.header_wait_s)
     except StopAsyncIteration:

@@ -68,18 +68,32 @@ def chat_logprobs(tokenizer, token_ids: list[int], entries: list | None) -> dict
 
 
 def text_logprobs(tokenizer, token_ids: list[int], entries: list | None, offset: int) -> dict[str, Any] | None:
-    """Completions' `logprobs`: tokens, token_logprobs, top_logprobs (token -> logprob) and text_offset."""
+    """Completions' `logprobs`: tokens, token_logprobs, top_logprobs (token -> logprob) and text_offset.
+    An entry may be None (the first prompt token of an echo: nothing precedes it)."""
     if entries is None:
         return None
     tokens, values, tops, offsets = [], [], [], []
-    for token_id, (logprob, top) in zip(token_ids, entries):
+    for token_id, entry in zip(token_ids, entries):
         text, _ = _token(tokenizer, token_id)
         tokens.append(text)
-        values.append(logprob)
-        tops.append({_token(tokenizer, alt)[0]: lp for alt, lp in top})
+        values.append(None if entry is None else entry[0])
+        tops.append(None if entry is None else {_token(tokenizer, alt)[0]: lp for alt, lp in entry[1]})
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+def _echo_logprobs(tokenizer, job: pipeline.Job, choice: int, out: RequestOutput) -> dict[str, Any] | None:
+    """The scored prompt of an echoed choice, as completions' `logprobs` from offset 0."""
+    if out.prompt_logprobs is None:
+        return None
+    return text_logprobs(tokenizer, job.prompt_ids[choice // job.n], out.prompt_logprobs, 0)
+
+
+def _joined(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
+    if a is None or b is None:
+        return a or b
+    return {k: a[k] + b[k] for k in a}
 
 
 # ---- chat completions ------------------------------------------------------------------------------
@@ -93,7 +107,7 @@ def completion_body(cid: str, model: str, job: pipeline.Job, outs: list[RequestO
         choices.append({"index": i, "message": message, "finish_reason": finish_reason(out, bool(calls)),
                         "logprobs": chat_logprobs(tokenizer, out.token_ids, out.logprobs)})
     return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model, "choices": choices,
-            "usage": usage(pipeline.merge(outs))}
+            "usage": usage(pipeline.merge(outs, job.n))}
 
 
 def _chunk(cid: str, kind: str, created: int, model: str, index: int | None, payload: dict[str, Any],
@@ -157,7 +171,7 @@ def chunk_stream(rt: pipeline.Runtime, job: pipeline.Job, stream: RequestStream 
                     finals[i] = out
                     if len(finals) < len(job.choices):
                         yield chunk(i, {}, finish=finish_reason(out, calls[i] >= 0))
-            merged = pipeline.merge([finals[i] for i in range(len(finals))])
+            merged = pipeline.merge([finals[i] for i in range(len(finals))], job.n)
             _, cost = pipeline.finish(rt, job, merged)
             yield chunk(i, {}, finish=finish_reason(finals[i], calls[i] >= 0), extra={"stratum_cost": cost})
             if include_usage:
@@ -172,17 +186,24 @@ def chunk_stream(rt: pipeline.Runtime, job: pipeline.Job, stream: RequestStream 
 
 
 # ---- completions -----------------------------------------------------------------------------------
-def text_body(cid: str, model: str, outs: list[RequestOutput], echo: str, tokenizer) -> dict[str, Any]:
-    choices = [{"index": i, "text": echo + out.text, "finish_reason": finish_reason(out, False),
-                "logprobs": text_logprobs(tokenizer, out.token_ids, out.logprobs, len(echo))}
-               for i, out in enumerate(outs)]
+def text_body(cid: str, model: str, job: pipeline.Job, outs: list[RequestOutput], echoes: list[str],
+              tokenizer) -> dict[str, Any]:
+    choices = []
+    for i, out in enumerate(outs):
+        echo = echoes[i // job.n]
+        logprobs = text_logprobs(tokenizer, out.token_ids, out.logprobs, len(echo))
+        if echo:
+            logprobs = _joined(_echo_logprobs(tokenizer, job, i, out), logprobs)
+        choices.append({"index": i, "text": echo + out.text, "finish_reason": finish_reason(out, False),
+                        "logprobs": logprobs})
     return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model, "choices": choices,
-            "usage": usage(pipeline.merge(outs))}
+            "usage": usage(pipeline.merge(outs, job.n))}
 
 
 def text_stream(rt: pipeline.Runtime, job: pipeline.Job, stream: RequestStream | RequestGroup,
                 first: RequestOutput | None, cid: str, model: str, include_usage: bool, ping_interval_s: float,
-                echo: str) -> StreamingResponse:
+                echoes: list[str]) -> StreamingResponse:
+    """Text chunks per choice; an echoed prompt (with its scores) comes first, with the choice's first output."""
     tokenizer = rt.engine.tokenizer
     created = int(time.time())
 
@@ -190,26 +211,28 @@ def text_stream(rt: pipeline.Runtime, job: pipeline.Job, stream: RequestStream |
         return _chunk(cid, "text_completion", created, model, index, {"text": text}, finish, logprobs, extra, use)
 
     async def events():
-        offsets = {i: len(echo) for i in job.choices.values()}
+        offsets = {i: len(echoes[i // job.n]) for i in job.choices.values()}
+        started: set[int] = set()
         finals: dict[int, RequestOutput] = {}
         try:
-            if echo:
-                for i in offsets:
-                    yield chunk(i, echo)
             async for out in pipeline.paced(stream, first, ping_interval_s):
                 if out is None:
                     yield b": ping\n\n"
                     continue
                 i = job.choices[out.request_id]
+                echo = echoes[i // job.n]
+                if echo and i not in started:
+                    yield chunk(i, echo, logprobs=_echo_logprobs(tokenizer, job, i, out))
+                started.add(i)
                 logprobs = text_logprobs(tokenizer, out.delta_token_ids, out.delta_logprobs, offsets[i])
                 offsets[i] += len(out.delta_text)
                 if out.finished:
                     finals[i] = out
-                if out.delta_text or logprobs:
+                if out.delta_text or (logprobs and logprobs["tokens"]):
                     yield chunk(i, out.delta_text, logprobs=logprobs, extra={"stratum_meta": pipeline.stream_meta(out)})
                 if out.finished and len(finals) < len(job.choices):
                     yield chunk(i, "", finish=finish_reason(out, False))
-            merged = pipeline.merge([finals[i] for i in range(len(finals))])
+            merged = pipeline.merge([finals[i] for i in range(len(finals))], job.n)
             _, cost = pipeline.finish(rt, job, merged)
             yield chunk(i, "", finish=finish_reason(finals[i], False), extra={"stratum_cost": cost})
             if include_usage:

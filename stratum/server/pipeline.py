@@ -84,6 +84,8 @@ class Job:
     is_settled: bool = False  # the reservation was replaced by the measured cost
     stream: RequestStream | RequestGroup | None = None  # once submitted to the engine
     choices: dict[str, int] = field(default_factory=lambda: {})  # engine request id -> choice index (n samples)
+    n: int = 1  # samples per prompt
+    prompt_ids: list[list[int]] = field(default_factory=list)  # the prompts queued (several on /v1/completions)
     cancelled: APIError | None = None  # ended by the server (a drain that ran out of time) before submission
     cpu0: float = field(default_factory=time.process_time)
     wall0: float = field(default_factory=time.perf_counter)
@@ -298,14 +300,16 @@ def pins_for(template, messages: list[dict[str, Any]], marked: dict[int, str], t
 
 
 def start(rt: Runtime, job: Job, prompt: Prompt, sampling: SamplingParams,
-          pins: list[tuple[int, float]] | None = None, n: int = 1) -> RequestStream | RequestGroup:
+          pins: list[tuple[int, float]] | None = None, n: int = 1,
+          prompts: list[list[int]] | None = None) -> RequestStream | RequestGroup:
     """Queue the request in the engine; warm-up (max_tokens 0) and aggressive mode pin what they cache.
-    n > 1 queues n samples of the prompt, each with its own seed (seed + i when the request gives one)."""
+    n > 1 queues n samples of the prompt, each with its own seed (seed + i when the request gives one);
+    `prompts` (completions) replaces the prompt's ids by several prompts, n samples each."""
     job.prompt = prompt
     policy = job.cache_policy
     if job.cache_mode == "aggressive":
         policy = CachePolicy(pin_ttl_s=rt.aggressive_ttl_s, pin_output=True)
-    elif sampling.max_tokens == 0 and policy.write:
+    elif sampling.max_tokens == 0 and policy.write and sampling.prompt_logprobs is None:
         policy = CachePolicy(pin_ttl_s=rt.warmup_ttl_s)
     if policy.pin_ttl_s:  # asked to be cached, as a cache_control breakpoint on the whole prompt asks
         job.cache_breakpoint = len(prompt.token_ids)
@@ -316,12 +320,14 @@ def start(rt: Runtime, job: Job, prompt: Prompt, sampling: SamplingParams,
         raise job.cancelled
     kwargs = dict(priority=job.priority, cache_policy=policy, cache_salt=job.cache_salt, tool_marker=marker,
                   pin_prefixes=pins or [], low_latency=job.is_low_latency)
-    job.choices = {job.request_id if i == 0 else f"{job.request_id}.{i}": i for i in range(n)}
-    if n == 1:
+    prompts = prompts or [prompt.token_ids]
+    job.n, job.prompt_ids, total = n, prompts, len(prompts) * n
+    job.choices = {job.request_id if i == 0 else f"{job.request_id}.{i}": i for i in range(total)}
+    if total == 1:
         job.stream = rt.engine.submit(prompt.token_ids, sampling, request_id=job.request_id, **kwargs)
     else:
-        samplings = [replace(sampling, seed=None if sampling.seed is None else sampling.seed + i) for i in range(n)]
-        job.stream = rt.engine.submit_group(prompt.token_ids, samplings, list(job.choices), **kwargs)
+        samplings = [replace(sampling, seed=None if sampling.seed is None else sampling.seed + i % n) for i in range(total)]
+        job.stream = rt.engine.submit_group([prompts[i // n] for i in range(total)], samplings, list(job.choices), **kwargs)
     return job.stream
 
 
@@ -400,16 +406,18 @@ async def paced(stream: RequestStream | RequestGroup, first: RequestOutput | Non
         out = None
 
 
-def merge(outs: list[RequestOutput]) -> RequestOutput:
-    """One output standing for n samples of a prompt, for usage and telemetry: the prompt counted once
-    (as the first sample read it), the work and the output tokens of all of them."""
+def merge(outs: list[RequestOutput], n: int = 1) -> RequestOutput:
+    """One output standing for the choices of a request (n samples of each of its prompts), for usage
+    and telemetry: each prompt counted once (as its first sample read it), the work and the output
+    tokens of all of them."""
     if len(outs) == 1:
         return outs[0]
     first = outs[0]
     stats = [o.stats for o in outs]
     s0 = stats[0]
     merged = RequestStats(
-        num_prompt_tokens=s0.num_prompt_tokens, num_cached_tokens=s0.num_cached_tokens,
+        num_prompt_tokens=sum(s.num_prompt_tokens for s in stats[::n]),
+        num_cached_tokens=sum(s.num_cached_tokens for s in stats[::n]),
         num_prompt_tokens_computed=sum(s.num_prompt_tokens_computed for s in stats),
         num_cache_written_tokens=sum(s.num_cache_written_tokens for s in stats),
         num_output_tokens=sum(s.num_output_tokens for s in stats),
