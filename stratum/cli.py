@@ -94,6 +94,7 @@ def cmd_serve(args) -> int:
     settings = ServerSettings(model_name=name, aliases=(client.info.model_name,), api_keys=keys,
                               max_body_bytes=args.max_body_bytes, share_prefix_cache=args.share_prefix_cache,
                               body_timeout_s=args.read_timeout_s, cors_origins=tuple(args.cors_origin or ()),
+                              header_wait_s=args.header_wait_s,
                               default_temperature=config.default_temperature, default_top_p=config.default_top_p,
                               tenant_budget_tokens=args.tenant_budget_tokens, budget_window_s=args.budget_window_s,
                               pollution_policy=args.pollution_policy, pricing=pricing_from_spec(args.pricing))
@@ -234,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="headers that take longer to arrive, or a body that stalls this long, get 408")
     p.add_argument("--drain-timeout-s", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight requests may still run before they are ended with an error")
+    p.add_argument("--header-wait-s", type=float, default=2.0,
+                   help="a stream waits this long for prefill, to send its cost figures with its headers (default 2)")
     p.add_argument("--cors-origin", action="append", metavar="ORIGIN",
                    help="let web pages from this origin call the API (repeatable; '*' for any); default: none")
     p.add_argument("--share-prefix-cache", action="store_true",

@@ -268,6 +268,43 @@ def test_media_blocks_name_the_block(claude, block):
     assert f"'{block['type']}'" in str(e.value) and "text-only" in str(e.value)
 
 
+@pytest.fixture(scope="module")
+def eager_server(tiny_model_dir):
+    """Streams start at once, before prefill (--header-wait-s 0), and browsers from one origin may call."""
+    from tests.conftest import ServerProcess
+
+    server = ServerProcess(str(tiny_model_dir), "--served-model-name", "tiny", "--kv-cache-mb", "8",
+                           "--header-wait-s", "0", "--cors-origin", "http://app.example").wait_ready()
+    yield server
+    server.stop()
+
+
+def test_message_start_has_the_real_input_counts(eager_server):
+    client = anthropic.Anthropic(base_url=eager_server.url, api_key="test", max_retries=0)
+    messages = [user("the capital of Japan is Tokyo. " * 10)]
+    client.messages.create(model="tiny", max_tokens=1, messages=messages)  # now cached
+    with client.messages.stream(model="tiny", max_tokens=3, messages=messages) as stream:
+        events = list(stream)
+    start = events[0].message.usage
+    final = stream.get_final_message().usage
+    assert start.cache_read_input_tokens == final.cache_read_input_tokens > 0
+    assert start.input_tokens == final.input_tokens
+    assert start.input_tokens + start.cache_read_input_tokens == client.messages.count_tokens(
+        model="tiny", messages=messages).input_tokens
+
+
+def test_cors_allows_the_named_origin_only(eager_server):
+    preflight = {"access-control-request-method": "POST", "access-control-request-headers": "x-api-key,content-type"}
+    ok = httpx.options(eager_server.url + "/v1/messages", headers={"origin": "http://app.example", **preflight})
+    assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == "http://app.example"
+    other = httpx.options(eager_server.url + "/v1/messages", headers={"origin": "http://evil.example", **preflight})
+    assert other.headers.get("access-control-allow-origin") is None
+    r = httpx.post(eager_server.url + "/v1/chat/completions", headers={"origin": "http://app.example"}, json={
+        "model": "tiny", "max_tokens": 2, "messages": [user("hi")]})
+    assert r.headers["access-control-allow-origin"] == "http://app.example"
+    assert "x-stratum-cost" in r.headers["access-control-expose-headers"]
+
+
 def test_cors_is_off_by_default(tiny_server):
     r = httpx.options(tiny_server.url + "/v1/messages", headers={
         "origin": "http://example.com", "access-control-request-method": "POST"})

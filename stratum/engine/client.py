@@ -115,7 +115,8 @@ class EngineLoop:
     Args:
         engine: the LLMEngine it owns; only this loop touches it.
         emit: receives one list of events per step (or per batch of commands), in order:
-            ("out", RequestOutput), ("error", request_id, message, kind), ("started", [request_id...]),
+            ("out", RequestOutput), ("error", request_id, message, kind), ("accepted", request_id, cached tokens
+            expected), ("started", [request_id...]),
             ("snapshot", EngineSnapshot), and once, last, ("dead", reason).
     """
 
@@ -176,7 +177,8 @@ class EngineLoop:
         if kind == "add":
             _, rid, ids, sampling, kwargs = command
             try:
-                self.engine.add_request(ids, sampling, request_id=rid, **kwargs)
+                seq = self.engine.add_request(ids, sampling, request_id=rid, **kwargs)
+                events.append(("accepted", rid, self.engine.expected_cached_tokens(seq)))
             except InvalidRequestError as e:
                 events.append(("error", rid, str(e), "invalid_request"))
             except Exception as e:  # the admission hook's refusal, or a bug: this request fails, not the loop
@@ -249,6 +251,7 @@ class RequestStream:
         self.request_id = request_id
         self.queue: asyncio.Queue = asyncio.Queue()
         self.done = False
+        self.expected_cached_tokens: int | None = None  # what the prefix cache will serve, once the engine has it
 
     async def next(self, timeout: float | None = None) -> RequestOutput | None:
         """The next output; None on timeout; raises the engine's error; StopAsyncIteration after the last."""
@@ -296,6 +299,10 @@ class RequestGroup:
         self.members = {m.request_id: m for m in members}
         self.request_id = members[0].request_id
         self.queue = members[0].queue  # shared by every member
+
+    @property
+    def expected_cached_tokens(self) -> int | None:
+        return self.members[self.request_id].expected_cached_tokens
 
     @property
     def done(self) -> bool:
@@ -456,6 +463,10 @@ class EngineClient:
                 stats = out.stats
                 if out.finished and out.finish_reason != "abort" and stats is not None and stats.finish_time is not None:
                     self._recent_e2e.append(stats.finish_time - stats.arrival_time)
+            elif kind == "accepted":
+                stream = self._streams.get(event[1])
+                if stream is not None:
+                    stream.expected_cached_tokens = event[2]
             elif kind == "started":
                 for rid in event[1]:
                     self._queued.discard(rid)

@@ -99,7 +99,7 @@ def event_stream(rt: pipeline.Runtime, job: pipeline.Job, stream: RequestStream,
                     yield close()
 
         try:
-            usage0 = pipeline.admitted_usage(job)
+            usage0 = pipeline.admitted_usage(rt, job)
             if first is not None and first.stats is not None:
                 usage0 = dict(pipeline.usage_of(first, job.cache_breakpoint), output_tokens=0)
             yield sse("message_start", {"type": "message_start", "message": {

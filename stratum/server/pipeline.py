@@ -458,10 +458,15 @@ def usage_of(out: RequestOutput, breakpoint: int = 0) -> dict[str, int]:
     }
 
 
-def admitted_usage(job: Job) -> dict[str, int]:
-    """Usage before the engine has said what its cache served: every prompt token as input."""
+def admitted_usage(rt: Runtime, job: Job) -> dict[str, int]:
+    """Usage before prefill has finished: the prompt, and what the engine said its cache will serve
+    when it accepted the request (every prompt token as input if it has not said yet)."""
     n = len(job.prompt.token_ids) if job.prompt is not None else 0
-    return {"input_tokens": n, "output_tokens": 0, "cache_read_input_tokens": 0, "cache_creation_input_tokens": 0}
+    cached = min(n, (job.stream.expected_cached_tokens if job.stream is not None else None) or 0)
+    block = rt.engine.config.block_size
+    created = max(0, min(job.cache_breakpoint, n) // block * block - cached) if job.cache_breakpoint else 0
+    return {"input_tokens": n - cached - created, "output_tokens": 0, "cache_read_input_tokens": cached,
+            "cache_creation_input_tokens": created}
 
 
 def early_headers(rt: Runtime, out: RequestOutput | None, job: Job) -> dict[str, str]:
