@@ -113,3 +113,41 @@ def test_real_chat_requests_share_a_long_system_prompt(real_model_path):
     computed = [o.stats.num_prompt_tokens_computed for o in outs]
     assert computed == [len(prompts[0])] + [len(p) - shared_cached for p in prompts[1:]]
     assert sum(computed) == sum(map(len, prompts)) - (NUM_REQUESTS - 1) * shared_cached
+
+
+# ---- n samples: one prefill, forked copy-on-write ------------------------------------------------------
+def test_forked_samples_compute_the_prompt_once(tiny_model_dir):
+    """Samples 1..n-1 start from sample 0's computed prompt: the full blocks shared, the last one copied,
+    so each computes only the last prompt token again. Their outputs equal independent runs with the
+    same seeds, and every block comes back."""
+    from stratum.engine import LLM
+    from stratum.engine.config import SchedulerConfig
+    from stratum.engine.sampling_params import SamplingParams
+
+    def engine():
+        return LLM(str(tiny_model_dir), num_kv_blocks=128, block_size=16, dtype="float32", device="cpu", num_threads=1,
+                   enable_prefix_cache=False, scheduler=SchedulerConfig(max_num_batched_tokens=64)).engine
+
+    prompt = list(range(40, 40 + 45))  # 2 full blocks and a partial one: the copy path
+    params = [SamplingParams(max_tokens=6, temperature=1.0, seed=s, ignore_eos=True) for s in range(3)]
+    for size in (45, 49):  # 49: the last prompt token opens a block of its own (nothing to copy)
+        prompt = list(range(40, 40 + size))
+        eng = engine()
+        seqs = [eng.add_request(prompt, params[0], request_id="s0")]
+        seqs += [eng.add_request(prompt, p, request_id=f"s{i}", fork_of="s0") for i, p in enumerate(params[1:], 1)]
+        finals = {}
+        while eng.has_unfinished():
+            for out in eng.step():
+                if out.finished:
+                    finals[out.request_id] = out
+            eng.block_manager.check_integrity()
+        assert eng.block_manager.num_used_blocks == 0
+        computed = [s.num_prompt_tokens_computed for s in seqs]
+        assert computed == [size, 1, 1]
+        for i, p in enumerate(params):  # the same samples as each run alone
+            alone = engine()
+            alone.add_request(prompt, p, request_id="x")
+            while alone.has_unfinished():
+                for out in alone.step():
+                    if out.finished:
+                        assert out.token_ids == finals[f"s{i}"].token_ids, (size, i)

@@ -106,6 +106,26 @@ class BlockManager:
             seq.block_table.append(b)
         return True
 
+    def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
+        """Give child (a sample of parent's prompt) parent's blocks for every prompt position before the
+        last, shared, and a block of its own from there on: a copy of parent's block when that block
+        already holds some of those positions. Call after `can_allocate(1)`.
+
+        Returns:
+            (source, destination) block to copy before the next step, or None when there is nothing to copy.
+        """
+        last = child.num_prompt_tokens - 1  # the position the child computes itself
+        num_shared = last // self.block_size
+        shared = parent.block_table[:num_shared]
+        for b in shared:
+            self.ref_counts[b] += 1
+        assert self._reserve(1), "fork without a free block"
+        own = self.free_blocks.popleft()
+        self.ref_counts[own] = 1
+        child.block_table = shared + [own]
+        child.num_inserted_blocks = min(num_shared, parent.num_inserted_blocks)
+        return (parent.block_table[num_shared], own) if last % self.block_size else None
+
     def cache_computed_blocks(self, seq: Sequence, pin_ttl_s: float = 0.0) -> None:
         """Offer seq's newly computed full blocks to the prefix cache (prompt and output alike)."""
         if not (self.enable_prefix_cache and seq.cache_policy.write):

@@ -178,12 +178,17 @@ class EngineLoop:
             _, rid, ids, sampling, kwargs = command
             try:
                 seq = self.engine.add_request(ids, sampling, request_id=rid, **kwargs)
-                events.append(("accepted", rid, self.engine.expected_cached_tokens(seq)))
             except InvalidRequestError as e:
                 events.append(("error", rid, str(e), "invalid_request"))
+                return
             except Exception as e:  # the admission hook's refusal, or a bug: this request fails, not the loop
                 log.exception("add_request failed")
                 events.append(("error", rid, f"{type(e).__name__}: {e}", "internal"))
+                return
+            try:  # what its cache hit will be, for usage reported before prefill ends; a broken cache only loses it
+                events.append(("accepted", rid, self.engine.expected_cached_tokens(seq)))
+            except Exception:
+                log.debug("no expected cache hit for %s", rid, exc_info=True)
         elif kind == "abort":
             out = self.engine.abort(command[1])
             if out is not None:  # its last output: whoever assembles deltas can forget the request
@@ -421,13 +426,13 @@ class EngineClient:
         return stream
 
     def submit_group(self, prompts: list[list[int]], samplings: list[SamplingParams], request_ids: list[str],
-                     **kwargs) -> RequestGroup:
+                     forks: list[str | None], **kwargs) -> RequestGroup:
         """Queue several requests read as one stream: n samples of a prompt (each with its own sampling),
-        or several prompts. The members follow each other into the scheduler, so samples of one prompt
-        hit the prefix-cache blocks the first of them computes."""
+        or several prompts. A member with a fork (the id of an earlier member with the same prompt)
+        starts from that member's computed prompt instead of computing it again."""
         members = []
-        for ids, sampling, rid in zip(prompts, samplings, request_ids):
-            stream = self.submit(ids, sampling, rid, **kwargs)
+        for ids, sampling, rid, fork in zip(prompts, samplings, request_ids, forks):
+            stream = self.submit(ids, sampling, rid, fork_of=fork, **kwargs)
             if members:
                 stream.queue = members[0].queue
             members.append(stream)

@@ -128,6 +128,7 @@ class LLMEngine:
         tool_marker: str | None = None,
         pin_prefixes: list[tuple[int, float]] | None = None,
         low_latency: bool = False,
+        fork_of: str | None = None,
     ) -> Sequence:
         """Validate and queue one request.
 
@@ -154,6 +155,9 @@ class LLMEngine:
             seq.generator = torch.Generator().manual_seed(sampling.seed)
         if sampling.grammar is not None:
             seq.matcher = self.grammars.matcher(sampling.grammar)
+        parent = self.requests.get(fork_of) if fork_of else None
+        if parent is not None and parent.seq.prompt_token_ids == seq.prompt_token_ids and sampling.prompt_logprobs is None:
+            seq.fork_of = parent.seq  # a sample of n: it starts from the parent's computed prompt
         self.scheduler.add(seq)
         stop_ids = set(sampling.stop_token_ids)
         if not sampling.ignore_eos:

@@ -57,6 +57,11 @@ class ModelRunner:
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Run one step. Sequences whose computed tokens reach num_tokens sample their next token."""
+        for src, dst in sched.copies:  # copy-on-write of forked samples' last prompt block
+            a, b = src * self.block_size, dst * self.block_size
+            for k, v in self.kv_caches:
+                k[b : b + self.block_size] = k[a : a + self.block_size]
+                v[b : b + self.block_size] = v[a : a + self.block_size]
         input_ids, positions, meta, logit_rows, samplers, recorders = self._prepare(sched)
         fast_rows = [j for seq, j in samplers if seq.is_low_latency]
         t0 = time.perf_counter()

@@ -95,6 +95,7 @@ class Sequence:
     pin_prefixes: list[tuple[int, float]] = field(default_factory=list)  # (prompt tokens, ttl seconds) to pin once computed
     logits: dict[int, object] = field(default_factory=dict)  # position -> fp32 logits, only with return_logits
     generator: object | None = None  # torch.Generator for seeded sampling
+    fork_of: "Sequence | None" = None  # a sample of n: starts from this request's computed prompt (scheduler._fork)
     matcher: object | None = None  # the grammar's state (llguidance LLMatcher), for constrained requests
     logprobs: list = field(default_factory=list)  # per output token, when sampling.logprobs is set
     prompt_logprobs: dict = field(default_factory=dict)  # prompt position -> (logprob, top), with sampling.prompt_logprobs

@@ -36,6 +36,7 @@ class SchedulerOutput:
 
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) KV blocks, before the step
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         self.scheduled.append(ScheduledSeq(seq, num_new_tokens, seq.num_computed_tokens, seq.is_decoding))
@@ -167,6 +168,17 @@ class Scheduler:
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[i]
+            if seq.fork_of is not None:
+                forked = self._fork(seq, out)
+                if forked is None:
+                    i += 1  # its parent has not finished the prompt yet
+                    continue
+                if forked:
+                    del self.waiting[i]
+                    budget -= 1
+                    continue
+                if seq.fork_of is not None:
+                    break  # no block for it now
             match = self.bm.match_prefix(seq)
             hit = match.num_blocks * self.bm.block_size if match is not None else 0
             if in_flight is None:
@@ -185,14 +197,45 @@ class Scheduler:
             if seq.num_cached_tokens < 0:  # the first admission's hit is what the cache served
                 seq.num_cached_tokens = hit
             del self.waiting[i]
-            if seq.first_scheduled_time is None:
-                seq.first_scheduled_time = time.perf_counter()
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-            out.add(seq, n)
+            self._start(seq, n, out)
             budget -= n
             in_flight.update(self._pending_keys(seq))
         return out
+
+    def _start(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = time.perf_counter()
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
+        out.add(seq, n)
+
+    def _fork(self, seq: Sequence, out: SchedulerOutput) -> bool | None:
+        """Start a sample of n from its parent's computed prompt: the full blocks shared, the last one
+        copied (copy-on-write), so only the last prompt token is computed again, for its own logits.
+
+        Returns:
+            True when forked; None while the parent's prompt is still being computed; False when the
+            fork cannot be made now (no free block), or ever (seq.fork_of is cleared: it is prefilled as
+            any request, with the prefix cache).
+        """
+        parent = seq.fork_of
+        if seq.num_output_tokens or parent.is_finished or parent.token_ids[: seq.num_prompt_tokens] != seq.prompt_token_ids:
+            seq.fork_of = None
+            return False
+        if parent.status is not SequenceStatus.RUNNING or parent.num_computed_tokens < parent.num_prompt_tokens:
+            return None
+        watermark = self.config.watermark_blocks if self.running else 0
+        if not self.bm.can_allocate(1 + watermark):
+            return False
+        copy = self.bm.fork(parent, seq)
+        if copy is not None:
+            out.copies.append(copy)
+        seq.fork_of = None
+        seq.num_computed_tokens = seq.num_prompt_tokens - 1
+        if seq.num_cached_tokens < 0:  # served by its parent's computation, as a cache hit would be
+            seq.num_cached_tokens = seq.num_computed_tokens
+        self._start(seq, 1, out)
+        return True
 
     def _allocate_or_preempt(self, seq: Sequence, n: int, out: SchedulerOutput) -> bool:
         while not self.bm.allocate(seq, n):

@@ -327,7 +327,9 @@ def start(rt: Runtime, job: Job, prompt: Prompt, sampling: SamplingParams,
         job.stream = rt.engine.submit(prompt.token_ids, sampling, request_id=job.request_id, **kwargs)
     else:
         samplings = [replace(sampling, seed=None if sampling.seed is None else sampling.seed + i % n) for i in range(total)]
-        job.stream = rt.engine.submit_group([prompts[i // n] for i in range(total)], samplings, list(job.choices), **kwargs)
+        rids = list(job.choices)
+        forks = [rids[i - i % n] if i % n else None for i in range(total)]  # sample j > 0 forks sample 0 of its prompt
+        job.stream = rt.engine.submit_group([prompts[i // n] for i in range(total)], samplings, rids, forks, **kwargs)
     return job.stream
 
 
