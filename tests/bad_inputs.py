@@ -264,6 +264,8 @@ def _chat_cases() -> list[BadRequest]:
         "response_format json_schema without a schema": _with(CHAT, response_format={"type": "json_schema"}),
         "response_format schema not enforceable": _with(CHAT, response_format={"type": "json_schema", "json_schema": {
             "name": "x", "strict": True, "schema": {"type": "object", "propertyNames": {"pattern": "a"}}}}),
+        "response_format not strict, schema still not enforceable": _with(CHAT, response_format={"type": "json_schema",
+            "json_schema": {"name": "x", "strict": False, "schema": {"type": "object", "propertyNames": {"pattern": "a"}}}}),
         "response_format unsatisfiable schema": _with(CHAT, response_format={"type": "json_schema", "json_schema": {
             "name": "x", "schema": {"type": "string", "minLength": 5, "maxLength": 2}}}),
         "max_tokens negative": _with(CHAT, max_tokens=-1),

@@ -284,7 +284,7 @@ def _openai_sampling(req, settings: ServerSettings, max_tokens: int | None, logp
 
 
 async def _start(rt: pipeline.Runtime, job: pipeline.Job, request: Request, chat: ChatInput | None,
-                              sampling: SamplingParams, settings: ServerSettings, default_max: bool = False, n: int = 1,
+                 sampling: SamplingParams, settings: ServerSettings, default_max: bool = False, n: int = 1,
                  raw: list[str | list[int]] | None = None) -> tuple[RequestStream | RequestGroup, RequestOutput | None]:
     """Controls, compression, prompt, engine: returns the stream and its first output (prefill done), if it
     came within header_wait_s. Admission errors raised by the engine surface here as 4xx, with the

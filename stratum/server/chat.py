@@ -23,7 +23,6 @@ class ChatInput:
     system_text: str = ""
     pinned: dict[int, str | None] = field(default_factory=dict)  # message index -> cache_control ttl
     output_schema: dict[str, Any] | None = None  # structured outputs: the answer is JSON matching it
-    output_strict: bool = True  # a schema keyword that cannot be enforced is a 400 (else it is ignored)
 
     @property
     def text(self) -> str:
@@ -122,8 +121,8 @@ def openai_input(req: ChatCompletionRequest) -> ChatInput:
     if forced is not False and not tools:
         raise InvalidRequest("tool_choice requires tools")
     system_text = "\n".join(m["content"] for m in messages if m["role"] == "system")
-    schema, strict = (req.response_format.schema if req.response_format else None) or (None, True)
-    return ChatInput(messages, tools, forced, system_text, output_schema=schema, output_strict=strict)
+    schema = req.response_format.schema if req.response_format else None
+    return ChatInput(messages, tools, forced, system_text, output_schema=schema)
 
 
 def _args(arguments: str):

@@ -270,12 +270,13 @@ class OAIResponseFormat(_Loose):
         return self
 
     @property
-    def schema(self) -> tuple[dict[str, Any], bool] | None:
-        """(schema, strict) the output must match, or None for free text."""
+    def schema(self) -> dict[str, Any] | None:
+        """The schema the output must match (`strict` or not: what cannot be enforced is refused), or
+        None for free text."""
         if self.type == "json_object":
-            return {"type": "object"}, True
+            return {"type": "object"}
         if self.type == "json_schema":
-            return self.json_schema.schema_, bool(self.json_schema.strict)
+            return self.json_schema.schema_
         return None
 
 

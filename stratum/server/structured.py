@@ -91,9 +91,9 @@ def _lark(rules: list[str]) -> str:
     return grammar
 
 
-def json_grammar(schema: dict[str, Any], where: str, strict: bool = True) -> str:
-    """Output that is one JSON value matching `schema`."""
-    return _lark([f"start: {_schema(schema, strict, where)}"])
+def json_grammar(schema: dict[str, Any], where: str) -> str:
+    """Output that is one JSON value matching `schema`; what cannot be enforced is a 400, never ignored."""
+    return _lark([f"start: {_schema(schema, True, where)}"])
 
 
 def tool_grammar(tools: list[dict[str, Any]], forced: bool | str, text_schema: dict[str, Any] | None = None) -> str:
@@ -129,5 +129,5 @@ def answer_grammar(chat, prompt) -> str | None:
         forced = prompt.forced_name or prompt.is_forced_tool
         return tool_grammar(chat.tools, forced, chat.output_schema)
     if chat.output_schema is not None:
-        return json_grammar(chat.output_schema, "output format", chat.output_strict)
+        return json_grammar(chat.output_schema, "output format")
     return None
