@@ -67,31 +67,39 @@ def test_tool_choice_any_is_valid_20_of_20(real_server, stream):
     assert not invalid, f"{N - len(invalid)} of {N} valid; " + json.dumps(invalid)[:3000]
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_structured_output_is_valid_20_of_20(real_server, stream):
+async def _openai_json(client, i: int, stream: bool) -> str:
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
+    kwargs = dict(model="smollm2-135m", max_tokens=300, seed=i, temperature=0.8, response_format=fmt,
+                  messages=[{"role": "user", "content": f"Describe team member number {i} as JSON."}])
+    if not stream:
+        return (await client.chat.completions.create(**kwargs)).choices[0].message.content
+    text = ""
+    async for chunk in await client.chat.completions.create(stream=True, **kwargs):
+        text += "".join(c.delta.content or "" for c in chunk.choices)
+    return text
 
-    async def one(client, i: int) -> str:
-        kwargs = dict(model="smollm2-135m", max_tokens=300, seed=i, temperature=0.8, response_format=fmt,
-                      messages=[{"role": "user", "content": f"Describe team member number {i} as JSON."}])
-        if not stream:
-            return (await client.chat.completions.create(**kwargs)).choices[0].message.content
-        text = ""
-        async for chunk in await client.chat.completions.create(stream=True, **kwargs):
-            text += "".join(c.delta.content or "" for c in chunk.choices)
-        return text
 
+async def _anthropic_json(client, i: int, stream: bool) -> str:
+    kwargs = dict(model="smollm2-135m", max_tokens=300, extra_body={
+        "seed": i, "temperature": 0.8, "output_config": {"format": {"type": "json_schema", "schema": PERSON}}},
+        messages=[{"role": "user", "content": f"Describe team member number {i} as JSON."}])
+    if not stream:
+        return (await client.messages.create(**kwargs)).content[0].text
+    async with client.messages.stream(**kwargs) as s:
+        async for _ in s:
+            pass
+        return (await s.get_final_message()).content[0].text
+
+
+@pytest.mark.parametrize("api", ["openai", "anthropic"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_structured_output_is_valid_20_of_20(real_server, api, stream):
     async def run():
-        client = openai.AsyncOpenAI(base_url=real_server.url + "/v1", api_key="test", max_retries=0, timeout=300)
-        return await asyncio.gather(*(one(client, i) for i in range(N)))
+        if api == "openai":
+            client = openai.AsyncOpenAI(base_url=real_server.url + "/v1", api_key="test", max_retries=0, timeout=300)
+            return await asyncio.gather(*(_openai_json(client, i, stream) for i in range(N)))
+        client = anthropic.AsyncAnthropic(base_url=real_server.url, api_key="test", max_retries=0, timeout=300)
+        return await asyncio.gather(*(_anthropic_json(client, i, stream) for i in range(N)))
 
     for text in asyncio.run(run()):
         jsonschema.validate(json.loads(text), PERSON)
-
-
-def test_anthropic_output_format_on_the_real_model(real_server):
-    client = anthropic.Anthropic(base_url=real_server.url, api_key="test", max_retries=0, timeout=300)
-    msg = client.messages.create(model="smollm2-135m", max_tokens=300, messages=[
-        {"role": "user", "content": "Describe an engineer as JSON."}], extra_body={
-        "output_config": {"format": {"type": "json_schema", "schema": PERSON}}, "temperature": 0})
-    jsonschema.validate(json.loads(msg.content[0].text), PERSON)
