@@ -103,3 +103,24 @@ def test_structured_output_is_valid_20_of_20(real_server, api, stream):
 
     for text in asyncio.run(run()):
         jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_auto_tool_choice_calls_are_valid_and_markup_never_leaks(real_server):
+    async def run():
+        claude = anthropic.AsyncAnthropic(base_url=real_server.url, api_key="test", max_retries=0, timeout=300)
+        return await asyncio.gather(*(claude.messages.create(
+            model="smollm2-135m", max_tokens=200, tools=TOOLS, tool_choice={"type": "auto"},
+            messages=[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+            extra_body={"seed": i, "temperature": 0.8}) for i in range(10)))
+
+    calls = 0
+    for msg in asyncio.run(run()):
+        for block in msg.content:
+            if block.type == "text":
+                assert "<tool_call>" not in block.text and "</tool_call>" not in block.text
+            else:
+                calls += 1
+                jsonschema.validate(block.input, SCHEMAS[block.name])
+        if msg.stop_reason == "tool_use":
+            assert msg.content[-1].type == "tool_use"
+    assert calls > 0  # the model does choose tools for these questions

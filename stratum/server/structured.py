@@ -113,7 +113,10 @@ def tool_grammar(tools: list[dict[str, Any]], forced: bool | str, text_schema: d
         return _lark([f"start: {args[forced]} {_lit(tool_fmt.CALL_END)}"])
     if forced:
         return _lark([f"start: call {_lit(tool_fmt.CALL_END)}", *rules])
-    text = f"answer: {_schema(text_schema, True, 'output format')}" if text_schema is not None else f"answer: TEXT\nTEXT: {_TEXT}"
+    if text_schema is not None:
+        text = f"answer: {_schema(text_schema, True, 'output format')}"
+    else:  # free text, possibly none (an answer may end at once, as without tools)
+        text = f"answer: TEXT?\nTEXT: {_TEXT}"
     return _lark([f"start: answer | OPEN {_lit(tool_fmt.CALL_START)} call {_lit(tool_fmt.CALL_END)}", text,
                   f"OPEN: {_TEXT_THEN_OPEN}", *rules])
 
