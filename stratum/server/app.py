@@ -405,7 +405,8 @@ def _parse(model: type[BaseModel], data: dict[str, Any]):
     except ValidationError as e:
         first = e.errors()[0]
         loc = ".".join(str(p) for p in first["loc"])
-        raise InvalidRequest(f"{loc}: {first['msg']}" if loc else first["msg"]) from None
+        sep = "." if first["type"] == "unsupported_content" else ": "  # its message starts with the block's path
+        raise InvalidRequest(f"{loc}{sep}{first['msg']}" if loc else first["msg"]) from None
 
 
 def _check_model(settings: ServerSettings, name: str) -> None:
