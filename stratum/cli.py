@@ -7,6 +7,9 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
+
+from stratum.home import stratum_home
 
 
 def _engine_config(args, serving: bool = False):
@@ -94,7 +97,8 @@ def cmd_serve(args) -> int:
     settings = ServerSettings(model_name=name, aliases=(client.info.model_name,), api_keys=keys,
                               max_body_bytes=args.max_body_bytes, share_prefix_cache=args.share_prefix_cache,
                               body_timeout_s=args.read_timeout_s, cors_origins=tuple(args.cors_origin or ()),
-                              header_wait_s=args.header_wait_s,
+                              header_wait_s=args.header_wait_s, data_dir=Path(args.data_dir) if args.data_dir else None,
+                              batch_ttl_s=args.batch_expiry_h * 3600, batch_retention_s=args.batch_retention_days * 86400,
                               default_temperature=config.default_temperature, default_top_p=config.default_top_p,
                               tenant_budget_tokens=args.tenant_budget_tokens, budget_window_s=args.budget_window_s,
                               pollution_policy=args.pollution_policy, pricing=pricing_from_spec(args.pricing))
@@ -235,6 +239,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="headers that take longer to arrive, or a body that stalls this long, get 408")
     p.add_argument("--drain-timeout-s", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight requests may still run before they are ended with an error")
+    p.add_argument("--data-dir", default=str(stratum_home() / "data"),
+                   help="where Message Batches are kept, in SQLite (default $STRATUM_HOME/data); '' to serve none")
+    p.add_argument("--batch-expiry-h", type=float, default=24.0, help="a batch expires this long after creation")
+    p.add_argument("--batch-retention-days", type=float, default=29.0, help="results are kept this long after a batch ends")
     p.add_argument("--header-wait-s", type=float, default=2.0,
                    help="a stream waits this long for prefill, to send its cost figures with its headers (default 2)")
     p.add_argument("--cors-origin", action="append", metavar="ORIGIN",

@@ -314,6 +314,28 @@ def _completions_cases() -> list[BadRequest]:
         BadRequest("completions: unknown model", p, _with(base, model="davinci"), status=404, error_type=NOT_FOUND)]
 
 
+def _batch_cases() -> list[BadRequest]:
+    p = "/v1/messages/batches"
+    one = {"custom_id": "a", "params": MESSAGE}
+    bodies = {
+        "requests missing": {},
+        "requests empty": {"requests": []},
+        "requests is an object": {"requests": one},
+        "custom_id missing": {"requests": [{"params": MESSAGE}]},
+        "custom_id too long": {"requests": [{"custom_id": "x" * 65, "params": MESSAGE}]},
+        "custom_id with a slash": {"requests": [{"custom_id": "a/b", "params": MESSAGE}]},
+        "custom_id repeated": {"requests": [one, one]},
+        "params is a string": {"requests": [{"custom_id": "a", "params": "hi"}]},
+        "unknown field": {"requests": [one], "priority": 1},
+    }
+    return [BadRequest(f"batches: {name}", p, body=body) for name, body in bodies.items()] + [
+        BadRequest("batches: unknown batch", p + "/msgbatch_nope", method="GET", status=404, error_type=NOT_FOUND),
+        BadRequest("batches: cancel an unknown batch", p + "/msgbatch_nope/cancel", body={}, status=404,
+                   error_type=NOT_FOUND),
+        BadRequest("batches: list limit 0", p + "?limit=0", method="GET"),
+    ]
+
+
 def _route_cases() -> list[BadRequest]:
     return [
         BadRequest("route: unknown GET", "/v2/everything", method="GET", status=404, error_type=NOT_FOUND),
@@ -362,6 +384,6 @@ def _guarded_cases() -> list[BadRequest]:
     return auth + size + keyed_but_bad
 
 
-CORPUS: list[BadRequest] = (_messages_cases() + _count_tokens_cases() + _chat_cases() + _completions_cases() + _route_cases()
+CORPUS: list[BadRequest] = (_messages_cases() + _count_tokens_cases() + _chat_cases() + _completions_cases() + _batch_cases() + _route_cases()
                              + _guarded_cases())
 assert len({c.name for c in CORPUS}) == len(CORPUS), "case names must be unique"

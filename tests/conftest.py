@@ -53,6 +53,9 @@ class ServerProcess:
         self.port = _free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", suffix=".log", delete=False)
+        if "--data-dir" not in extra:  # batches of one test session never reach another's server
+            self.data_dir = tempfile.mkdtemp(prefix="stratum-data-")
+            extra = (*extra, "--data-dir", self.data_dir)
         cmd = [sys.executable, "-m", "stratum.cli", "serve", "--model", model, "--port", str(self.port), *extra]
         # One engine thread: the test process and other servers share the same few cores, and
         # oversubscribed threads spin-wait (measured ~10x slower steps on 2 cores).

@@ -15,6 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
+from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -27,13 +28,14 @@ from starlette.requests import ClientDisconnect
 from stratum.engine.client import EngineClient, RequestGroup, RequestStream
 from stratum.engine.outputs import RequestOutput
 from stratum.engine.sampling_params import SamplingParams
-from stratum.server import anthropic_api, openai_api, pipeline
+from stratum.server import anthropic_api, batches, openai_api, pipeline
 from stratum.server.chat import ChatInput, Prompt, anthropic_input, build_prompt, openai_input
 from stratum.server.errors import (APIError, AuthenticationFailed, BodyTimeout, ClientDisconnected, EngineUnavailable,
                                    InvalidRequest, MethodNotAllowed, NotFound, Overloaded, RequestTooLarge, as_api_error,
                                    error_response, new_request_id)
 from stratum.server.http import OVER_LIMIT
-from stratum.server.protocol import ChatCompletionRequest, CompletionRequest, CountTokensRequest, MessagesRequest
+from stratum.server.protocol import (BatchCreateRequest, ChatCompletionRequest, CompletionRequest, CountTokensRequest,
+                                     MessagesRequest)
 from stratum.telemetry.cost import ArticleFormula, PricingModel
 
 log = logging.getLogger("stratum.server")
@@ -43,6 +45,7 @@ _DISCONNECT_CHECK_S = 0.5
 NEGOTIATION_VERSION = "v1"
 # What an OpenAI request without max_tokens may generate, at most (less when the context ends sooner).
 DEFAULT_MAX_TOKENS = 1024
+BATCHES_PATH = "/v1/messages/batches"
 # Choices one request may ask for: prompts x n on /v1/completions.
 MAX_CHOICES = 64
 # Response headers a browser page may read (CORS): the request id, the cost and the budget.
@@ -65,6 +68,9 @@ class ServerSettings:
             organisation, several keys); by default each key is a tenant with a cache of its own.
         body_timeout_s: a request body that stalls this long between chunks gets 408.
         cors_origins: web origins allowed to call the API from a browser ("*" for any); none by default.
+        data_dir: where Message Batches are kept (SQLite); None serves no batches.
+        batch_ttl_s, batch_retention_s: a batch expires this long after creation; its results are kept
+            this long after it ends.
     """
 
     model_name: str
@@ -81,6 +87,10 @@ class ServerSettings:
     share_prefix_cache: bool = False
     body_timeout_s: float = 30.0
     cors_origins: tuple[str, ...] = ()
+    data_dir: Path | None = None
+    batch_ttl_s: float = 86400.0
+    batch_retention_s: float = 29 * 86400.0
+    max_batch_bytes: int = 256 * 2**20  # Anthropic's limit on a batch's body
     pricing: PricingModel = field(default_factory=ArticleFormula)
     created_at: str = field(default_factory=lambda: datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
 
@@ -102,7 +112,15 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     app.state.runtime = rt
     digests = settings.key_digests
 
-    app.add_middleware(Envelope, max_body_bytes=settings.max_body_bytes, digests=digests)
+    runner = None
+    if settings.data_dir is not None:
+        store = batches.BatchStore(Path(settings.data_dir) / "batches.sqlite3")
+        runner = batches.BatchRunner(store, app, rt, retention_s=settings.batch_retention_s)
+        app.router.on_startup.append(runner.start)
+        app.router.on_shutdown.append(runner.stop)
+        _batch_routes(app, rt, settings, store)
+    app.add_middleware(Envelope, max_body_bytes=settings.max_body_bytes, digests=digests, runner=runner,
+                       max_batch_bytes=settings.max_batch_bytes)
     if settings.cors_origins:  # outermost: a browser's preflight is answered before authentication
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST", "OPTIONS"],
                            allow_headers=["*"], expose_headers=EXPOSED_HEADERS, max_age=600)
@@ -236,15 +254,73 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     return app
 
 
+def _batch_routes(app: FastAPI, rt: pipeline.Runtime, settings: ServerSettings, store: "batches.BatchStore") -> None:
+    """Message Batches: create, retrieve, list, cancel, delete, results (JSONL). With tenants, a batch is
+    visible to its own tenant only."""
+
+    def owner(request: Request) -> str | None:
+        return pipeline.tenant_of(request, None) if rt.isolate_tenants else None
+
+    async def get(request: Request, batch_id: str) -> dict[str, Any]:
+        batch = await asyncio.to_thread(store.get, batch_id, owner(request))
+        if batch is None:
+            raise NotFound(f"no message batch {batch_id!r}")
+        return batch
+
+    @app.post(BATCHES_PATH)
+    async def create_batch(request: Request):
+        req = await _read_request(request, settings, BatchCreateRequest, settings.max_batch_bytes)
+        ids = [r.custom_id for r in req.requests]
+        if len(set(ids)) != len(ids):
+            raise InvalidRequest("requests: custom_id values must be unique within a batch")
+        batch_id = await asyncio.to_thread(store.create, pipeline.tenant_of(request, None),
+                                           [(r.custom_id, r.params) for r in req.requests], settings.batch_ttl_s)
+        return await get(request, batch_id)
+
+    @app.get(BATCHES_PATH)
+    async def list_batches(request: Request, limit: int = 20, after_id: str | None = None, before_id: str | None = None):
+        if not 1 <= limit <= 1000:
+            raise InvalidRequest("limit must be in [1, 1000]")
+        page = await asyncio.to_thread(store.list, owner(request), limit, after_id, before_id)
+        return {"data": page.data, "has_more": page.has_more, "first_id": page.data[0]["id"] if page.data else None,
+                "last_id": page.data[-1]["id"] if page.data else None}
+
+    @app.get(BATCHES_PATH + "/{batch_id}")
+    async def retrieve_batch(request: Request, batch_id: str):
+        return await get(request, batch_id)
+
+    @app.post(BATCHES_PATH + "/{batch_id}/cancel")
+    async def cancel_batch(request: Request, batch_id: str):
+        await get(request, batch_id)
+        await asyncio.to_thread(store.cancel, batch_id)
+        return await get(request, batch_id)
+
+    @app.delete(BATCHES_PATH + "/{batch_id}")
+    async def delete_batch(request: Request, batch_id: str):
+        if (await get(request, batch_id))["processing_status"] != "ended":
+            raise InvalidRequest("a message batch can be deleted once it has ended: cancel it first")
+        await asyncio.to_thread(store.delete, batch_id)
+        return {"id": batch_id, "type": "message_batch_deleted"}
+
+    @app.get(BATCHES_PATH + "/{batch_id}/results")
+    async def batch_results(request: Request, batch_id: str):
+        if (await get(request, batch_id))["processing_status"] != "ended":
+            raise InvalidRequest("the batch has not ended: its results are not available yet")
+        lines = await asyncio.to_thread(store.results, batch_id)
+        return Response("".join(line + "\n" for line in lines), media_type="application/x-jsonl")
+
+
 class Envelope:
     """Pure ASGI middleware: a request id on every response, the connection limit (see `http.protocol`),
     the body-size limit and authentication, before any route runs. (Not BaseHTTPMiddleware: it hides
     client disconnects from the routes.)"""
 
-    def __init__(self, app, max_body_bytes: int, digests: tuple[bytes, ...]):
+    def __init__(self, app, max_body_bytes: int, digests: tuple[bytes, ...], runner=None, max_batch_bytes: int = 0):
         self.app = app
         self.max_body_bytes = max_body_bytes
         self.digests = digests
+        self.runner = runner  # its in-process calls carry a secret instead of a key, and their batch's tenant
+        self.max_batch_bytes = max_batch_bytes
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -263,10 +339,13 @@ class Envelope:
             if scope["state"].get(OVER_LIMIT):
                 raise Overloaded("too many connections to this server; retry shortly",
                                  headers={"retry-after": "1", "connection": "close"})
+            limit = self.max_batch_bytes if scope["path"] == BATCHES_PATH else self.max_body_bytes
             length = request.headers.get("content-length")
-            if length is not None and (not length.isdigit() or int(length) > self.max_body_bytes):
-                raise RequestTooLarge(f"request body exceeds {self.max_body_bytes} bytes")
-            if self.digests and not scope["path"].startswith(OPEN_PATHS) and scope["method"] != "OPTIONS":
+            if length is not None and (not length.isdigit() or int(length) > limit):
+                raise RequestTooLarge(f"request body exceeds {limit} bytes")
+            if self.runner is not None and self.runner.is_internal(request.headers):
+                scope["state"]["batch_tenant"] = request.headers.get(batches.TENANT_HEADER, "")
+            elif self.digests and not scope["path"].startswith(OPEN_PATHS) and scope["method"] != "OPTIONS":
                 _authenticate(request, self.digests)
         except APIError as e:
             return await error_response(e, request_id, scope["path"])(scope, receive, send_with_id)
@@ -356,7 +435,8 @@ def _authenticate(request: Request, digests: tuple[bytes, ...]) -> None:
 _PARSE_INLINE_BYTES = 64 * 1024
 
 
-async def _read_request(request: Request, settings: ServerSettings, model: type[BaseModel]):
+async def _read_request(request: Request, settings: ServerSettings, model: type[BaseModel], limit: int | None = None):
+    limit = limit or settings.max_body_bytes
     body = bytearray()
     chunks = request.stream().__aiter__()
     while True:
@@ -372,8 +452,8 @@ async def _read_request(request: Request, settings: ServerSettings, model: type[
                      request.state.request_id, len(body))
             raise ClientDisconnected("client disconnected") from None
         body += chunk
-        if len(body) > settings.max_body_bytes:
-            raise RequestTooLarge(f"request body exceeds {settings.max_body_bytes} bytes")
+        if len(body) > limit:
+            raise RequestTooLarge(f"request body exceeds {limit} bytes")
     if len(body) <= _PARSE_INLINE_BYTES:
         return _parse(model, _decode_json(bytes(body)))
     return await asyncio.to_thread(lambda: _parse(model, _decode_json(bytes(body))))

@@ -25,6 +25,7 @@ from stratum.engine.outputs import EngineDeadError, RequestOutput, RequestStats
 from stratum.engine.request import CachePolicy
 from stratum.engine.sampling_params import InvalidRequestError, SamplingParams
 from stratum.server import tools as tool_fmt
+from stratum.server.batches import BATCH_PRIORITY
 from stratum.server.chat import Prompt
 from stratum.server.errors import (APIError, CachePollution, EngineUnavailable, InvalidRequest, Overloaded, RateLimited,
                                    as_api_error, is_openai)
@@ -76,6 +77,7 @@ class Job:
     priority: int = 0
     is_low_latency: bool = False
     is_high_value: bool = False
+    is_batch: bool = False  # a Message Batches request: runs below every interactive one
     debug: str | None = None  # None | "true" | "full"
     advise: bool = False
     prompt: Prompt | None = None
@@ -98,7 +100,10 @@ class Job:
 
 
 def tenant_of(request: Request, user_id: str | None) -> str:
-    """The API key, else metadata.user_id, else the client address."""
+    """The API key, else metadata.user_id, else the client address; a batch request's is its batch's."""
+    batch_tenant = getattr(request.state, "batch_tenant", None)
+    if batch_tenant:
+        return batch_tenant
     key = request.headers.get("x-api-key") or request.headers.get("authorization", "")[7:].strip()
     if key:
         return "key:" + hashlib.sha256(key.encode()).hexdigest()[:16]
@@ -118,7 +123,8 @@ def admit(rt: Runtime, request: Request, endpoint: str, max_tokens: int | None, 
     check_control_headers(request)
     tenant = tenant_of(request, user_id)
     session = request.headers.get("x-stratum-session-id") or user_id or tenant
-    job = Job(endpoint, request.state.request_id, tenant, session, cache_salt=tenant if rt.isolate_tenants else None)
+    job = Job(endpoint, request.state.request_id, tenant, session, cache_salt=tenant if rt.isolate_tenants else None,
+              is_batch=bool(getattr(request.state, "batch_tenant", None)))
     if rt.pollution.is_polluted(session):
         if rt.pollution.policy == "reject":
             rt.pollution.reset(session)
@@ -229,6 +235,8 @@ def apply_controls(job: Job, request: Request, system_text: str) -> None:
     mode = request.headers.get("x-stratum-mode", "").strip().lower()
     if mode:
         job.cache_mode = mode
+    if job.is_batch:
+        job.priority = BATCH_PRIORITY
     debug = request.headers.get("x-stratum-debug", "").strip().lower()
     if debug in ("true", "1", "full"):
         job.debug = "full" if debug == "full" else "true"

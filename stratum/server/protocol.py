@@ -333,3 +333,13 @@ class CompletionRequest(_Sampled):
         if isinstance(self.prompt, list) and not self.prompt:
             raise ValueError("prompt must not be empty")
         return self
+
+
+# ---- Message Batches -----------------------------------------------------------------------------
+class BatchRequestItem(_Strict):
+    custom_id: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
+    params: dict[str, Any]  # a Messages request; validated when it runs (an invalid one is an errored result)
+
+
+class BatchCreateRequest(_Strict):
+    requests: list[BatchRequestItem] = Field(min_length=1, max_length=100_000)

@@ -1,0 +1,271 @@
+"""Anthropic's Message Batches, durable in SQLite, run by the server at a priority below interactive work.
+
+`BatchStore` keeps batches and their requests in one SQLite file (WAL mode). A batch is committed
+before its creation is answered, and each request's result is written once, by the transaction that
+moves it out of `pending`: a process killed at any moment loses no accepted batch and no finished
+result, and on restart the requests still pending run again.
+
+`BatchRunner` runs pending requests through the server's own `/v1/messages` route (in process, over
+ASGI), so authentication, the tenant's budget and cache isolation, usage and the cost fields are the
+interactive ones. Its requests carry the batch priority: the scheduler admits every waiting
+interactive request before them. While interactive requests are in flight only `busy_concurrency`
+batch requests run at once (their decodes share the step); on an idle server up to `idle_concurrency`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import secrets
+import sqlite3
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+log = logging.getLogger("stratum.batches")
+
+BATCH_PRIORITY = 100  # below interactive requests (0); lower runs first
+INTERNAL_HEADER = "x-stratum-internal"  # the runner's calls: the per-process secret
+TENANT_HEADER = "x-stratum-batch-tenant"  # the tenant the batch belongs to, honoured with the secret only
+FINAL = ("succeeded", "errored", "canceled", "expired")
+RETRY = {429, 503, 529}  # the server could not take it now (budget, drain, queue): it stays pending
+
+_SCHEMA = """
+create table if not exists batches (
+    id text primary key, tenant text not null, created_at real not null, expires_at real not null,
+    cancel_initiated_at real, ended_at real, deleted integer not null default 0);
+create table if not exists requests (
+    batch_id text not null, seq integer not null, custom_id text not null, params text not null,
+    state text not null default 'pending', result text,
+    primary key (batch_id, custom_id));
+create index if not exists pending on requests (state, batch_id, seq);
+"""
+
+
+def _rfc3339(t: float | None) -> str | None:
+    if t is None:
+        return None
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(t)) + f".{int(t % 1 * 1e6):06d}Z"
+
+
+@dataclass
+class Page:
+    data: list[dict[str, Any]]
+    has_more: bool
+
+
+class BatchStore:
+    """Batches and their requests in SQLite. One connection, used under a lock from any thread."""
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self.db.execute("pragma journal_mode=wal")
+        self.db.execute("pragma synchronous=full")  # a committed result survives power loss, not only kill -9
+        self.db.executescript(_SCHEMA)
+        self.lock = threading.Lock()
+
+    def create(self, tenant: str, requests: list[tuple[str, dict[str, Any]]], ttl_s: float) -> str:
+        batch_id = "msgbatch_" + uuid.uuid4().hex[:24]
+        now = time.time()
+        with self.lock:
+            self.db.execute("begin immediate")
+            self.db.execute("insert into batches (id, tenant, created_at, expires_at) values (?, ?, ?, ?)",
+                            (batch_id, tenant, now, now + ttl_s))
+            self.db.executemany("insert into requests (batch_id, seq, custom_id, params) values (?, ?, ?, ?)",
+                                [(batch_id, i, cid, json.dumps(p)) for i, (cid, p) in enumerate(requests)])
+            self.db.execute("commit")
+        return batch_id
+
+    def get(self, batch_id: str, tenant: str | None) -> dict[str, Any] | None:
+        """The batch in the API's shape; None if absent, deleted, or another tenant's (tenant None: any)."""
+        with self.lock:
+            row = self.db.execute("select id, tenant, created_at, expires_at, cancel_initiated_at, ended_at from batches "
+                                  "where id = ? and deleted = 0", (batch_id,)).fetchone()
+            if row is None or (tenant is not None and row[1] != tenant):
+                return None
+            counts = dict(self.db.execute("select state, count(*) from requests where batch_id = ? group by state",
+                                          (batch_id,)).fetchall())
+        return self._shape(row, counts)
+
+    def list(self, tenant: str | None, limit: int, after_id: str | None, before_id: str | None) -> Page:
+        """Most recent first; after_id / before_id are cursors (the page after or before that batch)."""
+        where, args = "deleted = 0", []
+        if tenant is not None:
+            where += " and tenant = ?"
+            args.append(tenant)
+        order = "desc"
+        for cursor, op in ((after_id, "<"), (before_id, ">")):
+            if cursor is not None:
+                with self.lock:
+                    row = self.db.execute("select created_at from batches where id = ?", (cursor,)).fetchone()
+                if row is None:
+                    return Page([], False)
+                where += f" and (created_at, id) {op} (?, ?)"
+                args += [row[0], cursor]
+                if op == ">":
+                    order = "asc"
+        with self.lock:
+            ids = [r[0] for r in self.db.execute(f"select id from batches where {where} order by created_at {order}, id "
+                                                 f"{order} limit ?", (*args, limit + 1)).fetchall()]
+        has_more = len(ids) > limit
+        ids = ids[:limit]
+        if order == "asc":
+            ids.reverse()
+        return Page([b for b in (self.get(i, None) for i in ids) if b is not None], has_more)
+
+    def cancel(self, batch_id: str) -> None:
+        with self.lock:
+            self.db.execute("update batches set cancel_initiated_at = ? where id = ? and cancel_initiated_at is null "
+                            "and ended_at is null", (time.time(), batch_id))
+
+    def delete(self, batch_id: str) -> None:
+        with self.lock:
+            self.db.execute("begin immediate")
+            self.db.execute("update batches set deleted = 1 where id = ?", (batch_id,))
+            self.db.execute("delete from requests where batch_id = ?", (batch_id,))
+            self.db.execute("commit")
+
+    def results(self, batch_id: str) -> list[str]:
+        """One JSON line per request, in submission order."""
+        with self.lock:
+            rows = self.db.execute("select custom_id, result from requests where batch_id = ? order by seq",
+                                   (batch_id,)).fetchall()
+        return [json.dumps({"custom_id": cid, "result": json.loads(result)}, ensure_ascii=False) for cid, result in rows]
+
+    # ---- the runner's side ----------------------------------------------------------------------------
+    def pending(self, limit: int, skip: set[tuple[str, str]]) -> list[tuple[str, str, str, str]]:
+        """(batch id, tenant, custom_id, params) of the oldest pending requests of running batches."""
+        with self.lock:
+            rows = self.db.execute(
+                "select r.batch_id, b.tenant, r.custom_id, r.params from requests r join batches b on b.id = r.batch_id "
+                "where r.state = 'pending' and b.ended_at is null and b.cancel_initiated_at is null and b.deleted = 0 "
+                "order by b.created_at, r.seq limit ?", (limit + len(skip),)).fetchall()
+        return [r for r in rows if (r[0], r[2]) not in skip][:limit]
+
+    def finish(self, batch_id: str, custom_id: str, result: dict[str, Any]) -> bool:
+        """Write a request's result, once: False if it already has one."""
+        with self.lock:
+            cur = self.db.execute("update requests set state = ?, result = ? where batch_id = ? and custom_id = ? "
+                                  "and state = 'pending'", (result["type"], json.dumps(result), batch_id, custom_id))
+        return cur.rowcount == 1
+
+    def sweep(self, in_flight: set[tuple[str, str]], retention_s: float) -> None:
+        """Close what is due: canceled batches' pending requests, expired batches', batches with nothing
+        left pending; purge batches ended longer than retention_s ago."""
+        now = time.time()
+        with self.lock:
+            self.db.execute("begin immediate")
+            for batch_id, cancel, expires in self.db.execute(
+                    "select id, cancel_initiated_at, expires_at from batches where ended_at is null and deleted = 0").fetchall():
+                if cancel is not None or expires <= now:
+                    kind = "canceled" if cancel is not None else "expired"
+                    for (custom_id,) in self.db.execute("select custom_id from requests where batch_id = ? and state = "
+                                                        "'pending'", (batch_id,)).fetchall():
+                        if (batch_id, custom_id) not in in_flight:
+                            self.db.execute("update requests set state = ?, result = ? where batch_id = ? and "
+                                            "custom_id = ? and state = 'pending'",
+                                            (kind, json.dumps({"type": kind}), batch_id, custom_id))
+                left = self.db.execute("select count(*) from requests where batch_id = ? and state = 'pending'",
+                                       (batch_id,)).fetchone()[0]
+                if not left:
+                    self.db.execute("update batches set ended_at = ? where id = ?", (now, batch_id))
+            old = [r[0] for r in self.db.execute("select id from batches where ended_at < ? and deleted = 0",
+                                                 (now - retention_s,)).fetchall()]
+            for batch_id in old:
+                self.db.execute("update batches set deleted = 1 where id = ?", (batch_id,))
+                self.db.execute("delete from requests where batch_id = ?", (batch_id,))
+            self.db.execute("commit")
+
+    @staticmethod
+    def _shape(row, counts: dict[str, int]) -> dict[str, Any]:
+        batch_id, _, created, expires, cancel, ended = row
+        status = "ended" if ended is not None else "canceling" if cancel is not None else "in_progress"
+        return {
+            "id": batch_id, "type": "message_batch", "processing_status": status,
+            "request_counts": {"processing": counts.get("pending", 0), **{k: counts.get(k, 0) for k in FINAL}},
+            "created_at": _rfc3339(created), "expires_at": _rfc3339(expires), "ended_at": _rfc3339(ended),
+            "cancel_initiated_at": _rfc3339(cancel), "archived_at": None,
+            "results_url": f"/v1/messages/batches/{batch_id}/results" if ended is not None else None,
+        }
+
+
+class BatchRunner:
+    """Runs pending batch requests through the app, at batch priority, as capacity allows."""
+
+    def __init__(self, store: BatchStore, app, runtime, busy_concurrency: int = 2, idle_concurrency: int = 16,
+                 retention_s: float = 29 * 86400, poll_s: float = 0.2):
+        self.store = store
+        self.app = app
+        self.rt = runtime
+        self.secret = secrets.token_hex(16)
+        self.busy_concurrency = busy_concurrency
+        self.idle_concurrency = idle_concurrency
+        self.retention_s = retention_s
+        self.poll_s = poll_s
+        self.in_flight: dict[tuple[str, str], asyncio.Task] = {}
+        self._task: asyncio.Task | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run())
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+        for task in list(self.in_flight.values()):
+            task.cancel()
+
+    def is_internal(self, headers) -> bool:
+        return secrets.compare_digest(headers.get(INTERNAL_HEADER, ""), self.secret)
+
+    async def _run(self) -> None:
+        transport = httpx.ASGITransport(app=self.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://stratum.batch", timeout=None) as client:
+            while True:
+                try:
+                    await asyncio.to_thread(self.store.sweep, set(self.in_flight), self.retention_s)
+                    if not self.rt.draining and self.rt.engine.is_alive:
+                        interactive = sum(1 for j in self.rt.active.values() if j.priority < BATCH_PRIORITY)
+                        room = (self.busy_concurrency if interactive else self.idle_concurrency) - len(self.in_flight)
+                        if room > 0:
+                            for batch_id, tenant, custom_id, params in await asyncio.to_thread(
+                                    self.store.pending, room, set(self.in_flight)):
+                                key = (batch_id, custom_id)
+                                self.in_flight[key] = asyncio.create_task(self._one(client, key, tenant, params))
+                except asyncio.CancelledError:
+                    raise
+                except Exception:
+                    log.exception("batch runner step failed")
+                await asyncio.sleep(self.poll_s)
+
+    async def _one(self, client: httpx.AsyncClient, key: tuple[str, str], tenant: str, params: str) -> None:
+        try:
+            body = json.loads(params)
+            if body.get("stream"):
+                result = {"type": "errored", "error": {"type": "invalid_request_error",
+                                                       "message": "stream is not supported in a batch request"}}
+            else:
+                r = await client.post("/v1/messages", content=params, headers={
+                    INTERNAL_HEADER: self.secret, TENANT_HEADER: tenant, "content-type": "application/json"})
+                if r.status_code in RETRY:
+                    await asyncio.sleep(1.0)  # not now: it stays pending and runs again
+                    return
+                data = r.json()
+                if r.status_code == 200:
+                    result = {"type": "succeeded", "message": data}
+                else:
+                    result = {"type": "errored", "error": data.get("error", {"type": "api_error", "message": r.text[:500]})}
+            await asyncio.to_thread(self.store.finish, *key, result)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("batch request %s/%s failed", *key)
+            await asyncio.sleep(1.0)
+        finally:
+            self.in_flight.pop(key, None)
