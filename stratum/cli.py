@@ -144,6 +144,39 @@ def cmd_generate(args) -> int:
     return 0
 
 
+def cmd_chat(args) -> int:
+    """Chat in the terminal with a running server (--url), or with one started for the session (--model)."""
+    from stratum.client import terminal
+
+    proc = None
+    url = args.url
+    try:
+        if url is None:
+            print(f"stratum: starting {args.model}...", file=sys.stderr, flush=True)
+            proc, url = terminal.local_server(args.model, ["--data-dir", ""])
+        model = args.served_model_name or httpx_model(url, args.api_key) or args.model
+        print(f"stratum: chatting with {model} at {url} (/reset, /exit)", file=sys.stderr, flush=True)
+        return terminal.repl(url, model, args.api_key, args.max_tokens, args.system)
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(timeout=30)
+
+
+def httpx_model(url: str, api_key: str | None) -> str | None:
+    """The model a server serves, from /v1/models."""
+    import httpx
+
+    try:
+        r = httpx.get(url + "/v1/models", headers={"x-api-key": api_key} if api_key else {}, timeout=10)
+        return r.json()["data"][0]["id"]
+    except (httpx.HTTPError, KeyError, IndexError, ValueError):
+        return None
+
+
 def cmd_info(args) -> int:
     """The hardware, and the kernel plan `stratum serve` would run this model with."""
     import platform
@@ -256,6 +289,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pricing", default="article", help="article[:k=v,...] or tokens[:k=v,...] (see docs/telemetry.md)")
     p.add_argument("--log-level", default="warning")
     p.set_defaults(func=cmd_serve)
+
+    p = sub.add_parser("chat", help="chat in the terminal, streaming, with each answer's cost")
+    p.add_argument("--url", default=None, help="a running server; without it one is started for the session")
+    p.add_argument("--model", default="smollm2-135m", help="the model a session's own server runs")
+    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--api-key", default=os.environ.get("STRATUM_API_KEY"))
+    p.add_argument("--system", default=None)
+    p.add_argument("--max-tokens", type=int, default=512)
+    p.set_defaults(func=cmd_chat)
 
     p = sub.add_parser("generate", help="complete one prompt (chat-formatted unless --raw)")
     p.add_argument("prompt")
