@@ -22,6 +22,9 @@ serve: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/stratum pull $(MODEL)
+	@command -v chromium >/dev/null || [ "$$(id -u)" != 0 ] || (apt-get install -y -q chromium >/dev/null 2>&1 || \
+		(apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1)) || \
+		echo "no chromium: the console's browser tests will be skipped"
 	$(PY) -m pytest -q
 
 clean:

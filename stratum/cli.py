@@ -99,6 +99,8 @@ def cmd_serve(args) -> int:
                               body_timeout_s=args.read_timeout_s, cors_origins=tuple(args.cors_origin or ()),
                               header_wait_s=args.header_wait_s, data_dir=Path(args.data_dir) if args.data_dir else None,
                               batch_ttl_s=args.batch_expiry_h * 3600, batch_retention_s=args.batch_retention_days * 86400,
+                              console=args.console == "on" or (args.console == "auto" and (
+                                  args.host in ("127.0.0.1", "localhost", "::1") or bool(keys))),
                               default_temperature=config.default_temperature, default_top_p=config.default_top_p,
                               tenant_budget_tokens=args.tenant_budget_tokens, budget_window_s=args.budget_window_s,
                               pollution_policy=args.pollution_policy, pricing=pricing_from_spec(args.pricing))
@@ -276,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="where Message Batches are kept, in SQLite (default $STRATUM_HOME/data); '' to serve none")
     p.add_argument("--batch-expiry-h", type=float, default=24.0, help="a batch expires this long after creation")
     p.add_argument("--batch-retention-days", type=float, default=29.0, help="results are kept this long after a batch ends")
+    p.add_argument("--console", choices=["auto", "on", "off"], default="auto",
+                   help="the web console at /console; auto: on when serving loopback only or with API keys")
     p.add_argument("--header-wait-s", type=float, default=2.0,
                    help="a stream waits this long for prefill, to send its cost figures with its headers (default 2)")
     p.add_argument("--cors-origin", action="append", metavar="ORIGIN",

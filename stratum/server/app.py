@@ -40,7 +40,7 @@ from stratum.telemetry.cost import ArticleFormula, PricingModel
 
 log = logging.getLogger("stratum.server")
 
-OPEN_PATHS = ("/health", "/metrics", "/docs", "/openapi.json")
+OPEN_PATHS = ("/health", "/metrics", "/docs", "/openapi.json", "/console")  # /console/stats checks keys itself
 _DISCONNECT_CHECK_S = 0.5
 NEGOTIATION_VERSION = "v1"
 # What an OpenAI request without max_tokens may generate, at most (less when the context ends sooner).
@@ -69,6 +69,7 @@ class ServerSettings:
         body_timeout_s: a request body that stalls this long between chunks gets 408.
         cors_origins: web origins allowed to call the API from a browser ("*" for any); none by default.
         data_dir: where Message Batches are kept (SQLite); None serves no batches.
+        console: serve the console pages under /console (its figures need a key when keys are set).
         batch_ttl_s, batch_retention_s: a batch expires this long after creation; its results are kept
             this long after it ends.
     """
@@ -88,6 +89,7 @@ class ServerSettings:
     body_timeout_s: float = 30.0
     cors_origins: tuple[str, ...] = ()
     data_dir: Path | None = None
+    console: bool = False
     batch_ttl_s: float = 86400.0
     batch_retention_s: float = 29 * 86400.0
     max_batch_bytes: int = 256 * 2**20  # Anthropic's limit on a batch's body
@@ -119,6 +121,8 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         app.router.on_startup.append(runner.start)
         app.router.on_shutdown.append(runner.stop)
         _batch_routes(app, rt, settings, store)
+    if settings.console:
+        _console_routes(app, rt, settings, runner)
     app.add_middleware(Envelope, max_body_bytes=settings.max_body_bytes, digests=digests, runner=runner,
                        max_batch_bytes=settings.max_batch_bytes)
     if settings.cors_origins:  # outermost: a browser's preflight is answered before authentication
@@ -252,6 +256,44 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         return JSONResponse(openai_api.text_body(cid, req.model, job, outs, echoes, engine.tokenizer), headers=headers)
 
     return app
+
+
+CONSOLE_FILES = {"console.css": "text/css", "console.js": "text/javascript"}
+
+
+def _console_routes(app: FastAPI, rt: pipeline.Runtime, settings: ServerSettings, runner) -> None:
+    """The console: a chat page and a live dashboard, static files of this package (no CDN), and the
+    figures the dashboard polls every second."""
+    from importlib import resources
+
+    pages = resources.files("stratum.server") / "console"
+    digests = settings.key_digests
+
+    def page(name: str, media_type: str = "text/html") -> Response:
+        return Response((pages / name).read_bytes(), media_type=media_type, headers={"cache-control": "no-cache"})
+
+    @app.get("/console")
+    async def console_chat():
+        return page("chat.html")
+
+    @app.get("/console/dashboard")
+    async def console_dashboard():
+        return page("dashboard.html")
+
+    @app.get("/console/static/{name}")
+    async def console_static(name: str):
+        if name not in CONSOLE_FILES:
+            raise NotFound(f"no console file {name!r}")
+        return page(name, CONSOLE_FILES[name])
+
+    @app.get("/console/stats")
+    async def console_stats(request: Request):
+        if digests:
+            _authenticate(request, digests)
+        tenant = pipeline.tenant_of(request, None) if rt.isolate_tenants else None
+        figures = rt.metrics.window(tenant)
+        figures["batches_in_flight"] = await asyncio.to_thread(runner.store.num_unended) if runner is not None else 0
+        return figures
 
 
 def _batch_routes(app: FastAPI, rt: pipeline.Runtime, settings: ServerSettings, store: "batches.BatchStore") -> None:

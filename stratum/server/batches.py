@@ -120,6 +120,10 @@ class BatchStore:
             ids.reverse()
         return Page([b for b in (self.get(i, None) for i in ids) if b is not None], has_more)
 
+    def num_unended(self) -> int:
+        with self.lock:
+            return self.db.execute("select count(*) from batches where ended_at is null and deleted = 0").fetchone()[0]
+
     def cancel(self, batch_id: str) -> None:
         with self.lock:
             self.db.execute("update batches set cancel_initiated_at = ? where id = ? and cancel_initiated_at is null "

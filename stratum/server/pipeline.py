@@ -518,7 +518,7 @@ def finish(rt: Runtime, job: Job, out: RequestOutput) -> tuple[dict[str, str], d
         trace = encode_trace(build_trace(stats, cost, usage, rt.pricing, extra, hardware))
         headers["x-stratum-trace"] = trace
         body["trace"] = trace
-    rt.metrics.observe_request(job.endpoint, rt.model_name, stats, cost, usd)
+    rt.metrics.observe_request(job.endpoint, rt.model_name, stats, cost, usd, job.tenant)
     rt.active.pop(job.request_id, None)
     settle(rt, job, job.spent + measured_cost(usage))
     headers.update(ratelimit_headers(rt, job))

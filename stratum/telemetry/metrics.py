@@ -6,6 +6,10 @@ reports; engine gauges read the snapshot the engine published after its last ste
 
 from __future__ import annotations
 
+import statistics
+import time
+from collections import deque
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from stratum.engine.outputs import RequestStats
@@ -34,6 +38,10 @@ class Metrics:
         self.prefill = Histogram("stratum_prefill_time_seconds", "First scheduled to first token (prefill_latency_us)", buckets=_LATENCY_BUCKETS, registry=r)
         self.rejections = Counter("stratum_admission_rejections", "Requests rejected before any work, by reason", ["reason"], registry=r)
         self.advice = Counter("stratum_pollution_advice", "Responses carrying x-stratum-advice", registry=r)
+        # The console's window: (wall time, tenant, ttft s, inter-token gaps, output tokens, usd) per answered request
+        self.recent: deque[tuple[float, str, float | None, list[float], int, float]] = deque(maxlen=4096)
+        self.num_answered = self.num_hit_tokens = self.num_query_tokens = 0  # the console's totals
+        self._snapshot = snapshot_source
         if snapshot_source is not None:
             self._engine_gauges(snapshot_source)
 
@@ -55,8 +63,15 @@ class Metrics:
         mode.labels("normal").set_function(read(lambda s: s.mode == "normal"))
         mode.labels("basic").set_function(read(lambda s: s.mode == "basic"))
 
-    def observe_request(self, endpoint: str, model: str, stats: RequestStats, cost: CostFields, usd: float) -> None:
+    def observe_request(self, endpoint: str, model: str, stats: RequestStats, cost: CostFields, usd: float,
+                        tenant: str = "") -> None:
         self.requests.labels(endpoint, "ok").inc()
+        self.num_answered += 1
+        self.num_hit_tokens += stats.num_cached_tokens
+        self.num_query_tokens += stats.num_prompt_tokens
+        ttft = stats.first_token_time - stats.arrival_time if stats.first_token_time is not None else None
+        gaps = [b - a for a, b in zip(stats.token_times[-257:], stats.token_times[-256:])]
+        self.recent.append((time.time(), tenant, ttft, gaps, stats.num_output_tokens, max(0.0, usd)))
         self.cache_hit_tokens.inc(stats.num_cached_tokens)
         self.cache_query_tokens.inc(stats.num_prompt_tokens)
         self.prompt_tokens.inc(stats.num_prompt_tokens)
@@ -76,8 +91,44 @@ class Metrics:
         for a, b in zip(times, times[1:]):
             self.itl.observe(b - a)
 
+    def window(self, tenant: str | None = None, span_s: float = 60.0, rate_s: float = 10.0) -> dict:
+        """What the console shows: over the last span_s, TTFT and inter-token percentiles and each
+        tenant's requests and cost per minute (only `tenant`'s when given); throughput over rate_s;
+        the engine's state from its snapshot."""
+        now = time.time()
+        recent = [r for r in self.recent if r[0] >= now - span_s]
+        ttfts = [1e3 * r[2] for r in recent if r[2] is not None]
+        gaps = [1e3 * g for r in recent for g in r[3]]
+        by_tenant: dict[str, list] = {}
+        for r in recent:
+            if tenant is None or r[1] == tenant:
+                entry = by_tenant.setdefault(r[1], [0, 0.0])
+                entry[0] += 1
+                entry[1] += r[5]
+        minutes = span_s / 60.0
+        hits, queries = self.num_hit_tokens, self.num_query_tokens
+        snap = self._snapshot() if self._snapshot is not None else None
+        kv = snap.kv_blocks if snap is not None else None
+        return {
+            "requests_total": self.num_answered,
+            "throughput_tok_s": sum(r[4] for r in recent if r[0] >= now - rate_s) / rate_s,
+            "ttft_ms": _percentiles(ttfts), "itl_ms": _percentiles(gaps),
+            "running": snap.num_running if snap else 0, "waiting": snap.num_waiting if snap else 0,
+            "kv_blocks": {"total": kv.total, "free": kv.free, "cached": kv.cached, "in_use": kv.in_use} if kv else {},
+            "cache_hit_ratio": hits / queries if queries else 0.0, "mode": snap.mode if snap else "normal",
+            "tenants": [{"tenant": t, "requests_per_min": round(n / minutes, 2), "cost_per_min": usd / minutes}
+                        for t, (n, usd) in sorted(by_tenant.items())],
+        }
+
     def observe_error(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+def _percentiles(values: list[float]) -> dict[str, float | None]:
+    if not values:
+        return {"p50": None, "p90": None}
+    values = sorted(values)
+    return {"p50": statistics.median(values), "p90": values[int(0.9 * (len(values) - 1))]}
