@@ -47,6 +47,7 @@ def test_a_batch_runs_and_its_results_match_interactive_requests(client):
     results = {r.custom_id: r.result for r in client.messages.batches.results(batch.id)}
     assert set(results) == {f"r{i}" for i in range(6)} | {"bad"}
     assert results["bad"].type == "errored" and results["bad"].error.type == "invalid_request_error"
+    assert results["r0"].model_extra["stratum_cost"]["header"].startswith("cache_hit_ratio=")
     for i in range(6):
         message = results[f"r{i}"].message
         alone = interactive(client, i)

@@ -261,8 +261,9 @@ class BatchRunner:
                     await asyncio.sleep(1.0)  # not now: it stays pending and runs again
                     return
                 data = r.json()
-                if r.status_code == 200:
-                    result = {"type": "succeeded", "message": data}
+                if r.status_code == 200:  # with the cost the interactive response carries in its headers
+                    result = {"type": "succeeded", "message": data, "stratum_cost": {
+                        "header": r.headers.get("x-stratum-cost"), "mode": r.headers.get("x-stratum-mode")}}
                 else:
                     result = {"type": "errored", "error": data.get("error", {"type": "api_error", "message": r.text[:500]})}
             await asyncio.to_thread(self.store.finish, *key, result)
