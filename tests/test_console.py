@@ -58,6 +58,8 @@ def test_dashboard_moves_with_traffic_and_agrees_with_metrics(browser, tiny_serv
     answered = sum(float(v) for v in re.findall(r'^stratum_request_count_total\{[^}]*status="ok"[^}]*\} (\S+)$', metrics, re.M))
     assert shown == int(answered)
     assert float(page.inner_text("#card-throughput")) > 0
+    stats = httpx.get(tiny_server.url + "/console/stats").json()
+    assert stats["itl_ms"]["p50"] > 0 and stats["ttft_ms"]["p50"] > 0 and stats["requests_total"] == shown
     page.screenshot(path=str(SHOTS / "console-dashboard.png"), full_page=True)
     page.close()
 

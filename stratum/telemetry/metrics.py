@@ -70,7 +70,8 @@ class Metrics:
         self.num_hit_tokens += stats.num_cached_tokens
         self.num_query_tokens += stats.num_prompt_tokens
         ttft = stats.first_token_time - stats.arrival_time if stats.first_token_time is not None else None
-        gaps = [b - a for a, b in zip(stats.token_times[-257:], stats.token_times[-256:])]
+        tail = stats.token_times[-257:]  # the last 256 gaps at most
+        gaps = [b - a for a, b in zip(tail, tail[1:])]
         self.recent.append((time.time(), tenant, ttft, gaps, stats.num_output_tokens, max(0.0, usd)))
         self.cache_hit_tokens.inc(stats.num_cached_tokens)
         self.cache_query_tokens.inc(stats.num_prompt_tokens)
