@@ -333,6 +333,8 @@ def _batch_cases() -> list[BadRequest]:
         BadRequest("batches: cancel an unknown batch", p + "/msgbatch_nope/cancel", body={}, status=404,
                    error_type=NOT_FOUND),
         BadRequest("batches: list limit 0", p + "?limit=0", method="GET"),
+        BadRequest("batches: a forged internal header", "/v1/messages", MESSAGE, status=401, error_type=AUTH,
+                   server="guarded", headers={"x-stratum-internal": "guess", "x-stratum-batch-tenant": "key:x"}),
     ]
 
 

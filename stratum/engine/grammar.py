@@ -9,11 +9,12 @@ interpreter lock) and applied to their logits. Requests without a grammar never 
 from __future__ import annotations
 
 import threading
-
-import numpy as np
-import torch
+from typing import TYPE_CHECKING
 
 from stratum.engine.sampling_params import InvalidRequestError
+
+if TYPE_CHECKING:  # the serving side validates grammars here without loading torch
+    import torch
 
 _executor = None
 _lock = threading.Lock()
@@ -48,13 +49,15 @@ class GrammarCompiler:
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._ll = None
-        self._closers: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._closers: "tuple[torch.Tensor, torch.Tensor] | None" = None
 
     @property
-    def closers(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def closers(self) -> "tuple[torch.Tensor, torch.Tensor]":
         """Two [vocab] bool masks of tokens made only of quotes, brackets and braces (and a newline):
         those that begin with a quote (they end a string), and those that begin with a bracket."""
         if self._closers is None:
+            import torch
+
             quote = torch.zeros(self.vocab_size, dtype=torch.bool)
             bracket = torch.zeros(self.vocab_size, dtype=torch.bool)
             for i in range(min(self.vocab_size, self._tokenizer.vocab_size)):
@@ -87,7 +90,7 @@ class GrammarCompiler:
         return m
 
 
-def wind_down(allowed: torch.Tensor, closers: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+def wind_down(allowed: "torch.Tensor", closers: "tuple[torch.Tensor, torch.Tensor]") -> "torch.Tensor":
     """Of the allowed tokens, those that end a string if any is allowed here (inside a string a brace
     is just a character), else those that close an array or object, else all of them."""
     for kind in closers:
@@ -97,10 +100,12 @@ def wind_down(allowed: torch.Tensor, closers: tuple[torch.Tensor, torch.Tensor])
     return allowed
 
 
-def allowed_tokens(matchers: list, vocab_size: int) -> torch.Tensor:
+def allowed_tokens(matchers: list, vocab_size: int) -> "torch.Tensor":
     """[len(matchers), vocab_size] bool: the tokens each matcher accepts next, computed in parallel."""
     global _executor
     import llguidance
+    import numpy as np
+    import torch
 
     words = (vocab_size + 31) // 32
     bitmask = np.empty((len(matchers), words), dtype=np.int32)

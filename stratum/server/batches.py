@@ -226,7 +226,8 @@ class BatchRunner:
             task.cancel()
 
     def is_internal(self, headers) -> bool:
-        return secrets.compare_digest(headers.get(INTERNAL_HEADER, ""), self.secret)
+        given = headers.get(INTERNAL_HEADER)
+        return given is not None and secrets.compare_digest(given.encode("latin-1"), self.secret.encode())
 
     async def _run(self) -> None:
         transport = httpx.ASGITransport(app=self.app)
@@ -235,7 +236,7 @@ class BatchRunner:
                 try:
                     await asyncio.to_thread(self.store.sweep, set(self.in_flight), self.retention_s)
                     if not self.rt.draining and self.rt.engine.is_alive:
-                        interactive = sum(1 for j in self.rt.active.values() if j.priority < BATCH_PRIORITY)
+                        interactive = sum(1 for j in self.rt.active.values() if not j.is_batch)
                         room = (self.busy_concurrency if interactive else self.idle_concurrency) - len(self.in_flight)
                         if room > 0:
                             for batch_id, tenant, custom_id, params in await asyncio.to_thread(
