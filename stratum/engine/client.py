@@ -266,13 +266,16 @@ class RequestStream:
         if item is None:
             return None
         if isinstance(item, BaseException):
-            self.done = True
-            self.client._forget(self.request_id)
+            self.end()
             raise item
         if item.finished:
-            self.done = True
-            self.client._forget(self.request_id)
+            self.end()
         return item
+
+    def end(self) -> None:
+        """Its last output (or its error) is read: the client forgets it."""
+        self.done = True
+        self.client._forget(self.request_id)
 
     def __aiter__(self):
         return self
@@ -323,9 +326,7 @@ class RequestGroup:
             await self.close()
             raise item
         if item.finished:
-            member = self.members[item.request_id]
-            member.done = True
-            member.client._forget(member.request_id)
+            self.members[item.request_id].end()
         return item
 
     async def close(self) -> None:
