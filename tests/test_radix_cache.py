@@ -237,3 +237,20 @@ def test_check_integrity_catches_a_mis_indexed_block():
     del cache.block_node[2]
     with pytest.raises(AssertionError):
         cache.check_integrity()
+
+
+def test_recent_keys_are_whole_prefixes_most_recent_first():
+    """What a replica tells a router it holds: bounded, and never a block without the blocks before it."""
+    clock = FakeClock()
+    cache = make_cache(clock=clock)
+    b = [100 + t for t in range(12)]  # three blocks of its own
+    cache.insert(A_KEYS, [0, 1, 2, 3])
+    clock.t = 1.0
+    cache.insert(chain(b), [4, 5, 6])
+    clock.t = 2.0
+    assert cache.recent_keys(3) == chain(b)
+    assert cache.recent_keys(5) == chain(b) + A_KEYS[:2]  # a node cut by the bound keeps its first blocks
+    clock.t = 3.0
+    cache.match_prefix(A_KEYS)
+    assert cache.recent_keys(4) == A_KEYS
+    assert cache.recent_keys(100) == A_KEYS + chain(b)

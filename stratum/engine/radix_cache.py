@@ -184,6 +184,22 @@ class RadixCache:
                 stack.append(child)
         assert seen == len(self.block_node), f"{seen} blocks in tree, {len(self.block_node)} indexed"
 
+    def recent_keys(self, limit: int) -> list[bytes]:
+        """Keys of up to `limit` cached blocks, most recently used first. A match touches every node on
+        its path, so a node is never more recent than its parent: the keys returned are whole prefixes."""
+        nodes, stack = [], list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            nodes.append(node)
+            stack.extend(node.children.values())
+        nodes.sort(key=lambda n: -n.last_access)
+        keys: list[bytes] = []
+        for node in nodes:
+            if len(keys) >= limit:
+                break
+            keys += node.keys[: limit - len(keys)]
+        return keys
+
     def _leaves(self):
         stack = [self.root]
         while stack:

@@ -49,6 +49,21 @@ def hash_block(parent: bytes, token_ids: list[int] | tuple[int, ...]) -> bytes:
     return hashlib.sha256(parent + struct.pack(f"<{len(token_ids)}I", *token_ids)).digest()
 
 
+def short_key(key: bytes) -> int:
+    """The first 8 bytes of a block key as an integer: how the cache's contents are told to a router."""
+    return int.from_bytes(key[:8], "little")
+
+
+def prompt_block_keys(token_ids: list[int], block_size: int, salt: str | None) -> list[int]:
+    """Short keys of the full prompt blocks a cache hit may cover (one token is always left to compute):
+    the same chain, salt included, that `Sequence.full_block_hashes` builds in the engine."""
+    keys, parent = [], root_hash(salt)
+    for i in range((len(token_ids) - 1) // block_size):
+        parent = hash_block(parent, token_ids[i * block_size : (i + 1) * block_size])
+        keys.append(short_key(parent))
+    return keys
+
+
 def root_hash(salt: str | None) -> bytes:
     """The chain's seed. A per-tenant salt makes every key of that tenant distinct from everyone else's."""
     return hashlib.sha256(b"stratum-prefix-v1:" + (salt or "").encode()).digest()
