@@ -26,6 +26,7 @@ from typing import Any, Callable
 
 from stratum.engine.config import ResolvedConfig
 from stratum.engine.outputs import EngineDeadError, OrchestrationError, RequestOutput, StepError
+from stratum.engine.request import short_key
 from stratum.engine.sampling_params import InvalidRequestError, SamplingParams
 
 log = logging.getLogger("stratum.engine")
@@ -73,6 +74,18 @@ class EngineSnapshot:
 
 
 @dataclass(frozen=True)
+class ReplicaView:
+    """One engine replica of several, as its last report showed it (/health, /metrics)."""
+
+    name: str
+    pid: int | None
+    snapshot: EngineSnapshot
+    in_flight: int  # requests routed to it that have not completed
+    held_blocks: int  # cached block keys it reported
+    reported_at: float  # wall-clock time of that report
+
+
+@dataclass(frozen=True)
 class EngineInfo:
     """What does not change while the engine runs: its resolved configuration and kernel choices."""
 
@@ -117,7 +130,8 @@ class EngineLoop:
         emit: receives one list of events per step (or per batch of commands), in order:
             ("out", RequestOutput), ("error", request_id, message, kind), ("accepted", request_id, cached tokens
             expected), ("started", [request_id...]),
-            ("snapshot", EngineSnapshot), and once, last, ("dead", reason).
+            ("snapshot", EngineSnapshot), ("held", [short block key...]) when asked, and once, last,
+            ("dead", reason).
     """
 
     RSS_EVERY_S = 0.5
@@ -193,6 +207,10 @@ class EngineLoop:
             out = self.engine.abort(command[1])
             if out is not None:  # its last output: whoever assembles deltas can forget the request
                 events.append(("out", out))
+        elif kind == "held":  # what the prefix cache holds, most recent first, for a router to follow
+            bm = self.engine.block_manager
+            keys = bm.cache.recent_keys(command[1]) if bm.enable_prefix_cache else []
+            events.append(("held", [short_key(k) for k in keys]))
 
     def _step(self, events: list) -> None:
         engine = self.engine
@@ -257,6 +275,7 @@ class RequestStream:
         self.queue: asyncio.Queue = asyncio.Queue()
         self.done = False
         self.expected_cached_tokens: int | None = None  # what the prefix cache will serve, once the engine has it
+        self.replica: str | None = None  # the replica serving it, when the engine is a set of replicas
 
     async def next(self, timeout: float | None = None) -> RequestOutput | None:
         """The next output; None on timeout; raises the engine's error; StopAsyncIteration after the last."""
@@ -311,6 +330,10 @@ class RequestGroup:
     @property
     def expected_cached_tokens(self) -> int | None:
         return self.members[self.request_id].expected_cached_tokens
+
+    @property
+    def replica(self) -> str | None:
+        return self.members[self.request_id].replica
 
     @property
     def done(self) -> bool:
@@ -385,6 +408,10 @@ class EngineClient:
     def is_alive(self) -> bool:
         return self.snapshot.alive
 
+    def replicas(self) -> list[ReplicaView]:
+        """The replicas behind this client, when the engine is several (`stratum.cluster`); else none."""
+        return []
+
     @property
     def num_queued(self) -> int:
         """Admitted requests that have not started running (what --max-waiting bounds)."""
@@ -415,15 +442,8 @@ class EngineClient:
     def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
                **kwargs) -> RequestStream:
         """Queue a request in the engine now; its outputs (or its error) arrive on the stream."""
-        if not self.is_alive:
-            raise EngineDeadError(f"the engine is not running ({self.snapshot.error or 'stopped'})")
-        self._loop = asyncio.get_running_loop()
-        request_id = request_id or uuid.uuid4().hex
-        if request_id in self._streams:
-            raise InvalidRequestError(f"duplicate request id {request_id!r}")
-        stream = RequestStream(self, request_id)
-        self._streams[request_id] = stream
-        self._send(("add", request_id, list(prompt_token_ids), sampling, kwargs))
+        stream = self._open(request_id or uuid.uuid4().hex)
+        self._queue_requests([(stream.request_id, list(prompt_token_ids), sampling, kwargs)])
         return stream
 
     def submit_group(self, prompts: list[list[int]], samplings: list[SamplingParams], request_ids: list[str],
@@ -431,13 +451,26 @@ class EngineClient:
         """Queue several requests read as one stream: n samples of a prompt (each with its own sampling),
         or several prompts. A member with a fork (the id of an earlier member with the same prompt)
         starts from that member's computed prompt instead of computing it again."""
-        members = []
-        for ids, sampling, rid, fork in zip(prompts, samplings, request_ids, forks):
-            stream = self.submit(ids, sampling, rid, fork_of=fork, **kwargs)
-            if members:
-                stream.queue = members[0].queue
-            members.append(stream)
+        members = [self._open(rid) for rid in request_ids]
+        for stream in members[1:]:
+            stream.queue = members[0].queue
+        self._queue_requests([(rid, list(ids), sampling, dict(kwargs, fork_of=fork))
+                              for ids, sampling, rid, fork in zip(prompts, samplings, request_ids, forks)])
         return RequestGroup(members)
+
+    def _open(self, request_id: str) -> RequestStream:
+        if not self.is_alive:
+            raise EngineDeadError(f"the engine is not running ({self.snapshot.error or 'stopped'})")
+        self._loop = asyncio.get_running_loop()
+        if request_id in self._streams:
+            raise InvalidRequestError(f"duplicate request id {request_id!r}")
+        stream = self._streams[request_id] = RequestStream(self, request_id)
+        return stream
+
+    def _queue_requests(self, requests: list[tuple[str, list[int], SamplingParams, dict]]) -> None:
+        """Hand opened requests to the engine loop, in order (one command each)."""
+        for rid, ids, sampling, kwargs in requests:
+            self._send(("add", rid, ids, sampling, kwargs))
 
     def abort(self, request_id: str) -> None:
         if self._forget(request_id) and self.is_alive:
