@@ -11,7 +11,7 @@ MODEL ?= smollm2-135m
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet -e '.[test]'
+	$(PY) -m pip install --quiet -e '.[test,ray]'
 	touch $(STAMP)
 
 setup: $(STAMP)

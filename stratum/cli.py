@@ -70,8 +70,11 @@ def cmd_serve(args) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.DEBUG),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = _engine_config(args, serving=True)
+    if args.replicas < 1:
+        print("error: --replicas must be at least 1", file=sys.stderr)
+        return 2
     # The engine process loads the model while this one imports the web stack.
-    engine = EngineProcess(config) if args.engine == "process" else None
+    engine = EngineProcess(config) if args.engine == "process" and args.replicas == 1 else None
     import uvicorn
 
     from stratum.server.app import ServerSettings, create_app
@@ -79,13 +82,20 @@ def cmd_serve(args) -> int:
     from stratum.telemetry.cost import pricing_from_spec
 
     try:
-        if engine is not None:
+        if args.replicas > 1:
+            from stratum.cluster import launch
+
+            client = launch.start(config, args.replicas, args.ray_address, args.routing)
+            where = f"each of {args.replicas} Ray Serve replicas, routed by {args.routing}"
+        elif engine is not None:
             client = engine.connect()
+            where = "a process"
         else:
             from stratum.engine.client import start_thread_engine
             from stratum.engine.core import LLMEngine
 
             client = start_thread_engine(LLMEngine(config))
+            where = "a thread"
     except (PullError, ValueError, EngineStartError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
@@ -107,7 +117,7 @@ def cmd_serve(args) -> int:
     client.tokenizer.offload_large_texts(LARGE_TEXT_CHARS)
     app = create_app(client, settings)
     print(f"stratum: {name} loaded in {time.perf_counter() - t0:.1f}s on {config.device}/{config.dtype}, "
-          f"{config.num_kv_blocks} KV blocks, {config.num_threads} engine threads in a {args.engine}; "
+          f"{config.num_kv_blocks} KV blocks, {config.num_threads} engine threads in {where}; "
           f"serving on http://{args.host}:{args.port}", flush=True)
     if keys:
         print(f"stratum: {len(keys)} API key{'s' if len(keys) != 1 else ''}; " + (
@@ -117,7 +127,7 @@ def cmd_serve(args) -> int:
     server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                    http=protocol(args.max_connections, args.read_timeout_s),
                                    h11_max_incomplete_event_size=args.max_header_bytes,
-                                   timeout_graceful_shutdown=5),
+                                   timeout_graceful_shutdown=5, loop="asyncio"),
                     app.state.runtime, args.drain_timeout_s)
     try:
         server.run()
@@ -291,6 +301,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--budget-window-s", type=float, default=60.0)
     p.add_argument("--pollution-policy", default="advise", choices=["reject", "advise", "off"])
     p.add_argument("--pricing", default="article", help="article[:k=v,...] or tokens[:k=v,...] (see docs/telemetry.md)")
+    p.add_argument("--replicas", type=int, default=1,
+                   help="engine replicas on Ray Serve behind this server, routed by prefix (default 1: no Ray)")
+    p.add_argument("--ray-address", default=None,
+                   help="with --replicas: the Ray cluster to join (e.g. auto, ray://host:10001); default: start one here")
+    p.add_argument("--routing", default="prefix", choices=["prefix", "round-robin", "power-of-two"],
+                   help="with --replicas: how a request picks its replica (default: the one holding its prefix)")
     p.add_argument("--log-level", default="warning")
     p.set_defaults(func=cmd_serve)
 

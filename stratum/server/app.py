@@ -25,7 +25,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from stratum.engine.client import EngineClient, RequestGroup, RequestStream
+from stratum.engine.client import EngineClient, ReplicaView, RequestGroup, RequestStream
 from stratum.engine.outputs import RequestOutput
 from stratum.engine.sampling_params import SamplingParams
 from stratum.server import anthropic_api, batches, openai_api, pipeline
@@ -164,6 +164,9 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
             body["error"] = snap.error
         if rt.draining:
             body["in_flight"] = len(rt.active)
+        replicas = engine.replicas()
+        if replicas:
+            body["replicas"] = [replica_health(v) for v in replicas]
         return JSONResponse(body, status_code=200 if status == "ok" else 503)
 
     @app.get("/metrics")
@@ -534,6 +537,14 @@ def _parse(model: type[BaseModel], data: dict[str, Any]):
 def _check_model(settings: ServerSettings, name: str) -> None:
     if name != settings.model_name and name not in settings.aliases:
         raise NotFound(f"model {name!r} not found; this server serves {settings.model_name!r}")
+
+
+def replica_health(v: ReplicaView) -> dict[str, Any]:
+    snap, kv = v.snapshot, v.snapshot.kv_blocks
+    return {"replica": v.name, "pid": v.pid, "status": "ok" if snap.alive else "dead", "mode": snap.mode,
+            "running": snap.num_running, "waiting": snap.num_waiting, "in_flight": v.in_flight,
+            "kv_blocks": {"total": kv.total, "free": kv.free, "cached": kv.cached, "in_use": kv.in_use},
+            "held_blocks": v.held_blocks, "reported_s_ago": round(max(0.0, time.time() - v.reported_at), 3)}
 
 
 def _model_card(settings: ServerSettings) -> dict[str, Any]:

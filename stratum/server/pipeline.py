@@ -481,13 +481,20 @@ def admitted_usage(rt: Runtime, job: Job) -> dict[str, int]:
 
 def early_headers(rt: Runtime, out: RequestOutput | None, job: Job) -> dict[str, str]:
     """Headers a stream can send after prefill: cost so far, the engine mode, the tenant's budget."""
-    headers = {"x-stratum-mode": out.mode if out is not None else "normal", "x-stratum-cache-mode": job.cache_mode}
+    headers = {"x-stratum-mode": out.mode if out is not None else "normal", "x-stratum-cache-mode": job.cache_mode,
+               **replica_header(job)}
     if out is not None and out.stats is not None:
         headers["x-stratum-cost"] = CostFields.from_stats(out.stats).header()
     if job.advise:
         headers["x-stratum-advice"] = PollutionDetector.ADVICE
     headers.update(ratelimit_headers(rt, job))
     return headers
+
+
+def replica_header(job: Job) -> dict[str, str]:
+    """Which replica served the request, when the engine is a set of replicas."""
+    replica = job.stream.replica if job.stream is not None else None
+    return {"x-stratum-replica": replica} if replica else {}
 
 
 def finish(rt: Runtime, job: Job, out: RequestOutput) -> tuple[dict[str, str], dict[str, Any]]:
@@ -500,7 +507,8 @@ def finish(rt: Runtime, job: Job, out: RequestOutput) -> tuple[dict[str, str], d
     cost = CostFields.from_stats(stats)
     usage = usage_of(out, job.cache_breakpoint)
     usd = rt.pricing.price(cost, usage)
-    headers = {"x-stratum-cost": cost.header(), "x-stratum-mode": out.mode, "x-stratum-cache-mode": job.cache_mode}
+    headers = {"x-stratum-cost": cost.header(), "x-stratum-mode": out.mode, "x-stratum-cache-mode": job.cache_mode,
+               **replica_header(job)}
     if job.advise:
         headers["x-stratum-advice"] = PollutionDetector.ADVICE
         rt.metrics.advice.inc()
@@ -511,6 +519,8 @@ def finish(rt: Runtime, job: Job, out: RequestOutput) -> tuple[dict[str, str], d
                                  "low_latency": job.is_low_latency}
         if job.compression is not None:
             extra["compression"] = job.compression
+        if "x-stratum-replica" in headers:
+            extra["replica"] = headers["x-stratum-replica"]
         hardware = None
         if job.debug == "full":
             hardware = hardware_view(rt.engine.info, rt.engine.snapshot, time.process_time() - job.cpu0,
@@ -528,7 +538,7 @@ def finish(rt: Runtime, job: Job, out: RequestOutput) -> tuple[dict[str, str], d
 
 def make_runtime(engine: EngineClient, model_name: str, pricing: PricingModel, budget_tokens: int | None,
                  window_s: float, pollution_policy: str, isolate_tenants: bool = False) -> Runtime:
-    metrics = Metrics(lambda: engine.snapshot)
+    metrics = Metrics(lambda: engine.snapshot, engine.replicas)
     return Runtime(engine, model_name, CostAdmission(budget_tokens, window_s), PollutionDetector(pollution_policy), pricing,
                    metrics, isolate_tenants=isolate_tenants)
 

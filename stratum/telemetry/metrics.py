@@ -11,6 +11,7 @@ import time
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
 
 from stratum.engine.outputs import RequestStats
 from stratum.telemetry.cost import CostFields
@@ -21,8 +22,12 @@ _RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
 class Metrics:
-    def __init__(self, snapshot_source=None):
-        """Args: snapshot_source: a zero-argument callable returning the engine's latest EngineSnapshot."""
+    def __init__(self, snapshot_source=None, replica_source=None):
+        """Args:
+            snapshot_source: a zero-argument callable returning the engine's latest EngineSnapshot
+                (the replicas' summed, when the engine is several).
+            replica_source: a zero-argument callable returning each replica's ReplicaView (or none).
+        """
         r = self.registry = CollectorRegistry()
         self.requests = Counter("stratum_request_count", "Requests answered, by endpoint and outcome", ["endpoint", "status"], registry=r)
         self.cache_hit_tokens = Counter("stratum_cache_hit_count", "Prompt tokens served from the prefix cache", registry=r)
@@ -44,6 +49,8 @@ class Metrics:
         self._snapshot = snapshot_source
         if snapshot_source is not None:
             self._engine_gauges(snapshot_source)
+        if replica_source is not None:
+            r.register(_ReplicaCollector(replica_source))
 
     def _engine_gauges(self, snapshot_source) -> None:
         r = self.registry
@@ -133,3 +140,33 @@ def _percentiles(values: list[float]) -> dict[str, float | None]:
         return {"p50": None, "p90": None}
     values = sorted(values)
     return {"p50": statistics.median(values), "p90": values[int(0.9 * (len(values) - 1))]}
+
+
+class _ReplicaCollector:
+    """Each replica's engine gauges, labelled with the replica, read from its last report at scrape time."""
+
+    GAUGES = (
+        ("stratum_replica_alive", "1 while the replica's engine loop runs", lambda v: v.snapshot.alive),
+        ("stratum_replica_requests_running", "Requests in the replica's running batch", lambda v: v.snapshot.num_running),
+        ("stratum_replica_requests_waiting", "Requests in the replica's waiting queue", lambda v: v.snapshot.num_waiting),
+        ("stratum_replica_requests_in_flight", "Requests routed to the replica, not yet completed", lambda v: v.in_flight),
+        ("stratum_replica_kv_cache_usage_ratio", "The replica's KV blocks held by running requests / all", lambda v: v.snapshot.kv_usage),
+        ("stratum_replica_kv_cache_cached_blocks", "The replica's unreferenced cached blocks", lambda v: v.snapshot.kv_blocks.cached),
+        ("stratum_replica_kv_cache_free_blocks", "The replica's free KV blocks", lambda v: v.snapshot.kv_blocks.free),
+        ("stratum_replica_engine_steps", "Engine steps the replica has run", lambda v: v.snapshot.num_steps),
+        ("stratum_replica_num_preemptions", "The replica's recompute preemptions", lambda v: v.snapshot.num_preemptions),
+    )
+
+    def __init__(self, source):
+        self.source = source
+
+    def describe(self):
+        return []  # collected at scrape time only: the replicas come and go
+
+    def collect(self):
+        views = self.source()
+        for name, doc, value in self.GAUGES:
+            family = GaugeMetricFamily(name, doc, labels=["replica"])
+            for v in views:
+                family.add_metric([v.name], float(value(v)))
+            yield family

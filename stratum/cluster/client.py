@@ -1,0 +1,143 @@
+"""The ingress's engine client when the engine is N replicas behind Ray Serve.
+
+`ClusterClient` is an `EngineClient`: the server, its pipeline and its telemetry use it unchanged.
+What differs is where a request goes — one streamed `generate` call on the replicas' deployment
+handle, routed by `router.StratumRouter` on the prompt's block keys — and where the snapshot comes
+from: the sum of the replicas' routing stats. A replica that dies mid-request ends that request with
+an error; the ones after it are routed to the replicas left, and Serve starts a replacement.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+from stratum.engine.client import EngineClient, EngineSnapshot, KVBlocks, ReplicaView
+from stratum.engine.process import decode_info, decode_snapshot
+from stratum.engine.request import prompt_block_keys
+from stratum.engine.sampling_params import SamplingParams
+
+log = logging.getLogger("stratum.cluster")
+
+
+@dataclass
+class _Call:
+    """One `generate` call: the requests it carries and the response streaming their events."""
+
+    request_ids: list[str]
+    response: object = None
+    task: asyncio.Task | None = None
+    cancelled: bool = False
+
+
+class ClusterClient(EngineClient):
+    """Args:
+        handle: the replicas' DeploymentHandle.
+        description: a replica's `describe()` (configuration, tokenizer, chat template, snapshot).
+        deployment: the deployment's name (which router in this process routes it).
+        on_shutdown: stops the deployment.
+    """
+
+    def __init__(self, handle, description: dict, deployment: str, on_shutdown=None):
+        from tokenizers import Tokenizer
+
+        from stratum.models.chat_template import ChatTemplate
+        from stratum.models.tokenizer import TextTokenizer
+
+        tok = description["tokenizer"]
+        tokenizer = TextTokenizer(Tokenizer.from_str(tok["json"]), tok["bos_token"], tok["eos_token"],
+                                  tok["bos_token_id"], tuple(tok["eos_token_ids"]))
+        self._first = decode_snapshot(description["snapshot"])
+        super().__init__(decode_info(description["info"]), tokenizer, ChatTemplate(tok["chat_template"], tokenizer),
+                         send=self._refuse, on_shutdown=on_shutdown, engine_pid=description["pid"])
+        self._generate = handle.options(stream=True, method_name="generate")
+        self.deployment = deployment
+        self._calls: dict[str, _Call] = {}
+
+    # ---- the state of the replica set ---------------------------------------------------------------
+    def replicas(self) -> list[ReplicaView]:
+        """The replicas the router knows, with what each last reported (in name order)."""
+        from stratum.cluster.router import ROUTERS
+
+        router = ROUTERS.get(self.deployment)
+        if router is None:
+            return []
+        views = []
+        for name, stats in sorted(router.stats().items()):
+            state = router.policy.replicas.get(name)
+            snap = decode_snapshot(stats["snapshot"]) if "snapshot" in stats else EngineSnapshot(alive=True)
+            views.append(ReplicaView(name, stats.get("pid"), snap, state.in_flight if state else 0,
+                                     len(stats.get("held", ())), stats.get("at", 0.0)))
+        return views
+
+    @property
+    def snapshot(self) -> EngineSnapshot:
+        """The replicas' snapshots summed (alive while any replica is); before the router has seen
+        any, the first replica's own."""
+        views = self.replicas()
+        if not views:
+            return self._first
+        snaps = [v.snapshot for v in views]
+        alive = [s for s in snaps if s.alive]
+        steps = sum(s.num_steps for s in snaps)
+        return EngineSnapshot(
+            alive=bool(alive),
+            mode="normal" if all(s.mode == "normal" for s in alive) else "basic",
+            degraded_reason="; ".join(f"{v.name}: {v.snapshot.degraded_reason}" for v in views
+                                      if v.snapshot.degraded_reason) or None,
+            error=None if alive else "; ".join(f"{v.name}: {v.snapshot.error}" for v in views),
+            num_running=sum(s.num_running for s in snaps), num_waiting=sum(s.num_waiting for s in snaps),
+            kv_blocks=KVBlocks(*(sum(getattr(s.kv_blocks, f) for s in snaps) for f in ("total", "free", "cached", "in_use"))),
+            num_preemptions=sum(s.num_preemptions for s in snaps), num_steps=steps,
+            overhead_ratio=sum(s.overhead_ratio * s.num_steps for s in snaps) / steps if steps else 0.0,
+            mean_step_s=max(s.mean_step_s for s in snaps), threads=sum(s.threads for s in snaps),
+            rss_mb=sum(s.rss_mb for s in snaps), published_at=min(s.published_at for s in snaps))
+
+    @snapshot.setter
+    def snapshot(self, value: EngineSnapshot) -> None:  # the base class's initial value; replicas report their own
+        pass
+
+    # ---- requests -----------------------------------------------------------------------------------
+    def _queue_requests(self, requests: list[tuple[str, list[int], SamplingParams, dict]]) -> None:
+        """One `generate` call for the lot (the members of a group share the prompt that forks them)."""
+        _, ids, _, kwargs = requests[0]
+        keys = prompt_block_keys(ids, self.config.block_size, kwargs.get("cache_salt"))
+        call = _Call([r[0] for r in requests])
+        for rid in call.request_ids:
+            self._calls[rid] = call
+        call.response = self._generate.remote({"keys": keys, "requests": requests})
+        call.task = asyncio.get_running_loop().create_task(self._pump(call))
+
+    async def _pump(self, call: _Call) -> None:
+        try:
+            async for events in call.response:
+                for event in events:
+                    if event[0] == "replica":
+                        for rid in call.request_ids:
+                            stream = self._streams.get(rid)
+                            if stream is not None:
+                                stream.replica = event[1]
+                self._on_events(events)
+        except BaseException as e:
+            if not call.cancelled:  # the replica died, or the call failed: its requests end with that error
+                log.warning("a replica call failed: %s: %s", type(e).__name__, e)
+                self._on_events([("error", rid, f"the replica serving this request failed: {type(e).__name__}: {e}",
+                                  "internal") for rid in call.request_ids])
+            if isinstance(e, asyncio.CancelledError):
+                raise
+        finally:
+            for rid in call.request_ids:
+                self._calls.pop(rid, None)
+
+    def abort(self, request_id: str) -> None:
+        """The call is cancelled (the replica aborts what has not finished) once none of its requests
+        is read any more."""
+        call = self._calls.get(request_id)
+        if self._forget(request_id) and call is not None and not any(r in self._streams for r in call.request_ids):
+            call.cancelled = True
+            call.response.cancel()
+
+    @staticmethod
+    def _refuse(command: tuple) -> None:
+        raise RuntimeError("a cluster client sends no engine-loop commands")

@@ -1,0 +1,144 @@
+"""One engine replica: the body of the Ray Serve deployment that `stratum serve --replicas N` runs.
+
+A replica owns an `LLMEngine` and runs its `EngineLoop` in a thread, exactly as `--engine thread`
+does; instead of an `EngineClient` it hands each request's raw events (outputs, "accepted",
+"started", errors) back to the caller as the items of one streamed call, so the ingress's client
+applies them as it would the events of a local engine. Serve's hooks: `record_routing_stats` tells
+the router what this replica's cache holds and how loaded it is; `check_health` fails once the
+engine loop is gone, and Serve replaces the replica.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+from dataclasses import replace
+
+from stratum.engine.client import EngineInfo, EngineLoop, EngineSnapshot
+from stratum.engine.config import EngineConfig, SchedulerConfig
+from stratum.engine.process import encode_info, encode_snapshot
+
+# Block keys a replica reports: the most recently used first. 4096 keys of 16-token blocks cover
+# 64k tokens of hot prefixes, about 40 KB per report.
+MAX_HELD_KEYS = 4096
+
+
+class EngineReplica:
+    """Args: config: an `EngineConfig` as a dict (what crosses to the replica's process)."""
+
+    def __init__(self, config: dict):
+        from stratum.engine.core import LLMEngine
+
+        settings = dict(config, scheduler=SchedulerConfig(**config["scheduler"]))
+        engine = LLMEngine(EngineConfig(**settings))
+        self.name = _replica_name()
+        tok = engine.tokenizer
+        self.description = {
+            "replica": self.name, "pid": os.getpid(), "info": encode_info(EngineInfo.of(engine)),
+            "tokenizer": {"json": tok.backend.to_str(), "bos_token": tok.bos_token, "eos_token": tok.eos_token,
+                          "bos_token_id": tok.bos_token_id, "eos_token_ids": list(tok.eos_token_ids),
+                          "chat_template": engine.chat_template.source}}
+        self.snapshot = EngineSnapshot(alive=True)
+        self.held: list[int] = []
+        self._requests: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._lock = threading.Lock()
+        self.loop = EngineLoop(engine, self._deliver)
+        threading.Thread(target=self.loop.run, name="stratum-engine", daemon=True).start()
+
+    # ---- Serve calls these --------------------------------------------------------------------------
+    def describe(self) -> dict:
+        """What the ingress needs before its first request: configuration, tokenizer, chat template."""
+        return dict(self.description, snapshot=self._stats()["snapshot"])
+
+    async def generate(self, payload: dict):
+        """Run one request, or one group (n samples forked from a prompt), streaming lists of events.
+
+        payload: {"keys": the prompt's block keys (read by the router), "requests": [(request id,
+        prompt ids, SamplingParams, add_request keyword arguments), ...]}. The first item names this
+        replica. Cancelling the call (the client went away) aborts whatever has not finished.
+        """
+        rids = [r[0] for r in payload["requests"]]
+        queue: asyncio.Queue = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            for rid in rids:
+                self._requests[rid] = (loop, queue)
+        open_ = set(rids)
+        try:
+            yield [("replica", self.name)]
+            if not self.snapshot.alive:
+                yield [("error", rid, f"the engine stopped: {self.snapshot.error}", "internal") for rid in rids]
+                return
+            for rid, ids, sampling, kwargs in payload["requests"]:
+                self.loop.submit(("add", rid, ids, sampling, kwargs))
+            while open_:
+                events = [await queue.get()]
+                while not queue.empty():
+                    events.append(queue.get_nowait())
+                for event in events:
+                    if event[0] == "out" and event[1].finished:
+                        open_.discard(event[1].request_id)
+                    elif event[0] == "error":
+                        open_.discard(event[1])
+                yield events
+        finally:
+            with self._lock:
+                for rid in rids:
+                    self._requests.pop(rid, None)
+            for rid in open_:
+                self.loop.submit(("abort", rid))
+
+    def record_routing_stats(self) -> dict:
+        self.loop.submit(("held", MAX_HELD_KEYS))  # fresh for the next report
+        return self._stats()
+
+    def check_health(self) -> None:
+        if not self.snapshot.alive:
+            raise RuntimeError(f"the engine loop stopped: {self.snapshot.error}")
+
+    def __del__(self):
+        self.loop.stop()
+
+    # ---- the engine thread calls this ---------------------------------------------------------------
+    def _deliver(self, events: list) -> None:
+        by_request: dict[str, list] = {}
+        for event in events:
+            kind = event[0]
+            if kind == "snapshot":
+                self.snapshot = event[1]
+            elif kind == "held":
+                self.held = event[1]
+            elif kind == "dead":
+                self.snapshot = replace(self.snapshot, alive=False, error=event[1])
+                with self._lock:
+                    for rid in self._requests:
+                        by_request.setdefault(rid, []).append(("error", rid, f"the engine stopped: {event[1]}", "internal"))
+            elif kind == "out":
+                by_request.setdefault(event[1].request_id, []).append(event)
+            elif kind in ("error", "accepted"):
+                by_request.setdefault(event[1], []).append(event)
+            elif kind == "started":
+                for rid in event[1]:
+                    by_request.setdefault(rid, []).append(("started", [rid]))
+        with self._lock:
+            targets = [(self._requests.get(rid), evs) for rid, evs in by_request.items()]
+        for target, evs in targets:
+            if target is not None:
+                loop, queue = target
+                for event in evs:
+                    loop.call_soon_threadsafe(queue.put_nowait, event)
+
+    def _stats(self) -> dict:
+        return {"replica": self.name, "pid": os.getpid(), "at": time.time(), "snapshot": encode_snapshot(self.snapshot),
+                "held": self.held}
+
+
+def _replica_name() -> str:
+    try:
+        from ray import serve
+
+        return serve.get_replica_context().replica_id.unique_id
+    except Exception:  # outside a Serve replica (tests of the class itself)
+        return f"pid{os.getpid()}"

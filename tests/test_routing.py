@@ -1,0 +1,131 @@
+"""The routing policies on their own: no Ray, no engine."""
+
+import pytest
+
+from stratum.cluster.routing import PowerOfTwoPolicy, PrefixPolicy, RoundRobinPolicy, make_policy
+from stratum.engine.request import Sequence, prompt_block_keys, short_key
+from stratum.engine.sampling_params import SamplingParams
+
+
+class Clock:
+    def __init__(self):
+        self.t = 1000.0
+
+    def __call__(self):
+        return self.t
+
+
+def keys(prefix: int, n: int = 8) -> list[int]:
+    """Block keys of a prompt that shares its first n blocks with every prompt of the same prefix."""
+    return prompt_block_keys([prefix] * (16 * n) + [1], 16, None)
+
+
+def policy(**kwargs) -> PrefixPolicy:
+    p = PrefixPolicy(clock=Clock(), **kwargs)
+    p.set_replicas(["a", "b", "c"])
+    return p
+
+
+def test_block_keys_are_the_engines_chain():
+    ids = list(range(100))
+    seq = Sequence("r", ids, SamplingParams(), block_size=16, cache_salt="tenant")
+    engine_keys = [short_key(h) for h in seq.full_block_hashes()[: (len(ids) - 1) // 16]]
+    assert prompt_block_keys(ids, 16, "tenant") == engine_keys
+    assert prompt_block_keys(ids, 16, None) != engine_keys  # the salt is part of the chain
+    assert prompt_block_keys(list(range(16)), 16, None) == []  # one token is always left to compute
+
+
+def test_same_prefix_follows_its_placement_before_any_report():
+    p = policy()
+    first = p.rank(keys(1), ["a", "b", "c"])[0]
+    p.routed(first, keys(1))
+    for _ in range(5):
+        assert p.rank(keys(1), ["a", "b", "c"])[0] == first
+    p.completed(first)
+
+
+def test_new_prefixes_spread_over_idle_replicas():
+    p = policy()
+    chosen = []
+    for prefix in range(3):
+        name = p.rank(keys(prefix), ["a", "b", "c"])[0]
+        p.routed(name, keys(prefix))
+        p.completed(name)
+        chosen.append(name)
+    assert sorted(chosen) == ["a", "b", "c"]
+
+
+def test_reported_cache_wins_and_partial_matches_rank_by_length():
+    p = policy()
+    p.report("b", at=999.0, load=0, free_blocks=100, held=keys(7, 4))  # the first 4 blocks
+    p.report("c", at=999.0, load=0, free_blocks=100, held=keys(7, 6))  # the first 6 blocks
+    assert p.rank(keys(7), ["a", "b", "c"]) [0] == "c"
+    assert p.replicas["c"].matched_blocks(keys(7)) == 6
+
+
+def test_a_long_queue_sends_the_request_elsewhere():
+    p = policy(max_imbalance=2)
+    p.report("a", at=999.0, load=0, free_blocks=100, held=keys(3))
+    for _ in range(3):
+        p.routed("a", keys(3))
+    assert p.rank(keys(3), ["a", "b", "c"])[0] != "a"  # 3 in flight vs 0: past the imbalance allowed
+    p.completed("a")
+    assert p.rank(keys(3), ["a", "b", "c"])[0] == "a"
+
+
+def test_a_report_made_after_the_grace_replaces_placements():
+    clock = Clock()
+    p = PrefixPolicy(clock=clock, placement_grace_s=2.0)
+    p.set_replicas(["a", "b"])
+    p.routed("a", keys(5))
+    p.completed("a")
+    p.report("a", at=clock.t + 1.0, load=0, free_blocks=100, held=[])  # too soon: the prefill may still run
+    assert p.replicas["a"].matched_blocks(keys(5)) == 8
+    p.report("a", at=clock.t + 3.0, load=0, free_blocks=100, held=[])  # evicted since, and says so
+    assert p.replicas["a"].matched_blocks(keys(5)) == 0
+    p.report("a", at=clock.t + 2.5, load=7, free_blocks=0, held=keys(5))  # an older report changes nothing
+    assert p.replicas["a"].reported_load == 0
+
+
+def test_gone_replicas_are_forgotten_and_new_ones_start_empty():
+    p = policy()
+    p.routed("a", keys(1))
+    p.set_replicas(["b", "d"])
+    assert set(p.replicas) == {"b", "d"}
+    assert p.rank(keys(1), ["b", "d"])[0] in ("b", "d")
+    p.completed("a")  # a late completion from a replica that is gone is ignored
+
+
+def test_placements_are_bounded():
+    p = PrefixPolicy(clock=Clock(), max_placed=10)
+    p.set_replicas(["a"])
+    for prefix in range(5):
+        p.routed("a", keys(prefix))
+    assert len(p.replicas["a"].placed) == 10
+
+
+def test_round_robin_and_power_of_two():
+    rr = RoundRobinPolicy()
+    rr.set_replicas(["a", "b", "c"])
+    assert [rr.rank(keys(1), ["a", "b", "c"])[0] for _ in range(6)] == ["a", "b", "c", "a", "b", "c"]
+    p2 = PowerOfTwoPolicy(seed=0)
+    p2.set_replicas(["a", "b"])
+    for _ in range(4):
+        p2.routed("a", [])
+    assert all(p2.rank([], ["a", "b"])[0] == "b" for _ in range(10))
+
+
+def test_unknown_policy_is_refused():
+    with pytest.raises(ValueError, match="round-robin"):
+        make_policy("random")
+
+
+def test_a_short_shared_opening_does_not_decide():
+    """Every chat prompt starts with the template's opening block: holding it is no reason to go there."""
+    p = policy()
+    opening = keys(9, 1)
+    p.report("a", at=999.0, load=0, free_blocks=10, held=opening)
+    p.report("b", at=999.0, load=0, free_blocks=50, held=[])
+    p.report("c", at=999.0, load=0, free_blocks=20, held=[])
+    prompt = opening + keys(10, 8)[1:]  # shares one block of nine
+    assert p.rank(prompt, ["a", "b", "c"])[0] == "b"  # the most free KV blocks
