@@ -68,9 +68,14 @@ def test_a_long_queue_sends_the_request_elsewhere():
     p.report("a", at=999.0, load=0, free_blocks=100, held=keys(3))
     for _ in range(3):
         p.routed("a", keys(3))
-    assert p.rank(keys(3), ["a", "b", "c"])[0] != "a"  # 3 in flight vs 0: past the imbalance allowed
-    p.completed("a")
-    assert p.rank(keys(3), ["a", "b", "c"])[0] == "a"
+    overflow = p.rank(keys(3), ["a", "b", "c"])[0]
+    assert overflow != "a"  # 3 in flight vs 0: past the imbalance allowed
+    assert p.replicas[overflow].matched_blocks(keys(3)) == 8  # the copy it computes there is remembered
+    for _ in range(3):
+        p.completed("a")
+    third = ({"a", "b", "c"} - {"a", overflow}).pop()
+    for _ in range(10):
+        assert p.rank(keys(3), ["a", "b", "c"])[0] != third  # one of the two holders, never the third
 
 
 def test_a_report_made_after_the_grace_replaces_placements():
@@ -129,3 +134,31 @@ def test_a_short_shared_opening_does_not_decide():
     p.report("c", at=999.0, load=0, free_blocks=20, held=[])
     prompt = opening + keys(10, 8)[1:]  # shares one block of nine
     assert p.rank(prompt, ["a", "b", "c"])[0] == "b"  # the most free KV blocks
+
+
+def test_a_new_prefix_goes_where_memory_is_free_among_short_queues():
+    p = policy(max_imbalance=2)
+    p.report("a", at=999.0, load=0, free_blocks=10, held=[])
+    p.report("b", at=999.0, load=2, free_blocks=90, held=[])  # busier, but within the imbalance
+    p.report("c", at=999.0, load=5, free_blocks=200, held=[])  # the most memory, but too long a queue
+    assert p.rank(keys(11), ["a", "b", "c"]) == ["b", "a", "c"]
+
+
+def test_one_engine_never_imports_ray():
+    """`stratum serve` with one replica loads neither Ray nor the cluster package."""
+    import subprocess
+    import sys
+
+    code = ("import sys, stratum.cli, stratum.server.app, stratum.engine.process, stratum.engine.client; "
+            "bad = [m for m in sys.modules if m == 'ray' or m.startswith(('ray.', 'stratum.cluster'))]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_new_prefix_is_placed_when_ranked():
+    """Serve ranks requests concurrently: the second request of a new prefix, ranked before the first
+    is sent, follows the first."""
+    p = policy()
+    first = p.rank(keys(12), ["a", "b", "c"])[0]
+    assert p.rank(keys(12), ["a", "b", "c"])[0] == first
+    assert p.rank(keys(13), ["a", "b", "c"])[0] != first  # and the next new prefix goes elsewhere

@@ -73,11 +73,15 @@ class ClusterClient(EngineClient):
 
     @property
     def snapshot(self) -> EngineSnapshot:
-        """The replicas' snapshots summed (alive while any replica is); before the router has seen
-        any, the first replica's own."""
+        """The replicas' snapshots summed (alive while any replica is); before the router exists,
+        the first replica's own."""
+        from stratum.cluster.router import ROUTERS
+
         views = self.replicas()
         if not views:
-            return self._first
+            if self.deployment not in ROUTERS:
+                return self._first
+            return EngineSnapshot(alive=False, error="no replica is running (Serve starts replacements)")
         snaps = [v.snapshot for v in views]
         alive = [s for s in snaps if s.alive]
         steps = sum(s.num_steps for s in snaps)

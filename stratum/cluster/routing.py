@@ -12,8 +12,8 @@ the replica's own word until a report made well after it arrives: by then the re
 that prefix or has evicted it, and its report says which.
 
     PrefixPolicy       the longest cached match, unless it covers too little of the prompt or that
-                       replica's queue is too long; a new prefix goes to the least-loaded replica
-                       with the most free KV blocks, and is remembered
+                       replica's queue is too long; a new prefix goes to the replica with the most
+                       free KV blocks among those whose queues are short enough, and is remembered
     RoundRobinPolicy   each replica in turn (the cache-blind baseline)
     PowerOfTwoPolicy   the less loaded of two replicas drawn at random (Ray Serve's default idea)
 """
@@ -89,9 +89,11 @@ class Policy:
 
     def routed(self, name: str, keys: list[int]) -> None:
         state = self.replicas.get(name)
-        if state is None:
-            return
-        state.in_flight += 1
+        if state is not None:
+            state.in_flight += 1
+            self._place(state, keys)
+
+    def _place(self, state: ReplicaState, keys: list[int]) -> None:
         now = self.clock()
         for key in keys:
             if key not in state.held:
@@ -136,14 +138,20 @@ class PrefixPolicy(Policy):
         states = self._states(candidates)
         turn = next(self._turn)
         spread = {s.name: (i - turn) % len(states) for i, s in enumerate(states)}
-        by_load = sorted(states, key=lambda s: (s.load, -s.free_blocks, spread[s.name]))
-        least = by_load[0].load
-        matches = {s.name: s.matched_blocks(keys) for s in states}
-        best = max(states, key=lambda s: (matches[s.name], -s.load, -spread[s.name]))
-        decisive = matches[best.name] > 0 and matches[best.name] >= self.min_match_ratio * len(keys)
-        if decisive and best.load - least <= self.max_imbalance:
-            return [best.name] + [s.name for s in by_load if s is not best]
-        return [s.name for s in by_load]
+        least = min(s.load for s in states)
+        near = [s for s in states if s.load - least <= self.max_imbalance]  # queues short enough to join
+        far = sorted((s for s in states if s.load - least > self.max_imbalance), key=lambda s: s.load)
+        matches = {s.name: s.matched_blocks(keys) for s in near}
+        best = max(near, key=lambda s: (matches[s.name], -s.load, -spread[s.name]))
+        if matches[best.name] > 0 and matches[best.name] >= self.min_match_ratio * len(keys):
+            return [best.name] + [s.name for s in sorted(near, key=lambda s: s.load) if s is not best] + [s.name for s in far]
+        # A new prefix: where the most KV memory is free, so the replicas share the hot prefixes evenly.
+        # It is placed now, not once routed: Serve routes requests concurrently, and the next request
+        # with this prefix may be ranked before this one is sent.
+        near.sort(key=lambda s: (-s.free_blocks, s.load, spread[s.name]))
+        if keys and near[0].name in self.replicas:
+            self._place(self.replicas[near[0].name], keys)
+        return [s.name for s in near] + [s.name for s in far]
 
 
 class RoundRobinPolicy(Policy):
