@@ -253,7 +253,7 @@ def cmd_warmup(args) -> int:
     return 0 if report["failed"] == 0 else 1
 
 
-BENCHMARKS = ("offline", "serve", "compare", "roofline", "soak", "constrained", "batch")
+BENCHMARKS = ("offline", "serve", "compare", "roofline", "soak", "constrained", "batch", "cluster")
 
 
 def cmd_bench(args, rest) -> int:
@@ -348,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-key", default=None)
     p.set_defaults(func=cmd_warmup)
 
-    p = sub.add_parser("bench", help="benchmarks: offline, serve, compare, roofline, soak, constrained, batch (each takes --help)", add_help=False)
+    p = sub.add_parser("bench", help="benchmarks: offline, serve, compare, roofline, soak, constrained, batch, cluster (each takes --help)", add_help=False)
     p.add_argument("kind", choices=BENCHMARKS)
     p.set_defaults(func=None)
 
