@@ -20,7 +20,7 @@ DEPLOYMENT = "stratum-engine"
 def start(config: EngineConfig, replicas: int, ray_address: str | None = None, routing: str = "prefix",
           app_name: str = "stratum", max_imbalance: int = 8):
     """Deploy `replicas` engines for `config`; returns the ClusterClient (its `shutdown` undeploys them,
-    and stops the Ray cluster if this call started it)."""
+    and stops the Ray cluster if this call started it; a cluster joined keeps running)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
     from ray import serve
@@ -62,8 +62,9 @@ def start(config: EngineConfig, replicas: int, ray_address: str | None = None, r
         try:
             serve.delete(app_name)
         finally:
-            if started:
+            if started and not ray_address:  # our own cluster: Serve and Ray go with it
                 serve.shutdown()
+            if started:  # a cluster joined is left running, with its other applications
                 ray.shutdown()
 
     return ClusterClient(handle, description, DEPLOYMENT, on_shutdown=shutdown)
