@@ -41,7 +41,8 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help="engine threads (serve default: cores - 1)")
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--engine", default="process", choices=["process", "thread"],
-                   help="where the engine loop runs: a process of its own (default), or a thread of the server")
+                   help="where the engine loop runs: a process of its own (default), or a thread of the server "
+                        "(with --replicas, each replica's process runs it)")
 
 
 def cmd_pull(args) -> int:
@@ -83,6 +84,11 @@ def cmd_serve(args) -> int:
 
     try:
         if args.replicas > 1:
+            import importlib.util
+
+            if importlib.util.find_spec("ray") is None:
+                print("error: --replicas needs Ray Serve: pip install 'stratum-serve[ray]'", file=sys.stderr)
+                return 1
             from stratum.cluster import launch
 
             client = launch.start(config, args.replicas, args.ray_address, args.routing)
