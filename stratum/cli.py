@@ -216,7 +216,7 @@ def cmd_info(args) -> int:
     }
     if torch.cuda.is_available():
         info["cuda_device"] = torch.cuda.get_device_name(0)
-    config = EngineConfig(model=args.model, num_threads=args.threads, serving=True)
+    config = EngineConfig(model=args.model, num_threads=args.threads, serving=True, remeasure_plan=args.remeasure)
     try:
         resolved = builder.resolve(config, builder.load(config))
     except (PullError, ValueError) as e:
@@ -340,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("info", help="hardware, and the kernel plan with its measured times")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--threads", type=int, default=None, help="engine threads (serve default: cores - 1)")
+    p.add_argument("--remeasure", action="store_true", help="measure the kernel plan again and cache the new one")
     p.set_defaults(func=cmd_info)
 
     p = sub.add_parser("trace", help="decode an x-stratum-trace header")

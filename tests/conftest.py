@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+
 import pytest
 
 from tests.factories import make_tiny_model_dir
+
+# Kernel plans measured by the tests (and the servers they start) go to a directory of the session's
+# own: a plan measured while the suite loads the machine never becomes the plan a server here uses.
+os.environ["STRATUM_PLAN_DIR"] = tempfile.mkdtemp(prefix="stratum-test-plans-")
 
 
 @pytest.fixture(scope="session")

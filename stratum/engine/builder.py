@@ -17,7 +17,7 @@ from stratum.engine.config import EngineConfig, ResolvedConfig
 from stratum.home import stratum_home
 from stratum.kernels import native
 from stratum.kernels import KernelPlan
-from stratum.kernels.plan import select_plan
+from stratum.kernels.plan import Shapes, select_plan
 from stratum.kernels.quant import Int4Weight, Int8Weight, Q8Weight, is_packable, unpack_q4, unpack_q8_0
 from stratum.layers.linear import Linear
 from stratum.models.llama import LlamaForCausalLM
@@ -72,7 +72,7 @@ def _plan(config: EngineConfig, checkpoint: Checkpoint, device: str, threads: in
     if config.int4_max_tokens is not None and config.dtype != "auto":  # fully specified: nothing to measure
         plan = KernelPlan("cpu", config.dtype, threads, 0, source="configured")
     else:
-        plan = select_plan(stratum_home(), mc.hidden_size, mc.intermediate_size, threads, can_pack, config.dtype)
+        plan = select_plan(stratum_home(), Shapes.of(mc), threads, can_pack, config.dtype, remeasure=config.remeasure_plan)
     if config.int4_max_tokens is not None:  # the configured row limit holds for both packed formats
         rows = config.int4_max_tokens if plan.dtype == "bfloat16" else 0
         plan = replace(plan, int4_max_tokens=rows if can_pack else 0, q8_max_rows=rows if native.available() else 0,

@@ -20,6 +20,15 @@ class KernelPlan:
     cpu: str = ""
     timings_us: dict = field(default_factory=dict, hash=False, compare=False)
     source: str = "measured"  # "measured" now, or "cache"
+    quiet: bool = True  # measured while no other process kept the cores busy (else measured again later)
+    runs: int = 0  # measurement runs behind the figures
+    other_load: list = field(default_factory=list, hash=False, compare=False)  # cores others used, per run
+    remeasured: int = 0  # starts that measured a busy plan again
+
+    @property
+    def decision(self) -> tuple[str, int, int]:
+        """What the plan decides (dtype, packed int4 rows, Q8_0 head rows), without its figures."""
+        return (self.dtype, self.int4_max_tokens, self.q8_max_rows)
 
     def describe(self) -> dict:
         return asdict(self)
