@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--replicas", type=int, default=1,
                    help="engine replicas on Ray Serve behind this server, routed by prefix (default 1: no Ray)")
     p.add_argument("--ray-address", default=None,
-                   help="with --replicas: the Ray cluster to join (e.g. auto, ray://host:10001); default: start one here")
+                   help="with --replicas: the Ray cluster to join (auto, or the head's host:port); default: start one here")
     p.add_argument("--routing", default="prefix", choices=["prefix", "round-robin", "power-of-two"],
                    help="with --replicas: how a request picks its replica (default: the one holding its prefix)")
     p.add_argument("--log-level", default="warning")

@@ -150,12 +150,15 @@ async def _stream_one(client: anthropic.AsyncAnthropic, i: int) -> str:
 def test_killing_a_replica_mid_run(cluster):
     """Every request in flight either completes or ends with an error, none hangs, the service keeps
     answering, and Serve brings the replica set back to two."""
-    victim = wait_for_replicas(cluster.url, 2)[0]
+    wait_for_replicas(cluster.url, 2)
+    victim: dict = {}
 
     async def run() -> list[str]:
         async with anthropic.AsyncAnthropic(base_url=cluster.url, api_key="kill", max_retries=0, timeout=60) as client:
             tasks = [asyncio.create_task(_stream_one(client, i)) for i in range(8)]
             await asyncio.sleep(1.0)
+            replicas = (await asyncio.to_thread(health, cluster.url))["replicas"]
+            victim.update(max(replicas, key=lambda r: r["running"]))  # one that is serving some of them
             os.kill(victim["pid"], signal.SIGKILL)
             return await asyncio.wait_for(asyncio.gather(*tasks), timeout=90)
 
@@ -171,3 +174,11 @@ def test_killing_a_replica_mid_run(cluster):
     assert r.headers["x-stratum-replica"] != victim["replica"]
     replicas = wait_for_replicas(cluster.url, 2, timeout=120)
     assert victim["replica"] not in {x["replica"] for x in replicas}
+
+
+def test_ray_client_addresses_are_refused_before_anything_starts():
+    from stratum.cluster import launch
+    from stratum.engine.config import EngineConfig
+
+    with pytest.raises(ValueError, match="ray://"):
+        launch.start(EngineConfig(model="unused"), 2, ray_address="ray://head:10001")

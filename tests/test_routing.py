@@ -41,7 +41,6 @@ def test_same_prefix_follows_its_placement_before_any_report():
     p.routed(first, keys(1))
     for _ in range(5):
         assert p.rank(keys(1), ["a", "b", "c"])[0] == first
-    p.completed(first)
 
 
 def test_new_prefixes_spread_over_idle_replicas():
@@ -50,7 +49,7 @@ def test_new_prefixes_spread_over_idle_replicas():
     for prefix in range(3):
         name = p.rank(keys(prefix), ["a", "b", "c"])[0]
         p.routed(name, keys(prefix))
-        p.completed(name)
+        p.report(name, at=p.clock() + 0.5, load=0, free_blocks=None, held=[])  # done, and said so
         chosen.append(name)
     assert sorted(chosen) == ["a", "b", "c"]
 
@@ -71,25 +70,60 @@ def test_a_long_queue_sends_the_request_elsewhere():
     overflow = p.rank(keys(3), ["a", "b", "c"])[0]
     assert overflow != "a"  # 3 in flight vs 0: past the imbalance allowed
     assert p.replicas[overflow].matched_blocks(keys(3)) == 8  # the copy it computes there is remembered
-    for _ in range(3):
-        p.completed("a")
+    p.report("a", at=p.clock() + 0.5, load=0, free_blocks=100, held=keys(3))  # its three have completed
     third = ({"a", "b", "c"} - {"a", overflow}).pop()
     for _ in range(10):
         assert p.rank(keys(3), ["a", "b", "c"])[0] != third  # one of the two holders, never the third
 
 
-def test_a_report_made_after_the_grace_replaces_placements():
+def test_a_cache_listing_made_after_the_grace_replaces_placements():
     clock = Clock()
     p = PrefixPolicy(clock=clock, placement_grace_s=2.0)
     p.set_replicas(["a", "b"])
     p.routed("a", keys(5))
-    p.completed("a")
-    p.report("a", at=clock.t + 1.0, load=0, free_blocks=100, held=[])  # too soon: the prefill may still run
-    assert p.replicas["a"].matched_blocks(keys(5)) == 8
-    p.report("a", at=clock.t + 3.0, load=0, free_blocks=100, held=[])  # evicted since, and says so
-    assert p.replicas["a"].matched_blocks(keys(5)) == 0
-    p.report("a", at=clock.t + 2.5, load=7, free_blocks=0, held=keys(5))  # an older report changes nothing
+    assert p.replicas["a"].load == 1
+    p.report("a", at=clock.t + 5.0, load=0, free_blocks=100, held=[], held_at=clock.t + 1.0)
+    assert p.replicas["a"].load == 0  # the report counts what it serves; what was routed before is in it
+    assert p.replicas["a"].matched_blocks(keys(5)) == 8  # listed too soon after: the prefill may still run
+    p.report("a", at=clock.t + 6.0, load=0, free_blocks=100, held=[], held_at=clock.t + 3.0)
+    assert p.replicas["a"].matched_blocks(keys(5)) == 0  # evicted since, and listed so
+    p.report("a", at=clock.t + 5.5, load=7, free_blocks=0, held=keys(5))  # an older report changes nothing
     assert p.replicas["a"].reported_load == 0
+
+
+def test_requests_routed_after_a_report_count_until_the_next():
+    clock = Clock()
+    p = PrefixPolicy(clock=clock)
+    p.set_replicas(["a"])
+    p.report("a", at=clock.t, load=3, free_blocks=100, held=[])
+    clock.t += 0.1
+    p.routed("a", [])
+    p.routed("a", [])
+    assert p.replicas["a"].load == 5
+    p.report("a", at=clock.t + 0.4, load=2, free_blocks=100, held=[])
+    assert p.replicas["a"].load == 2
+
+
+def test_a_replica_whose_engine_died_is_not_chosen():
+    p = policy()
+    p.report("a", at=999.0, load=0, free_blocks=100, held=keys(4), alive=False)
+    assert "a" not in p.rank(keys(4), ["a", "b", "c"])
+    p.report("b", at=999.0, load=0, free_blocks=100, held=[], alive=False)
+    p.report("c", at=999.0, load=0, free_blocks=100, held=[], alive=False)
+    assert sorted(p.rank(keys(4), ["a", "b", "c"])) == ["a", "b", "c"]  # all dead: Serve is replacing them
+
+
+def test_short_prompts_go_to_the_shortest_queue():
+    """A prompt under one block caches nothing: free memory is no reason to pile onto a replica."""
+    p = policy()
+    for name, free in (("a", 1000), ("b", 990), ("c", 980)):
+        p.report(name, at=999.0, load=0, free_blocks=free, held=[])
+    chosen = []
+    for _ in range(30):
+        name = p.rank([], ["a", "b", "c"])[0]
+        p.routed(name, [])
+        chosen.append(name)
+    assert sorted(chosen.count(n) for n in "abc") == [10, 10, 10]
 
 
 def test_gone_replicas_are_forgotten_and_new_ones_start_empty():
@@ -98,7 +132,7 @@ def test_gone_replicas_are_forgotten_and_new_ones_start_empty():
     p.set_replicas(["b", "d"])
     assert set(p.replicas) == {"b", "d"}
     assert p.rank(keys(1), ["b", "d"])[0] in ("b", "d")
-    p.completed("a")  # a late completion from a replica that is gone is ignored
+    p.routed("a", keys(1))  # a late routing to a replica that is gone is ignored
 
 
 def test_placements_are_bounded():

@@ -67,7 +67,7 @@ class ClusterClient(EngineClient):
         for name, stats in sorted(router.stats().items()):
             state = router.policy.replicas.get(name)
             snap = decode_snapshot(stats["snapshot"]) if "snapshot" in stats else EngineSnapshot(alive=True)
-            views.append(ReplicaView(name, stats.get("pid"), snap, state.in_flight if state else 0,
+            views.append(ReplicaView(name, stats.get("pid"), snap, state.load if state else 0,
                                      len(stats.get("held", ())), stats.get("at", 0.0)))
         return views
 
@@ -102,15 +102,20 @@ class ClusterClient(EngineClient):
     def snapshot(self, value: EngineSnapshot) -> None:  # the base class's initial value; replicas report their own
         pass
 
+    @property
+    def width(self) -> int:
+        """Live replicas: the server's waiting queue and Retry-After scale with them."""
+        return max(1, sum(v.snapshot.alive for v in self.replicas()))
+
     # ---- requests -----------------------------------------------------------------------------------
     def _queue_requests(self, requests: list[tuple[str, list[int], SamplingParams, dict]]) -> None:
         """One `generate` call for the lot (the members of a group share the prompt that forks them)."""
         _, ids, _, kwargs = requests[0]
         keys = prompt_block_keys(ids, self.config.block_size, kwargs.get("cache_salt"))
         call = _Call([r[0] for r in requests])
+        call.response = self._generate.remote({"keys": keys, "requests": requests})
         for rid in call.request_ids:
             self._calls[rid] = call
-        call.response = self._generate.remote({"keys": keys, "requests": requests})
         call.task = asyncio.get_running_loop().create_task(self._pump(call))
 
     async def _pump(self, call: _Call) -> None:
@@ -127,7 +132,7 @@ class ClusterClient(EngineClient):
             if not call.cancelled:  # the replica died, or the call failed: its requests end with that error
                 log.warning("a replica call failed: %s: %s", type(e).__name__, e)
                 self._on_events([("error", rid, f"the replica serving this request failed: {type(e).__name__}: {e}",
-                                  "internal") for rid in call.request_ids])
+                                  "unavailable") for rid in call.request_ids])
             if isinstance(e, asyncio.CancelledError):
                 raise
         finally:

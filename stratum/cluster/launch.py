@@ -30,6 +30,9 @@ def start(config: EngineConfig, replicas: int, ray_address: str | None = None, r
     from stratum.cluster.replica import EngineReplica
     from stratum.cluster.routing import POLICIES
 
+    if ray_address and ray_address.startswith("ray://"):  # Serve streams no handle calls through Ray Client
+        raise ValueError("--ray-address: Ray Client addresses (ray://) are not supported; run the server on a "
+                         "node of the cluster and give `auto` or the head's host:port")
     if routing not in POLICIES:
         raise ValueError(f"unknown routing policy {routing!r} (one of {', '.join(POLICIES)})")
     started = not ray.is_initialized()

@@ -41,7 +41,8 @@ class EngineReplica:
                           "bos_token_id": tok.bos_token_id, "eos_token_ids": list(tok.eos_token_ids),
                           "chat_template": engine.chat_template.source}}
         self.snapshot = EngineSnapshot(alive=True)
-        self.held: list[int] = []
+        self.held: tuple[list[int], float] = ([], 0.0)  # the cache's recent keys, and when the loop listed them
+        self.calls = 0  # generate calls being served
         self._requests: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._lock = threading.Lock()
         self.loop = EngineLoop(engine, self._deliver)
@@ -66,10 +67,11 @@ class EngineReplica:
             for rid in rids:
                 self._requests[rid] = (loop, queue)
         open_ = set(rids)
+        self.calls += 1
         try:
             yield [("replica", self.name)]
             if not self.snapshot.alive:
-                yield [("error", rid, f"the engine stopped: {self.snapshot.error}", "internal") for rid in rids]
+                yield [("error", rid, f"the engine stopped: {self.snapshot.error}", "unavailable") for rid in rids]
                 return
             for rid, ids, sampling, kwargs in payload["requests"]:
                 self.loop.submit(("add", rid, ids, sampling, kwargs))
@@ -84,9 +86,11 @@ class EngineReplica:
                         open_.discard(event[1])
                 yield events
         finally:
+            self.calls -= 1
             with self._lock:
                 for rid in rids:
-                    self._requests.pop(rid, None)
+                    if self._requests.get(rid, (None, None))[1] is queue:
+                        del self._requests[rid]
             for rid in open_:
                 self.loop.submit(("abort", rid))
 
@@ -109,12 +113,12 @@ class EngineReplica:
             if kind == "snapshot":
                 self.snapshot = event[1]
             elif kind == "held":
-                self.held = event[1]
+                self.held = (event[1], time.time())
             elif kind == "dead":
                 self.snapshot = replace(self.snapshot, alive=False, error=event[1])
                 with self._lock:
                     for rid in self._requests:
-                        by_request.setdefault(rid, []).append(("error", rid, f"the engine stopped: {event[1]}", "internal"))
+                        by_request.setdefault(rid, []).append(("error", rid, f"the engine stopped: {event[1]}", "unavailable"))
             elif kind == "out":
                 by_request.setdefault(event[1].request_id, []).append(event)
             elif kind in ("error", "accepted"):
@@ -131,8 +135,9 @@ class EngineReplica:
                     loop.call_soon_threadsafe(queue.put_nowait, event)
 
     def _stats(self) -> dict:
-        return {"replica": self.name, "pid": os.getpid(), "at": time.time(), "snapshot": encode_snapshot(self.snapshot),
-                "held": self.held}
+        keys, held_at = self.held
+        return {"replica": self.name, "pid": os.getpid(), "at": time.time(), "calls": self.calls,
+                "snapshot": encode_snapshot(self.snapshot), "held": keys, "held_at": held_at}
 
 
 def _replica_name() -> str:

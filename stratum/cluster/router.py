@@ -3,8 +3,7 @@
 Serve runs the router in the process that holds the deployment handle — the ingress — and calls
 `choose_replicas` for each request; the ranks it returns are tried in order, and within a rank
 Serve skips a replica whose queue is full. This adapter feeds the pure policy (`routing.py`): the
-replicas' routing stats as reports, routed and completed requests as the router's own memory. It
-also keeps the latest stats per replica, which the ingress reads for /health and /metrics.
+replicas' routing stats as reports, the requests it routed as its own memory. It also keeps the latest stats per replica, which the ingress reads for /health and /metrics.
 """
 
 from __future__ import annotations
@@ -44,16 +43,16 @@ class StratumRouter(RequestRouter):
             stats = r.routing_stats
             if stats and "snapshot" in stats:
                 s = decode_snapshot(stats["snapshot"])
-                self.policy.report(name, stats["at"], s.num_running + s.num_waiting,
-                                   s.kv_blocks.free if s.kv_blocks.total else None, stats["held"])
+                self.policy.report(name, stats["at"], stats["calls"], s.kv_blocks.free if s.kv_blocks.total else None,
+                                   stats["held"], stats["held_at"], s.alive)
         ranked = self.policy.rank(_keys_of(pending_request), sorted(by_name))
         return [[by_name[n]] for n in ranked]
 
     def on_request_routed(self, pending_request: PendingRequest, replica_id, result) -> None:
+        # Only accepted requests get here. Completions are left to the replicas' reports: Serve also
+        # reports a rejected attempt as completed, and a fast request may complete before it is
+        # reported routed.
         self.policy.routed(replica_id.unique_id, _keys_of(pending_request))
-
-    def on_request_completed(self, replica_id, internal_request_id: str) -> None:
-        self.policy.completed(replica_id.unique_id)
 
 
 def _keys_of(pending_request: PendingRequest | None) -> list[int]:

@@ -5,11 +5,11 @@ salted SHA-256 chain the replicas' prefix caches are keyed by). Because each key
 before it, a replica holds the first k blocks of the prompt exactly when it holds key k-1, so the
 matched length is found from one lookup per block, from the longest prefix down.
 
-A policy knows two things about each replica: what the replica last reported (its load, its free KV
-blocks, the keys of its most recently used cached blocks), and what this router did since — the
-requests it sent that have not completed, and the prefixes it placed there. A placement stands in for
-the replica's own word until a report made well after it arrives: by then the replica either holds
-that prefix or has evicted it, and its report says which.
+A policy knows two things about each replica: what the replica last reported (the requests it
+serves, its free KV blocks, the keys of its most recently used cached blocks, whether its engine
+runs), and what this router did since — the requests it sent, and the prefixes it placed there. A
+placement stands in for the replica's own word until a cache listing made well after it arrives: by
+then the replica either holds that prefix or has evicted it, and its listing says which.
 
     PrefixPolicy       the longest cached match, unless it covers too little of the prompt or that
                        replica's queue is too long; a new prefix goes to the replica with the most
@@ -23,7 +23,7 @@ from __future__ import annotations
 import itertools
 import random
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 
@@ -32,16 +32,20 @@ class ReplicaState:
     """One replica, as the router sees it."""
 
     name: str
-    in_flight: int = 0  # requests this router sent it that have not completed
-    reported_load: int = 0  # running + waiting requests, from its last report
+    alive: bool = True  # its engine loop runs, as it last reported
+    reported_load: int = 0  # requests it was serving when it last reported
+    routed_since: deque[float] = field(default_factory=deque)  # when this router sent it requests since then
     reported_free_blocks: int | None = None  # KV blocks neither cached nor in use, from its last report
     held: frozenset[int] = frozenset()  # short keys of the cached blocks it last reported
-    reported_at: float = 0.0  # when it made that report (its clock)
+    held_at: float = 0.0  # when its engine listed them (its clock)
+    reported_at: float = 0.0  # when it made its last report
     placed: OrderedDict[int, float] = field(default_factory=OrderedDict)  # keys sent here since -> when
 
     @property
     def load(self) -> int:
-        return max(self.in_flight, self.reported_load)
+        """Requests it serves: its own count at its last report, and what was sent to it since.
+        (Completions are not counted down here; the next report, within a period, does that.)"""
+        return self.reported_load + len(self.routed_since)
 
     @property
     def free_blocks(self) -> float:
@@ -62,12 +66,13 @@ class Policy:
     """The bookkeeping every policy shares; subclasses order the replicas (`rank`).
 
     Args:
-        placement_grace_s: a placement is forgotten once the replica reports this long after it.
+        placement_grace_s: a placement is forgotten once the replica's cache listing is this much
+            newer: time for the request to wait, prefill and write its blocks to the cache.
         max_placed: placements remembered per replica (oldest forgotten first).
         clock: wall-clock seconds, comparable with the replicas' report times.
     """
 
-    def __init__(self, placement_grace_s: float = 2.0, max_placed: int = 8192, clock=time.time):
+    def __init__(self, placement_grace_s: float = 10.0, max_placed: int = 8192, clock=time.time):
         self.replicas: dict[str, ReplicaState] = {}
         self.placement_grace_s = placement_grace_s
         self.max_placed = max_placed
@@ -77,20 +82,26 @@ class Policy:
         """The replicas that exist now: new ones start empty, gone ones are forgotten."""
         self.replicas = {n: self.replicas.get(n) or ReplicaState(n) for n in names}
 
-    def report(self, name: str, at: float, load: int, free_blocks: int | None, held: list[int]) -> None:
-        """A replica's own account (routing stats); an older or repeated report changes nothing."""
+    def report(self, name: str, at: float, load: int, free_blocks: int | None, held: list[int],
+               held_at: float | None = None, alive: bool = True) -> None:
+        """A replica's own account (routing stats) made at `at`, its cache listed at `held_at`; an
+        older or repeated report changes nothing."""
         state = self.replicas.get(name)
         if state is None or at <= state.reported_at:
             return
-        state.reported_at, state.reported_load, state.reported_free_blocks = at, load, free_blocks
-        state.held = frozenset(held)
-        while state.placed and next(iter(state.placed.values())) <= at - self.placement_grace_s:
-            state.placed.popitem(last=False)
+        state.reported_at, state.reported_load, state.reported_free_blocks, state.alive = at, load, free_blocks, alive
+        while state.routed_since and state.routed_since[0] <= at:
+            state.routed_since.popleft()
+        held_at = at if held_at is None else held_at
+        if held_at >= state.held_at:
+            state.held, state.held_at = frozenset(held), held_at
+            while state.placed and next(iter(state.placed.values())) <= held_at - self.placement_grace_s:
+                state.placed.popitem(last=False)
 
     def routed(self, name: str, keys: list[int]) -> None:
         state = self.replicas.get(name)
         if state is not None:
-            state.in_flight += 1
+            state.routed_since.append(self.clock())
             self._place(state, keys)
 
     def _place(self, state: ReplicaState, keys: list[int]) -> None:
@@ -102,17 +113,15 @@ class Policy:
         while len(state.placed) > self.max_placed:
             state.placed.popitem(last=False)
 
-    def completed(self, name: str) -> None:
-        state = self.replicas.get(name)
-        if state is not None and state.in_flight > 0:
-            state.in_flight -= 1
-
     def rank(self, keys: list[int], candidates: list[str]) -> list[str]:
         """The candidates in the order to try them, best first."""
         raise NotImplementedError
 
     def _states(self, candidates: list[str]) -> list[ReplicaState]:
-        return [self.replicas.get(n) or ReplicaState(n) for n in candidates]
+        """The candidates' states; a replica that reported its engine dead is left out while any other
+        remains (Serve replaces it within seconds)."""
+        states = [self.replicas.get(n) or ReplicaState(n) for n in candidates]
+        return [s for s in states if s.alive] or states
 
 
 class PrefixPolicy(Policy):
@@ -145,13 +154,23 @@ class PrefixPolicy(Policy):
         best = max(near, key=lambda s: (matches[s.name], -s.load, -spread[s.name]))
         if matches[best.name] > 0 and matches[best.name] >= self.min_match_ratio * len(keys):
             return [best.name] + [s.name for s in sorted(near, key=lambda s: s.load) if s is not best] + [s.name for s in far]
-        # A new prefix: where the most KV memory is free, so the replicas share the hot prefixes evenly.
+        if not keys:  # nothing to cache (a prompt under one block): the shortest queue
+            near.sort(key=lambda s: (s.load, spread[s.name]))
+            return [s.name for s in near] + [s.name for s in far]
+        # A new prefix: where KV memory for the most prefixes of its size is free, so the replicas
+        # share the hot prefixes evenly (a block or two of difference does not outweigh the queue).
         # It is placed now, not once routed: Serve routes requests concurrently, and the next request
         # with this prefix may be ranked before this one is sent.
-        near.sort(key=lambda s: (-s.free_blocks, s.load, spread[s.name]))
-        if keys and near[0].name in self.replicas:
+        near.sort(key=lambda s: (-_room(s, len(keys)), s.load, spread[s.name]))
+        if near[0].name in self.replicas:
             self._place(self.replicas[near[0].name], keys)
         return [s.name for s in near] + [s.name for s in far]
+
+
+def _room(state: ReplicaState, num_blocks: int) -> float:
+    """How many prefixes of num_blocks its free KV blocks still hold (unbounded before any report)."""
+    free = state.free_blocks
+    return free if free == float("inf") else free // num_blocks
 
 
 class RoundRobinPolicy(Policy):

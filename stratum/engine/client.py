@@ -128,7 +128,8 @@ class EngineLoop:
     Args:
         engine: the LLMEngine it owns; only this loop touches it.
         emit: receives one list of events per step (or per batch of commands), in order:
-            ("out", RequestOutput), ("error", request_id, message, kind), ("accepted", request_id, cached tokens
+            ("out", RequestOutput), ("error", request_id, message, kind: invalid_request | unavailable |
+            internal), ("accepted", request_id, cached tokens
             expected), ("started", [request_id...]),
             ("snapshot", EngineSnapshot), ("held", [short block key...]) when asked, and once, last,
             ("dead", reason).
@@ -408,6 +409,11 @@ class EngineClient:
     def is_alive(self) -> bool:
         return self.snapshot.alive
 
+    @property
+    def width(self) -> int:
+        """Engines behind this client (their queues and batches add up): 1 here."""
+        return 1
+
     def replicas(self) -> list[ReplicaView]:
         """The replicas behind this client, when the engine is several (`stratum.cluster`); else none."""
         return []
@@ -426,7 +432,7 @@ class EngineClient:
         """
         if not self.is_alive:
             raise EngineDeadError(f"the engine is not running ({self.snapshot.error or 'stopped'})")
-        limit = self.config.scheduler.max_waiting
+        limit = self.config.scheduler.max_waiting * self.width
         if len(self._queued) >= limit:
             raise QueueFull(limit, self._retry_after_s())
         self._queued.add(request_id)
@@ -451,11 +457,18 @@ class EngineClient:
         """Queue several requests read as one stream: n samples of a prompt (each with its own sampling),
         or several prompts. A member with a fork (the id of an earlier member with the same prompt)
         starts from that member's computed prompt instead of computing it again."""
-        members = [self._open(rid) for rid in request_ids]
-        for stream in members[1:]:
-            stream.queue = members[0].queue
-        self._queue_requests([(rid, list(ids), sampling, dict(kwargs, fork_of=fork))
-                              for ids, sampling, rid, fork in zip(prompts, samplings, request_ids, forks)])
+        members: list[RequestStream] = []
+        try:
+            for rid in request_ids:
+                members.append(self._open(rid))
+            for stream in members[1:]:
+                stream.queue = members[0].queue
+            self._queue_requests([(rid, list(ids), sampling, dict(kwargs, fork_of=fork))
+                                  for ids, sampling, rid, fork in zip(prompts, samplings, request_ids, forks)])
+        except BaseException:  # none of them was queued: none stays open
+            for stream in members:
+                self._forget(stream.request_id)
+            raise
         return RequestGroup(members)
 
     def _open(self, request_id: str) -> RequestStream:
@@ -488,7 +501,7 @@ class EngineClient:
         """Seconds until a queue slot is likely free: recent request time x queued / batch size, with
         jitter so that rejected clients do not all come back at once."""
         typical = sum(self._recent_e2e) / len(self._recent_e2e) if self._recent_e2e else 1.0
-        batches = (len(self._queued) + self.snapshot.num_running) / max(1, self.config.scheduler.max_num_seqs)
+        batches = (len(self._queued) + self.snapshot.num_running) / max(1, self.config.scheduler.max_num_seqs * self.width)
         return max(1, math.ceil(typical * max(1.0, batches) * random.uniform(0.5, 1.5)))
 
     def _on_events(self, events: list) -> None:
@@ -513,8 +526,8 @@ class EngineClient:
                 _, rid, message, category = event
                 stream = self._streams.get(rid)
                 if stream is not None:
-                    stream.queue.put_nowait(InvalidRequestError(message) if category == "invalid_request"
-                                            else RuntimeError(message))
+                    error = {"invalid_request": InvalidRequestError, "unavailable": EngineDeadError}.get(category, RuntimeError)
+                    stream.queue.put_nowait(error(message))
             elif kind == "dead":
                 error = EngineDeadError(f"the engine stopped: {event[1]}")
                 for stream in list(self._streams.values()):
