@@ -30,7 +30,7 @@ class FakeClock:
 def matched_tokens(bm, seq) -> int:
     """Tokens of seq's prompt the prefix cache could serve now; 0 when seq does not read the cache."""
     match = bm.match_prefix(seq)
-    return match.num_blocks * bm.block_size if match is not None else 0
+    return match.num_tokens(bm.block_size) if match is not None else 0
 
 
 def admit(bm, seq, num_new_tokens: int | None = None) -> bool:
@@ -39,7 +39,7 @@ def admit(bm, seq, num_new_tokens: int | None = None) -> bool:
     as cached if this is the first admission. False, changing nothing, when allocation fails."""
     assert not seq.block_table, "only a waiting sequence (empty table) is admitted"
     match = bm.match_prefix(seq)
-    hit = match.num_blocks * bm.block_size if match is not None else 0
+    hit = match.num_tokens(bm.block_size) if match is not None else 0
     if num_new_tokens is None:
         num_new_tokens = seq.num_tokens - hit
     if not bm.allocate(seq, num_new_tokens, match):
@@ -248,10 +248,13 @@ def test_a_prefix_hit_always_leaves_one_token_to_compute():
     finish(bm, a)
     assert sorted(bm.cache.block_node) == [0, 1]
     b = make_seq("b", range(8))
-    assert matched_tokens(bm, b) == 4  # not 8: the last token must go through the forward for logits
-    assert admit(bm, b, 4)
-    assert b.block_table == [0, 2]
-    assert b.num_computed_tokens == 4
+    # not 8: the last token must go through the forward for logits. Block 1 is cached, but b may read
+    # only 3 of its slots: they are copied into a block of b's own, which computes the last slot.
+    assert matched_tokens(bm, b) == 7
+    match = bm.match_prefix(b)
+    assert admit(bm, b, 1)
+    assert b.block_table == [0, 2] and b.num_computed_tokens == 7
+    assert bm.partial_copy(b, match) == (1, 2)
 
 
 def test_generated_tokens_are_cached_so_the_next_turn_hits():

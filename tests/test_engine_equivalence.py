@@ -106,11 +106,12 @@ def test_tiny_alone_equals_batched(tiny_model_dir, tiny_ref):
 def test_tiny_prefix_hits_equal_no_hits(tiny_model_dir, tiny_ref):
     llm = tiny_llm(tiny_model_dir)
     cold = run(llm, tiny_prompts(), 16)
-    # the first request computes the preamble; the rest wait one step for it, then hit its two blocks
-    assert [s.num_cached_tokens for s in cold.stats] == [0] + [32] * 31
+    # the first request computes the preamble; the rest wait one step for it, then hit its two full
+    # blocks and copy the preamble's last 8 slots from its third
+    assert [s.num_cached_tokens for s in cold.stats] == [0] + [40] * 31
     assert_equivalent(tiny_ref, cold)
-    warm = run(llm, tiny_prompts(), 16)
-    assert [s.num_cached_tokens for s in warm.stats] == [(len(p) - 1) // BS * BS for p in tiny_prompts()]
+    warm = run(llm, tiny_prompts(), 16)  # each prompt's own blocks, its tail's block filled by its output
+    assert [s.num_cached_tokens for s in warm.stats] == [len(p) - 1 for p in tiny_prompts()]
     assert_equivalent(tiny_ref, warm)
 
 
@@ -229,8 +230,8 @@ def test_real_prefix_hits_equal_no_hits(real_base, real_prompts, real_ref):
     cold = run(real_base, real_prompts, REAL_MAX_TOKENS)
     assert [s.num_cached_tokens for s in cold.stats] == [0] + [32] * 31
     assert_equivalent(real_ref, cold)
-    warm = run(real_base, real_prompts, REAL_MAX_TOKENS)
-    assert [s.num_cached_tokens for s in warm.stats] == [(len(p) - 1) // BS * BS for p in real_prompts]
+    warm = run(real_base, real_prompts, REAL_MAX_TOKENS)  # each prompt's own blocks, its tail's filled by its output
+    assert [s.num_cached_tokens for s in warm.stats] == [len(p) - 1 for p in real_prompts]
     assert_equivalent(real_ref, warm)
 
 

@@ -93,6 +93,53 @@ def test_tenants_with_different_salts_each_compute_the_prompt(tiny_model_dir):
     assert sum(s.num_prompt_tokens_computed for s in stats) == 2 * 600 + sum(map(len, suffixes)) + 18 * 8
 
 
+def test_a_partly_matching_block_is_copied_not_recomputed(tiny_model_dir):
+    """The shared prompt's last 8 tokens sit in block 37 with the first request's own suffix: a later
+    request copies those 8 slots from it instead of computing them, and answers exactly as it would
+    have with no cache at all."""
+    system, suffixes = shared_prompt_requests(seed=4)
+    first, later = system + [7] * 20, [system + s for s in suffixes[1:6]]
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    llm = tiny_llm(tiny_model_dir)
+    llm.generate([first], greedy)  # blocks 0..37 cached, 37 holding 8 shared tokens and 8 of its own
+    outs = llm.generate(later, greedy)
+    assert [o.stats.num_cached_tokens for o in outs] == [SHARED] * 5
+    assert [o.stats.num_prompt_tokens_computed for o in outs] == [len(s) for s in suffixes[1:6]]
+    reference = LLM(str(tiny_model_dir), num_kv_blocks=256, block_size=BS, dtype="float32", device="cpu",
+                    num_threads=1, enable_prefix_cache=False).generate(later, greedy)
+    assert [o.token_ids for o in outs] == [r.token_ids for r in reference]
+    assert llm.engine.block_manager.num_used_blocks == 0
+    llm.engine.block_manager.check_integrity()
+
+
+def test_a_prompt_ending_inside_a_cached_block_reads_all_but_its_last_token(tiny_model_dir):
+    system, _ = shared_prompt_requests(seed=5)
+    llm = tiny_llm(tiny_model_dir)
+    llm.generate([system + [7] * 20], SamplingParams(max_tokens=1, temperature=0.0))
+    out = llm.generate([system], SamplingParams(max_tokens=1, temperature=0.0))[0]
+    assert out.stats.num_cached_tokens == SHARED - 1 and out.stats.num_prompt_tokens_computed == 1
+
+
+def test_partial_matches_stay_within_a_tenant(tiny_model_dir):
+    engine = tiny_llm(tiny_model_dir).engine
+    system, _ = shared_prompt_requests(seed=6)
+
+    def run(prompt, salt):
+        seq = engine.add_request(prompt, SamplingParams(max_tokens=1, temperature=0.0), request_id=f"r{run.i}",
+                                 cache_salt=salt)
+        run.i += 1
+        while engine.has_unfinished():
+            engine.step()
+        return engine.request_stats(seq).num_cached_tokens
+    run.i = 0
+
+    assert run(system + [7] * 20, "a") == 0
+    assert run(system[:40] + [9] * 30, "b") == 0  # another tenant reads neither blocks nor slots
+    assert run(system[:40] + [9] * 30, "a") == 40  # two full blocks and 8 slots of the third
+    assert run(system[:10] + [8] * 30, "a") == 0  # a partial match follows a full one: never at the root,
+    #                                               whose children are every tenant's first blocks
+
+
 @pytest.mark.integration
 def test_real_chat_requests_share_a_long_system_prompt(real_model_path):
     llm = LLM(str(real_model_path), num_kv_blocks=512, block_size=BS, dtype="float32", device="cpu", num_threads=1)

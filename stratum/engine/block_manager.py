@@ -74,7 +74,12 @@ class BlockManager:
             return None
         if self.fault == "cache":
             raise RuntimeError("injected prefix-cache fault (STRATUM_FAULT_INJECT=cache)")
-        return self.cache.match_prefix(self._prefix_keys(seq))
+        match = self.cache.match_prefix(self._prefix_keys(seq))
+        if not match.num_blocks:  # a partial match needs a full one before it: the root's children are
+            return match          # every tenant's first blocks, and one tenant never reads another's
+        bs, start = self.block_size, match.num_blocks * self.block_size
+        block, n = self.cache.match_partial(match.node, seq.token_ids[start : min(start + bs, seq.num_tokens - 1)])
+        return match._replace(partial_block=block, partial_tokens=n) if n else match
 
     # ---- changes -------------------------------------------------------------------------------
     def allocate(self, seq: Sequence, num_new_tokens: int, match: MatchResult | None = None) -> bool:
@@ -82,13 +87,15 @@ class BlockManager:
 
         With a match (a waiting request's first allocation), seq's table starts with the matched
         blocks, shared and locked, and the new tokens follow them; the caller then counts the matched
-        tokens as computed. Without one, the new tokens follow seq.num_computed_tokens.
+        tokens as computed. A partial match's slots are copied into seq's next block, its own: the
+        caller queues that copy (`partial_copy`) before the step. Without a match, the new tokens
+        follow seq.num_computed_tokens.
 
         Returns:
             False, changing nothing, when the pool cannot supply the blocks even after eviction.
         """
         if match is not None and match.num_blocks and not seq.block_table:
-            needed = -(-(match.num_blocks * self.block_size + num_new_tokens) // self.block_size) - match.num_blocks
+            needed = -(-(match.num_tokens(self.block_size) + num_new_tokens) // self.block_size) - match.num_blocks
             self.cache.lock(match.node)  # protect the hit before evicting for the rest
             if not self._reserve(needed):
                 self.cache.unlock(match.node)
@@ -105,6 +112,14 @@ class BlockManager:
             self.ref_counts[b] = 1
             seq.block_table.append(b)
         return True
+
+    @staticmethod
+    def partial_copy(seq: Sequence, match: MatchResult | None) -> tuple[int, int] | None:
+        """After `allocate` with match: the (source, destination) block copy that gives seq the partial
+        match's slots, or None."""
+        if match is None or not match.partial_tokens:
+            return None
+        return (match.partial_block, seq.block_table[match.num_blocks])
 
     def fork(self, parent: Sequence, child: Sequence) -> tuple[int, int] | None:
         """Give child (a sample of parent's prompt) parent's blocks for every prompt position before the
@@ -136,7 +151,8 @@ class BlockManager:
                 self.cache.pin(seq.full_block_hashes()[:num_full], pin_ttl_s)
             return
         keys = seq.full_block_hashes()[:num_full]
-        num_present = self.cache.insert(keys, seq.block_table[:num_full])
+        bs, ids = self.block_size, seq.token_ids
+        num_present = self.cache.insert(keys, seq.block_table[:num_full], tokens=lambda i: ids[i * bs : (i + 1) * bs])
         num_prompt_blocks = seq.num_prompt_tokens // self.block_size
         seq.num_cache_written_tokens += max(0, min(num_full, num_prompt_blocks) - num_present) * self.block_size
         seq.num_inserted_blocks = num_full

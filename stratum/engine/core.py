@@ -170,7 +170,7 @@ class LLMEngine:
         """Prompt tokens the prefix cache would serve seq now: what it will read when it is scheduled,
         unless blocks are evicted or computed meanwhile."""
         match = self.block_manager.match_prefix(seq)
-        return match.num_blocks * self.config.block_size if match is not None else 0
+        return match.num_tokens(self.config.block_size) if match is not None else 0
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request in any state and return every block it held."""

@@ -57,7 +57,7 @@ class ModelRunner:
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Run one step. Sequences whose computed tokens reach num_tokens sample their next token."""
-        for src, dst in sched.copies:  # copy-on-write of forked samples' last prompt block
+        for src, dst in sched.copies:  # a forked sample's last prompt block, a partial prefix match's slots
             a, b = src * self.block_size, dst * self.block_size
             for k, v in self.kv_caches:
                 k[b : b + self.block_size] = k[a : a + self.block_size]

@@ -23,6 +23,7 @@ from typing import NamedTuple
 class RadixNode:
     keys: list[bytes] = field(default_factory=list)
     blocks: list[int] = field(default_factory=list)
+    tokens: list[tuple[int, ...]] = field(default_factory=list)  # each block's token ids (when kept)
     children: dict[bytes, "RadixNode"] = field(default_factory=dict)
     parent: "RadixNode | None" = None
     last_access: float = 0.0
@@ -36,10 +37,16 @@ class RadixNode:
 class MatchResult(NamedTuple):
     node: RadixNode  # the deepest node covering exactly the matched blocks
     block_ids: list[int]
+    partial_block: int = -1  # a cached block whose first `partial_tokens` slots hold the prompt's next tokens
+    partial_tokens: int = 0
 
     @property
     def num_blocks(self) -> int:
         return len(self.block_ids)
+
+    def num_tokens(self, block_size: int) -> int:
+        """Prompt tokens the match serves: its full blocks, and the slots copied from a partial one."""
+        return self.num_blocks * block_size + self.partial_tokens
 
 
 class RadixCache:
@@ -74,8 +81,11 @@ class RadixCache:
             node, i = child, i + n
         return MatchResult(node, matched)
 
-    def insert(self, keys: list[bytes], block_ids: list[int]) -> int:
+    def insert(self, keys: list[bytes], block_ids: list[int], tokens=None) -> int:
         """Insert a prefix. Blocks whose key is already cached are not taken (the caller keeps its copy).
+
+        Args:
+            tokens: a callable giving block i's token ids, kept for partial matches (`match_partial`).
 
         Returns:
             The number of leading keys that were already cached.
@@ -85,7 +95,8 @@ class RadixCache:
         while i < len(keys):
             child = node.children.get(keys[i])
             if child is None:
-                leaf = RadixNode(keys[i:], block_ids[i:], parent=node, last_access=now)
+                kept = [tuple(tokens(j)) if tokens else () for j in range(i, len(keys))]
+                leaf = RadixNode(keys[i:], block_ids[i:], kept, parent=node, last_access=now)
                 node.children[keys[i]] = leaf
                 for b in leaf.blocks:
                     assert b not in self.block_node, f"block {b} cached twice"
@@ -97,6 +108,19 @@ class RadixCache:
             child.last_access = now
             node, i = child, i + n
         return i
+
+    def match_partial(self, node: RadixNode, block_tokens: list[int]) -> tuple[int, int]:
+        """The cached block after `node` whose first slots hold the most of `block_tokens` (the
+        prompt's next, not full, block): (block id, tokens in common), or (-1, 0)."""
+        best, best_n = -1, 0
+        for child in node.children.values():
+            cached = child.tokens[0] if child.tokens else ()
+            n = _common_length(list(cached[: len(block_tokens)]), block_tokens)
+            if n > best_n:
+                best, best_n = child.blocks[0], n
+        if best_n:
+            self.block_node[best].last_access = self.clock()
+        return best, best_n
 
     def lock(self, node: RadixNode) -> None:
         """Take a reference on every block from the root down to `node`."""
@@ -210,10 +234,10 @@ class RadixCache:
 
     def _split(self, node: RadixNode, n: int) -> RadixNode:
         """Cut node's edge after n blocks; returns the new upper node."""
-        upper = RadixNode(node.keys[:n], node.blocks[:n], parent=node.parent,
+        upper = RadixNode(node.keys[:n], node.blocks[:n], node.tokens[:n], parent=node.parent,
                           last_access=node.last_access, pin_until=node.pin_until)
         node.parent.children[upper.keys[0]] = upper
-        node.keys, node.blocks = node.keys[n:], node.blocks[n:]
+        node.keys, node.blocks, node.tokens = node.keys[n:], node.blocks[n:], node.tokens[n:]
         node.parent = upper
         upper.children[node.keys[0]] = node
         for b in upper.blocks:

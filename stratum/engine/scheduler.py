@@ -180,7 +180,7 @@ class Scheduler:
                 if seq.fork_of is not None:
                     break  # no block for it now
             match = self.bm.match_prefix(seq)
-            hit = match.num_blocks * self.bm.block_size if match is not None else 0
+            hit = match.num_tokens(self.bm.block_size) if match is not None else 0
             if in_flight is None:
                 in_flight = self._in_flight_keys()
             if self._waits_for_in_flight(seq, hit, in_flight):
@@ -193,6 +193,9 @@ class Scheduler:
             watermark = self.config.watermark_blocks if self.running else 0
             if not self.bm.can_allocate(need + watermark) or not self.bm.allocate(seq, n, match):
                 break
+            copy = self.bm.partial_copy(seq, match)
+            if copy is not None:
+                out.copies.append(copy)
             seq.num_computed_tokens = hit
             if seq.num_cached_tokens < 0:  # the first admission's hit is what the cache served
                 seq.num_cached_tokens = hit
