@@ -94,3 +94,11 @@ def make_seq(request_id: str, token_ids: list[int], block_size: int = 4, max_tok
 
 def make_block_manager(num_blocks: int = 16, block_size: int = 4, enable_prefix_cache: bool = True, clock=None) -> BlockManager:
     return BlockManager(num_blocks, block_size, enable_prefix_cache, clock=clock)
+
+
+def rereads(n: int, output_tokens: int, block_size: int = 16) -> int:
+    """Prompt tokens a repeat of an n-token prompt reads from the prefix cache after one run that
+    generated output_tokens: its full prompt blocks, and all but the last token when that run's own
+    tokens filled the block holding the prompt's tail (the block is then cached, its slots copied)."""
+    computed = n + max(0, output_tokens - 1)  # the last output token is never fed back; a warm-up computes n
+    return n - 1 if computed >= ((n - 1) // block_size + 1) * block_size else (n - 1) // block_size * block_size

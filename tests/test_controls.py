@@ -16,6 +16,7 @@ import httpx
 import pytest
 
 from tests.conftest import ServerProcess
+from tests.factories import rereads
 from tests.test_telemetry_cost import BLOCK, decode, long_text, parse_cost, prompt_tokens, unique_system
 
 COMPRESS_THRESHOLD = 1024  # Runtime.compress_threshold_tokens
@@ -66,13 +67,14 @@ def test_bypass_neither_reads_nor_writes_the_cache(tiny_server, client, tiny_tem
     # nothing was written: the same prompt afterwards misses and creates every block itself
     raw, msg = create(client, system, text)
     assert msg.usage.cache_read_input_tokens == 0 and msg.usage.input_tokens == n
+    written = msg.usage.output_tokens
     assert kv_blocks(tiny_server.url)["cached"] >= before["cached"] + n // BLOCK  # cached automatically, by it
     # and nothing is read, even though the prompt is now cached
     raw, msg = create(client, system, text, headers={"x-stratum-mode": "bypass"})
     assert parse_cost(raw.headers["x-stratum-cost"])["cache_hit_ratio"] == 0
     assert msg.usage.cache_read_input_tokens == 0 and msg.usage.input_tokens == n
     raw, msg = create(client, system, text)
-    assert msg.usage.cache_read_input_tokens == ((n - 1) // BLOCK) * BLOCK
+    assert msg.usage.cache_read_input_tokens == rereads(n, written)
 
 
 @pytest.mark.parametrize("system_hint, header, mode", [
@@ -158,7 +160,7 @@ def test_max_tokens_zero_prefills_and_the_next_request_hits(client, tiny_templat
     assert msg.usage.output_tokens == 0
     assert msg.usage.cache_creation_input_tokens == (n // BLOCK) * BLOCK > 0
     raw, msg = create(client, system, text, max_tokens=4)
-    assert msg.usage.cache_read_input_tokens == ((n - 1) // BLOCK) * BLOCK > 0
+    assert msg.usage.cache_read_input_tokens == rereads(n, 0) > 0
     assert msg.usage.cache_creation_input_tokens == 0
 
 
@@ -176,7 +178,7 @@ def test_warmup_command_reports_created_tokens(tiny_server, client, tiny_templat
     assert report["cache_creation_input_tokens"] == sum((n // BLOCK) * BLOCK for n in sizes)
     for p, n in zip(prompts, sizes):
         _, msg = create(client, p["system"], p["messages"][0]["content"])
-        assert msg.usage.cache_read_input_tokens == ((n - 1) // BLOCK) * BLOCK
+        assert msg.usage.cache_read_input_tokens == rereads(n, 0)
 
 
 # ---- pins survive a flooded pool -------------------------------------------------------------------------
@@ -219,9 +221,9 @@ def test_pins_survive_a_flooded_pool(small_kv_server, tiny_template):
     _, msg = create(c, [block], other)
     assert msg.usage.cache_read_input_tokens == (len(pinned_prefix) // BLOCK) * BLOCK > 0
     _, msg = create(c, s_warm, warm_text)
-    assert msg.usage.cache_read_input_tokens == ((prompt_len(tiny_template, s_warm, warm_text) - 1) // BLOCK) * BLOCK
+    assert msg.usage.cache_read_input_tokens == rereads(prompt_len(tiny_template, s_warm, warm_text), 0)
     _, msg = create(c, s_aggr, aggr_text)
-    # its output was pinned too, so the block holding the prompt's tail is cached: all but the last token
-    assert msg.usage.cache_read_input_tokens == prompt_len(tiny_template, s_aggr, aggr_text) - 1
+    # its output was pinned too, so the block holding the prompt's tail stays cached once it is full
+    assert msg.usage.cache_read_input_tokens == rereads(prompt_len(tiny_template, s_aggr, aggr_text), 8)
     health = kv_blocks(small_kv_server.url)
     assert health["free"] + health["cached"] + health["in_use"] == health["total"]
