@@ -14,7 +14,7 @@ import logging
 from dataclasses import dataclass
 
 from stratum.engine.client import EngineClient, EngineSnapshot, KVBlocks, ReplicaView
-from stratum.engine.process import decode_info, decode_snapshot
+from stratum.engine.process import decode_info, decode_snapshot, decode_tokenizer
 from stratum.engine.request import prompt_block_keys
 from stratum.engine.sampling_params import SamplingParams
 
@@ -40,17 +40,10 @@ class ClusterClient(EngineClient):
     """
 
     def __init__(self, handle, description: dict, deployment: str, on_shutdown=None):
-        from tokenizers import Tokenizer
-
-        from stratum.models.chat_template import ChatTemplate
-        from stratum.models.tokenizer import TextTokenizer
-
-        tok = description["tokenizer"]
-        tokenizer = TextTokenizer(Tokenizer.from_str(tok["json"]), tok["bos_token"], tok["eos_token"],
-                                  tok["bos_token_id"], tuple(tok["eos_token_ids"]))
+        tokenizer, template = decode_tokenizer(description["tokenizer"])
         self._first = decode_snapshot(description["snapshot"])
-        super().__init__(decode_info(description["info"]), tokenizer, ChatTemplate(tok["chat_template"], tokenizer),
-                         send=self._refuse, on_shutdown=on_shutdown, engine_pid=description["pid"])
+        super().__init__(decode_info(description["info"]), tokenizer, template, send=self._refuse,
+                         on_shutdown=on_shutdown, engine_pid=description["pid"])
         self._generate = handle.options(stream=True, method_name="generate")
         self.deployment = deployment
         self._calls: dict[str, _Call] = {}

@@ -18,7 +18,7 @@ from dataclasses import replace
 
 from stratum.engine.client import EngineInfo, EngineLoop, EngineSnapshot
 from stratum.engine.config import EngineConfig, SchedulerConfig
-from stratum.engine.process import encode_info, encode_snapshot
+from stratum.engine.process import encode_info, encode_snapshot, encode_tokenizer
 
 # Block keys a replica reports: the most recently used first. 4096 keys of 16-token blocks cover
 # 64k tokens of hot prefixes, about 40 KB per report.
@@ -34,12 +34,8 @@ class EngineReplica:
         settings = dict(config, scheduler=SchedulerConfig(**config["scheduler"]))
         engine = LLMEngine(EngineConfig(**settings))
         self.name = _replica_name()
-        tok = engine.tokenizer
-        self.description = {
-            "replica": self.name, "pid": os.getpid(), "info": encode_info(EngineInfo.of(engine)),
-            "tokenizer": {"json": tok.backend.to_str(), "bos_token": tok.bos_token, "eos_token": tok.eos_token,
-                          "bos_token_id": tok.bos_token_id, "eos_token_ids": list(tok.eos_token_ids),
-                          "chat_template": engine.chat_template.source}}
+        self.description = {"replica": self.name, "pid": os.getpid(), "info": encode_info(EngineInfo.of(engine)),
+                            "tokenizer": encode_tokenizer(engine)}
         self.snapshot = EngineSnapshot(alive=True)
         self.held: tuple[list[int], float] = ([], 0.0)  # the cache's recent keys, and when the loop listed them
         self.calls = 0  # generate calls being served

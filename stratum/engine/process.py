@@ -135,6 +135,26 @@ def decode_info(d: dict) -> EngineInfo:
     return EngineInfo(ResolvedConfig(**config), d["model_name"], d["vocab_size"], d["kernel_choices"])
 
 
+def encode_tokenizer(engine) -> dict:
+    """The engine's tokenizer and chat template as plain data, for a serving side elsewhere."""
+    tok = engine.tokenizer
+    return {"json": tok.backend.to_str(), "bos_token": tok.bos_token, "eos_token": tok.eos_token,
+            "bos_token_id": tok.bos_token_id, "eos_token_ids": list(tok.eos_token_ids),
+            "chat_template": engine.chat_template.source}
+
+
+def decode_tokenizer(d: dict):
+    """(TextTokenizer, ChatTemplate) from `encode_tokenizer`'s data."""
+    from tokenizers import Tokenizer
+
+    from stratum.models.chat_template import ChatTemplate
+    from stratum.models.tokenizer import TextTokenizer
+
+    tokenizer = TextTokenizer(Tokenizer.from_str(d["json"]), d["bos_token"], d["eos_token"], d["bos_token_id"],
+                              tuple(d["eos_token_ids"]))
+    return tokenizer, ChatTemplate(d["chat_template"], tokenizer)
+
+
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
@@ -166,11 +186,6 @@ class EngineProcess:
         Raises:
             EngineStartError: the engine process failed to load (bad model, missing file, ...).
         """
-        from tokenizers import Tokenizer
-
-        from stratum.models.chat_template import ChatTemplate
-        from stratum.models.tokenizer import TextTokenizer
-
         messages = _messages(self._ev_r)
         ready = next(messages, None)
         if ready is None:
@@ -179,10 +194,8 @@ class EngineProcess:
             self.proc.wait(timeout=30)
             raise EngineStartError(ready[1] if len(ready) > 1 else "the engine process failed to start")
         _, info, tok = ready
-        tokenizer = TextTokenizer(Tokenizer.from_str(tok["json"]), tok["bos_token"], tok["eos_token"],
-                                  tok["bos_token_id"], tuple(tok["eos_token_ids"]))
-        client = EngineClient(decode_info(info), tokenizer, ChatTemplate(tok["chat_template"], tokenizer), self.send,
-                              self.shutdown, engine_pid=self.proc.pid)
+        tokenizer, template = decode_tokenizer(tok)
+        client = EngineClient(decode_info(info), tokenizer, template, self.send, self.shutdown, engine_pid=self.proc.pid)
         threading.Thread(target=_read_events, args=(self._ev_r, messages, client, self.proc),
                          name="stratum-engine-events", daemon=True).start()
         return client
@@ -286,12 +299,7 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as e:  # the serving side prints this and exits
         _write_all(ev_fd, _pack(["failed", f"{type(e).__name__}: {e}"]))
         return 1
-    tok = engine.tokenizer
-    info = EngineInfo.of(engine)
-    _write_all(ev_fd, _pack(["ready", encode_info(info), {
-        "json": tok.backend.to_str(), "bos_token": tok.bos_token, "eos_token": tok.eos_token,
-        "bos_token_id": tok.bos_token_id, "eos_token_ids": list(tok.eos_token_ids),
-        "chat_template": engine.chat_template.source}]))
+    _write_all(ev_fd, _pack(["ready", encode_info(EngineInfo.of(engine)), encode_tokenizer(engine)]))
     loop = EngineLoop(engine, emit)
 
     def read_commands() -> None:
