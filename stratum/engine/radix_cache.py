@@ -114,8 +114,7 @@ class RadixCache:
         prompt's next, not full, block): (block id, tokens in common), or (-1, 0)."""
         best, best_n = -1, 0
         for child in node.children.values():
-            cached = child.tokens[0] if child.tokens else ()
-            n = _common_length(list(cached[: len(block_tokens)]), block_tokens)
+            n = _common_length(child.tokens[0], block_tokens)  # () when its tokens were not kept
             if n > best_n:
                 best, best_n = child.blocks[0], n
         if best_n:
@@ -245,7 +244,7 @@ class RadixCache:
         return upper
 
 
-def _common_length(a: list[bytes], b: list[bytes]) -> int:
+def _common_length(a, b) -> int:
     n = min(len(a), len(b))
     for i in range(n):
         if a[i] != b[i]:

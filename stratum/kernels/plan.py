@@ -98,17 +98,19 @@ def _busy_seconds() -> float | None:
     return (sum(values[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
-def _weights(n: int, k: int, g: torch.Generator, can_pack: bool):
+def _weights(n: int, k: int, g: torch.Generator, int4: bool = False, q8: bool = False):
+    """Random [n, k] weights dense in fp32 and bf16, and packed as asked (None where the shape or the
+    native kernels do not allow it)."""
     w32 = torch.randn(n, k, generator=g) * 0.02
-    int4 = q8 = None
-    if can_pack and k % GROUP_SIZE == 0:
+    packed = quantized = None
+    if int4 and k % GROUP_SIZE == 0:
         q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
         scale = torch.rand(n, k // GROUP_SIZE, generator=g) * 0.01
-        int4 = Int4Weight(q, scale, torch.zeros_like(scale))
-    if k % GROUP_SIZE == 0 and native.available():
-        q8 = Q8Weight(torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8),
-                      torch.rand(n, k // GROUP_SIZE, generator=g) * 0.01)
-    return w32, w32.bfloat16(), int4, q8
+        packed = Int4Weight(q, scale, torch.zeros_like(scale))
+    if q8 and k % GROUP_SIZE == 0 and native.available():
+        quantized = Q8Weight(torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8),
+                             torch.rand(n, k // GROUP_SIZE, generator=g) * 0.01)
+    return w32, w32.bfloat16(), packed, quantized
 
 
 def _measure_once(shapes: Shapes, can_pack: bool) -> dict[str, dict[int, float]]:
@@ -117,7 +119,7 @@ def _measure_once(shapes: Shapes, can_pack: bool) -> dict[str, dict[int, float]]
     g = torch.Generator().manual_seed(0)
     timings: dict[str, dict[int, float]] = {"dense_float32": {}, "dense_bfloat16": {}, "int4_bfloat16": {}}
     for n, k in shapes.layer.values():
-        w32, wbf, int4, _ = _weights(n, k, g, can_pack)
+        w32, wbf, int4, _ = _weights(n, k, g, int4=can_pack)
         for m in BATCH_SIZES:
             x = torch.randn(m, k, generator=g)
             xb = x.bfloat16()
@@ -128,7 +130,7 @@ def _measure_once(shapes: Shapes, can_pack: bool) -> dict[str, dict[int, float]]
                     timings[name][m] = timings[name].get(m, 0.0) + _time_us(fn, reps)
     if shapes.head is not None:
         n, k = shapes.head
-        w32, wbf, _, q8 = _weights(n, k, g, False)
+        w32, wbf, _, q8 = _weights(n, k, g, q8=True)
         timings.update({"head_float32": {}, "head_bfloat16": {}, "head_q8": {}})
         for m in HEAD_BATCH_SIZES:
             x = torch.randn(m, k, generator=g)
@@ -231,13 +233,13 @@ def select_plan(home: Path, shapes: Shapes, threads: int, can_pack: bool, dtype:
     path = plan_cache_path(home, shapes, threads, dtype, can_pack)
     cached = None if remeasure else _read(path)
     if cached is not None and (cached.quiet or cached.remeasured >= MAX_REMEASURES):
-        return replace(cached, source="cache")
+        return cached
     plan = measure_plan(shapes, threads, can_pack, dtype)
     if cached is not None:  # a busy plan measured again: the fastest figure of either is the truer one
         timings = _fastest([cached.timings_us, plan.timings_us])
         chosen, int4_rows, q8_rows = decide(timings, dtype)
         plan = replace(plan, dtype=chosen, int4_max_tokens=int4_rows, q8_max_rows=q8_rows, timings_us=timings,
-                       quiet=plan.quiet, remeasured=cached.remeasured + 1, runs=cached.runs + plan.runs,
+                       remeasured=cached.remeasured + 1, runs=cached.runs + plan.runs,
                        other_load=cached.other_load + plan.other_load)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
