@@ -13,7 +13,7 @@ import logging
 import re
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -153,11 +153,10 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     @app.get("/health")
     async def health():
         snap = engine.snapshot
-        kv = snap.kv_blocks
         status = "dead" if not snap.alive else "draining" if rt.draining else "ok"
         body: dict[str, Any] = {"status": status, "model": settings.model_name, "mode": snap.mode,
                                 "running": snap.num_running, "waiting": snap.num_waiting, "queued": engine.num_queued,
-                                "kv_blocks": {"total": kv.total, "free": kv.free, "cached": kv.cached, "in_use": kv.in_use}}
+                                "kv_blocks": asdict(snap.kv_blocks)}
         if snap.degraded_reason:
             body["degraded_reason"] = snap.degraded_reason
         if snap.error:
@@ -540,10 +539,10 @@ def _check_model(settings: ServerSettings, name: str) -> None:
 
 
 def replica_health(v: ReplicaView) -> dict[str, Any]:
-    snap, kv = v.snapshot, v.snapshot.kv_blocks
+    snap = v.snapshot
     return {"replica": v.name, "pid": v.pid, "status": "ok" if snap.alive else "dead", "mode": snap.mode,
             "running": snap.num_running, "waiting": snap.num_waiting, "in_flight": v.in_flight,
-            "kv_blocks": {"total": kv.total, "free": kv.free, "cached": kv.cached, "in_use": kv.in_use},
+            "kv_blocks": asdict(snap.kv_blocks),
             "held_blocks": v.held_blocks, "reported_s_ago": round(max(0.0, time.time() - v.reported_at), 3)}
 
 
