@@ -18,6 +18,8 @@ from stratum.home import stratum_home
 from stratum.kernels import native
 from stratum.kernels import KernelPlan
 from stratum.kernels.plan import Shapes, select_plan
+from stratum.kernels.packed import PACKED_QTYPES, PackedStack
+from stratum.kernels.packed import pack as packed_weight
 from stratum.kernels.quant import Int4Weight, Int8Weight, Q8Weight, is_packable, unpack_q4, unpack_q8_0
 from stratum.layers.linear import Linear
 from stratum.models.llama import LlamaForCausalLM
@@ -77,6 +79,8 @@ def _plan(config: EngineConfig, checkpoint: Checkpoint, device: str, threads: in
         rows = config.int4_max_tokens if plan.dtype == "bfloat16" else 0
         plan = replace(plan, int4_max_tokens=rows if can_pack else 0, q8_max_rows=rows if native.available() else 0,
                        source="configured")
+    if config.native_step is not None:
+        plan = replace(plan, packed_step=config.native_step and can_pack and native.available(), source="configured")
     return plan
 
 
@@ -91,6 +95,9 @@ def build_model(config: ResolvedConfig, checkpoint: Checkpoint) -> tuple[LlamaFo
     model.cast_weights(config.torch_dtype)
     model = model.to(device=torch.device(config.device)).eval()
     checkpoint.weights.clear()  # the model holds them now
+    if plan.packed_step and attach_packed(model, checkpoint.quantized):
+        checkpoint.quantized.clear()
+        return model, model.packed.nbytes
     int4_bytes = attach_int4(model, checkpoint.quantized, plan.int4_max_tokens, checkpoint.cache_dir)
     attach_q8_head(model, checkpoint.quantized, plan.q8_max_rows)
     if config.dtype != "float32":
@@ -100,6 +107,35 @@ def build_model(config: ResolvedConfig, checkpoint: Checkpoint) -> tuple[LlamaFo
         model.lm_head_int8 = Int8Weight(head)
     checkpoint.quantized.clear()
     return model, int4_bytes
+
+
+def attach_packed(model, quantized: dict) -> bool:
+    """Run every layer through the native step on the checkpoint's own blocks, when each projection
+    is Q4_0, Q4_1 or Q8_0 (and the output projection too, when it is one of those).
+
+    The dense copies of the projections are dropped: the step never reads them. The embedding stays
+    (looked up from the Q8_0 table as stored where the file has one), and the output projection runs
+    on the same kernel for every row, so a token's logits do not depend on the batch around it.
+
+    Returns:
+        Whether the step was attached (False: some projection is in another format).
+    """
+    stack = PackedStack.build(model, quantized)
+    if stack is None:
+        return False
+    model.packed = stack
+    for layer in model.layers:
+        for module in layer.modules():
+            if isinstance(module, Linear):
+                module.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    name = "lm_head.weight" if model.lm_head is not None else "model.embed_tokens.weight"
+    head = quantized.get(name)
+    if head is not None and head.qtype in PACKED_QTYPES:
+        model.packed_head = packed_weight(head.qtype, head.data, head.shape)
+    attach_q8_embedding(model, quantized)
+    if model.lm_head is not None and model.packed_head is not None:
+        model.lm_head.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    return True
 
 
 # HF checkpoint names that make up each fused projection of a layer.

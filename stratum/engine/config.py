@@ -45,6 +45,7 @@ class EngineConfig:
     num_threads: int | None = None  # torch threads for decode-bound steps; None: $STRATUM_NUM_THREADS, else see `serving`
     prefill_threads: int | None = None  # for steps with at least PREFILL_STEP_TOKENS tokens; None: every core
     int4_max_tokens: int | None = None  # None: measured (kernels.plan); 0: never pack; N: packed int4 up to N rows
+    native_step: bool | None = None  # None: the kernel plan decides; True/False: the native step where the checkpoint allows / never
     remeasure_plan: bool = False  # measure the kernel plan again, even if one is cached (`stratum info --remeasure`)
     serving: bool = False  # a server leaves one core to its HTTP side by default
     seed: int = 0

@@ -109,7 +109,9 @@ class LLMEngine:
                 "q8_output_max_rows": self.model.q8_max_rows if self.model.lm_head_q8 is not None else 0,
                 "low_latency_lm_head": "int8" if self.model.lm_head_int8 is not None else None,
                 "threads": plan.threads, "native_kernels": native.status() if self.device.type == "cpu" else "cpu only",
-                "attention": ("native paged decode" if native_attention else "paged gather") + " + cascade, torch sdpa prefill",
+                "step": "native, packed blocks" if self.model.packed is not None else "pytorch",
+                "attention": ("native paged, every row" if self.model.packed is not None else
+                              ("native paged decode" if native_attention else "paged gather") + " + cascade, torch sdpa prefill"),
                 "source": plan.source}
 
     # ---- requests ------------------------------------------------------------------------------

@@ -146,6 +146,9 @@ class ModelRunner:
         decode_seqs = []
         prefills: list[PrefillSpan] = []
         probe = CoverageProbe(self.coverage_layers)
+        packed = self.model.packed is not None
+        tables: list[list[int]] = []  # the native step's: one block table per sequence, and each row's
+        row_seq: list[int] = []
         for item in sched.scheduled:
             seq, n, start = item.seq, item.num_new_tokens, item.start
             row0 = len(ids)
@@ -169,7 +172,10 @@ class ModelRunner:
                 probe.slots.append(self._slots_of(table, start + n))
                 probe.results.append([])
                 probe.seqs.append(seq)
-            if item.is_decode and not prefills:  # the batch's leading decodes (a late one-token chunk stays a prefill)
+            if packed:  # every row attends through its sequence's block table
+                row_seq += [len(tables)] * n
+                tables.append(table[: -(-(start + n) // bs)])
+            elif item.is_decode and not prefills:  # the batch's leading decodes (a late one-token chunk stays a prefill)
                 decode_seqs.append(seq)
             elif start == 0:
                 prefills.append(PrefillSpan(row0, row0 + n))
@@ -177,7 +183,12 @@ class ModelRunner:
                 ctx = start + n
                 mask = torch.ones(n, ctx, dtype=torch.bool, device=self.device).tril(diagonal=start)
                 prefills.append(PrefillSpan(row0, row0 + n, self._slots_of(table, ctx), mask))
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device), native=self.native)
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device), native=self.native,
+                                 block_size=bs)
+        if packed:
+            width = max(len(t) for t in tables)
+            meta.row_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)
+            meta.row_seq = torch.tensor(row_seq, dtype=torch.long)
         if decode_seqs:
             self._prepare_decode(decode_seqs, meta)
         meta.prefills = prefills

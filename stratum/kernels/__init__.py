@@ -17,6 +17,7 @@ class KernelPlan:
     threads: int
     int4_max_tokens: int  # rows per matmul up to which packed int4 runs; 0 = never
     q8_max_rows: int = 0  # logits rows up to which the native Q8_0 output projection runs; 0 = never
+    packed_step: bool = False  # the whole forward as one native call on the packed blocks (kernels.packed)
     cpu: str = ""
     timings_us: dict = field(default_factory=dict, hash=False, compare=False)
     source: str = "measured"  # "measured" now, or "cache"
@@ -27,8 +28,8 @@ class KernelPlan:
 
     @property
     def decision(self) -> tuple[str, int, int]:
-        """What the plan decides (dtype, packed int4 rows, Q8_0 head rows), without its figures."""
-        return (self.dtype, self.int4_max_tokens, self.q8_max_rows)
+        """What the plan decides (dtype, packed int4 rows, Q8_0 head rows, native step), without its figures."""
+        return (self.dtype, self.int4_max_tokens, self.q8_max_rows, self.packed_step)
 
     def describe(self) -> dict:
         return asdict(self)

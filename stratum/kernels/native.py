@@ -20,7 +20,7 @@ from stratum.kernels.cpu import cpu_flags, cpu_name
 
 log = logging.getLogger("stratum.native")
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "q8_linear.cpp", "rotary_cache.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "q8_linear.cpp", "rotary_cache.cpp", "packed_step.cpp")]
 _state: dict[str, object] = {}
 
 

@@ -7,7 +7,9 @@ server sees; the choice is cached under $STRATUM_HOME/kernels and reused:
 - activations: fp32 or bf16 (bf16 runs on AMX / AVX-512-BF16 where the CPU has them);
 - 4-bit weights kept packed (GGUF Q4_0/Q4_1 as int4 group-wise) vs dense, and the batch size up to
   which the packed kernel wins (decode is bound by reading weights, large batches by compute);
-- the output projection on the checkpoint's own Q8_0 weights vs dense, and up to how many rows.
+- the output projection on the checkpoint's own Q8_0 weights vs dense, and up to how many rows;
+- the native step (every layer in one native call on the GGUF blocks, kernels/packed.py) vs the
+  PyTorch layers, compared on a layer's projections at one row, where decode spends its time.
 
 A measurement can be fooled by a busy machine, so each figure is the fastest over repeated runs,
 a run during which other processes used the cores is not trusted, and a plan that had no quiet run
@@ -29,11 +31,12 @@ import torch.nn.functional as F
 
 from stratum.kernels import KernelPlan, native
 from stratum.kernels.cpu import cpu_flags, cpu_name
-from stratum.kernels.quant import GROUP_SIZE, Int4Weight, Q8Weight
+from stratum.kernels.packed import pack as packed_weight
+from stratum.kernels.quant import GROUP_SIZE, Q8_0_BYTES, Int4Weight, Q8Weight
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 HEAD_BATCH_SIZES = (1, 2, 4, 8, 16)  # the rows the Q8_0 output projection may take (logits rows per step)
-PLAN_VERSION = 4
+PLAN_VERSION = 5
 MARGIN = 0.95  # a candidate replaces the plain kernel only where it is at least 5% faster
 BUSY_CORES = 0.25  # a run during which other processes used more CPU than this is not trusted
 MAX_RUNS = 4  # measurement runs per plan; it stops once two quiet runs agree
@@ -100,9 +103,19 @@ def _busy_seconds() -> float | None:
 
 def _weights(n: int, k: int, g: torch.Generator, int4: bool = False, q8: bool = False):
     """Random [n, k] weights dense in fp32 and bf16, and packed as asked (None where the shape or the
-    native kernels do not allow it)."""
+    native kernels do not allow it): int4 for PyTorch's kernel, q8 the Q8_0 output projection, and
+    each in the native step's layout (Q4_1 blocks, Q8_0 blocks)."""
     w32 = torch.randn(n, k, generator=g) * 0.02
-    packed = quantized = None
+    packed = quantized = step = None
+    if (int4 or q8) and k % GROUP_SIZE == 0 and native.available():
+        qtype = "Q4_1" if int4 else "Q8_0"
+        bytes_per_block = 20 if int4 else Q8_0_BYTES
+        raw = torch.randint(0, 256, (n, k // GROUP_SIZE, bytes_per_block), generator=g, dtype=torch.uint8)
+        scales = torch.full((n, k // GROUP_SIZE), 0.01, dtype=torch.float16).view(torch.uint8).view(n, -1, 2)
+        raw[..., :2] = scales  # d (and Q4_1's m below): normal numbers, not random bits
+        if int4:
+            raw[..., 2:4] = scales
+        step = packed_weight(qtype, raw.numpy().reshape(n, -1), (n, k))
     if int4 and k % GROUP_SIZE == 0:
         q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
         scale = torch.rand(n, k // GROUP_SIZE, generator=g) * 0.01
@@ -110,28 +123,29 @@ def _weights(n: int, k: int, g: torch.Generator, int4: bool = False, q8: bool = 
     if q8 and k % GROUP_SIZE == 0 and native.available():
         quantized = Q8Weight(torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8),
                              torch.rand(n, k // GROUP_SIZE, generator=g) * 0.01)
-    return w32, w32.bfloat16(), packed, quantized
+    return w32, w32.bfloat16(), packed, quantized, step
 
 
 def _measure_once(shapes: Shapes, can_pack: bool) -> dict[str, dict[int, float]]:
     """One run: each kernel at each batch size, summed over the layer's projections at their own
     shapes; the output projection on its own shape (dense in either dtype, and the Q8_0 kernel)."""
     g = torch.Generator().manual_seed(0)
-    timings: dict[str, dict[int, float]] = {"dense_float32": {}, "dense_bfloat16": {}, "int4_bfloat16": {}}
+    timings: dict[str, dict[int, float]] = {"dense_float32": {}, "dense_bfloat16": {}, "int4_bfloat16": {}, "packed": {}}
     for n, k in shapes.layer.values():
-        w32, wbf, int4, _ = _weights(n, k, g, int4=can_pack)
+        w32, wbf, int4, _, step = _weights(n, k, g, int4=can_pack)
         for m in BATCH_SIZES:
             x = torch.randn(m, k, generator=g)
             xb = x.bfloat16()
             reps = max(5, 96 // m)
             for name, fn in (("dense_float32", lambda: F.linear(x, w32)), ("dense_bfloat16", lambda: F.linear(xb, wbf)),
-                             ("int4_bfloat16", (lambda: int4.matmul(xb)) if int4 is not None else None)):
+                             ("int4_bfloat16", (lambda: int4.matmul(xb)) if int4 is not None else None),
+                             ("packed", (lambda: step.matmul(x)) if step is not None else None)):
                 if fn is not None:
                     timings[name][m] = timings[name].get(m, 0.0) + _time_us(fn, reps)
     if shapes.head is not None:
         n, k = shapes.head
-        w32, wbf, _, q8 = _weights(n, k, g, q8=True)
-        timings.update({"head_float32": {}, "head_bfloat16": {}, "head_q8": {}})
+        w32, wbf, _, q8, step = _weights(n, k, g, q8=True)
+        timings.update({"head_float32": {}, "head_bfloat16": {}, "head_q8": {}, "head_packed": {}})
         for m in HEAD_BATCH_SIZES:
             x = torch.randn(m, k, generator=g)
             xb = x.bfloat16()
@@ -140,13 +154,14 @@ def _measure_once(shapes: Shapes, can_pack: bool) -> dict[str, dict[int, float]]
             timings["head_bfloat16"][m] = _time_us(lambda: F.linear(xb, wbf), reps)
             if q8 is not None:
                 timings["head_q8"][m] = _time_us(lambda: q8.matmul(x), reps)
-        del w32, wbf, q8
+                timings["head_packed"][m] = _time_us(lambda: step.matmul(x), reps)
+        del w32, wbf, q8, step
     return {name: {m: round(t, 1) for m, t in v.items()} for name, v in timings.items() if v}
 
 
-def decide(timings: dict[str, dict[int, float]], dtype: str = "auto") -> tuple[str, int, int]:
-    """(dtype, int4 rows, Q8_0 head rows) from the timings. A candidate must win by MARGIN, so a near
-    tie goes the same way however the noise falls."""
+def decide(timings: dict[str, dict[int, float]], dtype: str = "auto") -> tuple[str, int, int, bool]:
+    """(dtype, int4 rows, Q8_0 head rows, native step) from the timings. A candidate must win by
+    MARGIN, so a near tie goes the same way however the noise falls."""
     if dtype == "auto":  # bf16 only where it wins at the batch sizes that dominate serving (decode 1..64)
         sizes = [m for m in BATCH_SIZES if m <= 64]
         wins = sum(timings["dense_bfloat16"][m] < MARGIN * timings["dense_float32"][m] for m in sizes)
@@ -163,7 +178,11 @@ def decide(timings: dict[str, dict[int, float]], dtype: str = "auto") -> tuple[s
             if m not in timings["head_q8"] or timings["head_q8"][m] >= MARGIN * timings["head_bfloat16"][m]:
                 break
             q8_rows = m
-    return dtype, int4_rows, q8_rows
+    step = False
+    if timings.get("packed", {}).get(1) is not None:  # against the best PyTorch layer at one decode row
+        best = min(timings[name][1] for name in ("dense_float32", "dense_bfloat16", "int4_bfloat16") if 1 in timings.get(name, {}))
+        step = timings["packed"][1] < MARGIN * best
+    return dtype, int4_rows, q8_rows, step
 
 
 def is_plausible(timings: dict[str, dict[int, float]]) -> bool:
@@ -196,8 +215,8 @@ def measure_plan(shapes: Shapes, threads: int, can_pack: bool, dtype: str = "aut
             if len(quiet) >= 2 and decide(quiet[-1], dtype) == decide(quiet[-2], dtype):
                 break
     timings = _fastest(quiet or every)
-    chosen, int4_rows, q8_rows = decide(timings, dtype)
-    return KernelPlan("cpu", chosen, threads, int4_rows, q8_rows, cpu_name(), timings,
+    chosen, int4_rows, q8_rows, step = decide(timings, dtype)
+    return KernelPlan("cpu", chosen, threads, int4_rows, q8_rows, step, cpu_name(), timings,
                       quiet=bool(quiet) and is_plausible(timings), runs=len(every), other_load=loads)
 
 
@@ -237,8 +256,8 @@ def select_plan(home: Path, shapes: Shapes, threads: int, can_pack: bool, dtype:
     plan = measure_plan(shapes, threads, can_pack, dtype)
     if cached is not None:  # a busy plan measured again: the fastest figure of either is the truer one
         timings = _fastest([cached.timings_us, plan.timings_us])
-        chosen, int4_rows, q8_rows = decide(timings, dtype)
-        plan = replace(plan, dtype=chosen, int4_max_tokens=int4_rows, q8_max_rows=q8_rows, timings_us=timings,
+        chosen, int4_rows, q8_rows, step = decide(timings, dtype)
+        plan = replace(plan, dtype=chosen, int4_max_tokens=int4_rows, q8_max_rows=q8_rows, packed_step=step, timings_us=timings,
                        remeasured=cached.remeasured + 1, runs=cached.runs + plan.runs,
                        other_load=cached.other_load + plan.other_load)
     path.parent.mkdir(parents=True, exist_ok=True)

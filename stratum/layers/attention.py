@@ -84,6 +84,9 @@ class AttentionMetadata:
     shared_slots: torch.Tensor | None = None  # [P]: the slots all decodes share, or None
     prefills: list[PrefillSpan] = field(default_factory=list)
     probe: CoverageProbe | None = None
+    # the native step's form: every row attends to positions 0..its own through its sequence's table
+    row_tables: torch.Tensor | None = None  # [S, N] int64, one block table per scheduled sequence
+    row_seq: torch.Tensor | None = None  # [T] int64: the sequence of each row
 
 
 def paged_attention(

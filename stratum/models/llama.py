@@ -93,6 +93,8 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head_q8 = None  # the checkpoint's own Q8_0 output projection, for up to q8_max_rows rows
         self.embed_q8 = None  # the embedding table as stored (GGUF Q8_0): looked up exactly, not from a bf16 copy
         self.q8_max_rows = 0
+        self.packed = None  # every layer on the checkpoint's packed blocks, one native call per step (kernels.packed)
+        self.packed_head = None  # the output projection as stored, on the same kernel: every row alike
         self.rotary = RotaryEmbedding(
             cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
@@ -102,19 +104,35 @@ class LlamaForCausalLM(nn.Module):
         """Args: input_ids, positions [T]. Returns the final hidden states [T, hidden]."""
         # the residual stream stays fp32; matmuls run in the weights' dtype
         x = self.embed_q8.rows(input_ids) if self.embed_q8 is not None else self.embed_tokens(input_ids).float()
+        if self.packed is not None:
+            hidden, probed = self.packed.forward(x, positions, self.rotary.cos, self.rotary.sin, meta, kv_caches)
+            if meta.probe is not None:
+                self._record_coverage(meta.probe, probed, kv_caches)
+            return hidden
         rope = self.rotary.tables(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, rope, meta, kv_cache)
         return self.norm(x)
 
+    def _record_coverage(self, probe, probed: torch.Tensor, kv_caches) -> None:
+        """The coverage probe from the queries the native step returned ([layers, rows, H, D])."""
+        scale = self.config.head_dim**-0.5
+        for p, layer in enumerate(sorted(probe.layers)):
+            k_cache = kv_caches[layer][0]
+            for i, (slots, out) in enumerate(zip(probe.slots, probe.results)):
+                out.append(attention_coverage(probed[p, i], k_cache.index_select(0, slots), scale))
+
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, fast: bool = False) -> torch.Tensor:
         """[N, hidden] -> fp32 logits [N, vocab]. fast: the int8 output projection, when one is attached.
 
-        Small batches use the exact Q8_0 projection where one is attached; the rest the dense weight.
+        With the native step, every row uses the packed output projection; otherwise small batches use
+        the exact Q8_0 projection where one is attached, the rest the dense weight.
         """
         if fast and self.lm_head_int8 is not None:
             return self.lm_head_int8.matmul(hidden).float()
+        if self.packed_head is not None:
+            return self.packed_head.matmul(hidden)
         if self.lm_head_q8 is not None and hidden.shape[0] <= self.q8_max_rows:
             return self.lm_head_q8.matmul(hidden)
         if self.lm_head is None:

@@ -1,0 +1,510 @@
+// The model's whole forward on the GGUF's packed weights, as one native call per step.
+//
+// Why: a step in PyTorch is ~600 operator calls (each a few microseconds of dispatch at one decode
+// token) and its int4 kernel reads weights at a fraction of the memory bandwidth. Here one call
+// runs every layer: RMSNorm, the projections on the packed 4-bit (Q4_0 / Q4_1) or 8-bit (Q8_0)
+// blocks, rotary embedding, the write into the paged KV pool, attention read in place, SwiGLU and
+// the residual stream, with threads inside and without the Python interpreter.
+//
+// The projections follow the scheme of llama.cpp's vec_dot_q4_1_q8_1 (ggml-quants.c), at higher
+// precision: each activation row is quantized to int16 per block of 32 with one fp32 scale (llama.cpp
+// uses int8, which here cost 1.5 points of top-1 agreement with the fp32 model), and a block's dot
+// product is an exact integer sum scaled once: for Q4_1,
+//     sum_j (q_j d + m) x_j = d dx sum_j q_j xq_j + m dx sum_j xq_j.
+// On AVX-512 VNNI sixteen outputs are computed side by side (one per int32 lane, vpdpwssd adds two
+// s16 x s16 products per lane), from weights repacked at load into tiles of 16 rows (kernels/packed.py).
+//
+// Batch invariance: every output of every row is computed by the same sequence of operations
+// whatever else is in the batch: the activation scales are per row, integer sums are exact, the
+// fp32 accumulation runs over blocks in a fixed order per output lane, and attention walks each
+// row's blocks in order with its own online softmax. A token therefore gets the same logits alone,
+// in a batch of 64, or after a prefix-cache hit, and prefill writes the same KV a decode would.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define STRATUM_VNNI 1
+#endif
+#if defined(__SSE__)
+#include <xmmintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 32;   // QK4_0 == QK4_1 == QK8_0
+constexpr int64_t kTile = 16;    // outputs computed side by side
+constexpr int64_t kQ4Bytes = kTile * kBlock / 2;  // one tile-block of nibbles
+constexpr int64_t kQ8Bytes = kTile * kBlock;      // one tile-block of int8 values
+constexpr float kNoScore = -1e30f;  // finite: the library is built with -ffast-math
+
+inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+inline float to_float(float x) { return x; }
+inline float to_float(c10::BFloat16 x) {
+  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+inline void store(float* p, float x) { *p = x; }
+inline void store(c10::BFloat16* p, float x) { *p = c10::BFloat16(x); }
+
+// Activations quantized per row and block: xq = round(x / dx), dx = max|x| / 32767, sx = dx * sum(xq).
+struct QuantRows {
+  std::vector<int16_t> q;
+  std::vector<float> d, s;
+  int64_t k = 0, blocks = 0;
+
+  void quantize(const float* x, int64_t rows, int64_t k_dim) {
+    k = k_dim;
+    blocks = k_dim / kBlock;
+    q.resize(rows * k_dim);
+    d.resize(rows * blocks);
+    s.resize(rows * blocks);
+    at::parallel_for(0, rows * blocks, 64, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const float* xb = x + i * kBlock;  // rows are contiguous, so block i of the flat array
+        float amax = 0.f;
+        for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
+        const float dx = amax / 32767.f;
+        const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+        int32_t sum = 0;
+        for (int64_t j = 0; j < kBlock; ++j) {
+          const int32_t v = static_cast<int32_t>(std::nearbyint(xb[j] * inv));
+          q[i * kBlock + j] = static_cast<int16_t>(v);
+          sum += v;
+        }
+        d[i] = dx;
+        s[i] = dx * static_cast<float>(sum);
+
+      }
+    });
+  }
+};
+
+// One tile of 16 outputs for MR rows. w: the tile's blocks; sc: fp16 scales, per block 16 d (and,
+// for Q4, 16 m); xq, xd, xs: the first row's quantized inputs, scales and scaled sums (rows `k`
+// values and `nb` blocks apart). out: MR rows of `ld` floats, `valid` of 16 written.
+template <int MR, bool kQ4>
+inline void tile_dot(const uint8_t* w, const uint16_t* sc, int64_t blocks, const int16_t* xq, const float* xd,
+                     const float* xs, int64_t k, int64_t nb, float* out, int64_t ld, int64_t valid) {
+#if STRATUM_VNNI
+  __m512 f[MR];
+  for (int r = 0; r < MR; ++r) f[r] = _mm512_setzero_ps();
+  const __m512i low = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m512i a0[MR], a1[MR];
+    for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm512_setzero_si512();
+    const int16_t* xb = xq + b * kBlock;
+    if constexpr (kQ4) {
+      const uint8_t* wb = w + b * kQ4Bytes;
+      for (int g = 0; g < 4; ++g) {  // inputs 8g .. 8g+7 as four pairs, one pair per int32 lane and output
+        const __m512i raw = _mm512_loadu_si512(wb + g * 64);
+        const __m512i lo = _mm512_and_si512(raw, low);
+        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+        const __m512i p0 = _mm512_unpacklo_epi8(lo, zero), p1 = _mm512_unpackhi_epi8(lo, zero);
+        const __m512i p2 = _mm512_unpacklo_epi8(hi, zero), p3 = _mm512_unpackhi_epi8(hi, zero);
+        for (int r = 0; r < MR; ++r) {
+          const int32_t* xr = reinterpret_cast<const int32_t*>(xb + r * k + g * 8);  // pairs of int16
+          a0[r] = _mm512_dpwssd_epi32(a0[r], p0, _mm512_set1_epi32(xr[0]));
+          a1[r] = _mm512_dpwssd_epi32(a1[r], p1, _mm512_set1_epi32(xr[1]));
+          a0[r] = _mm512_dpwssd_epi32(a0[r], p2, _mm512_set1_epi32(xr[2]));
+          a1[r] = _mm512_dpwssd_epi32(a1[r], p3, _mm512_set1_epi32(xr[3]));
+        }
+      }
+      const uint16_t* sb = sc + b * 2 * kTile;
+      const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
+      const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + kTile)));
+      for (int r = 0; r < MR; ++r) {
+        const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(a0[r], a1[r]));
+        f[r] = _mm512_fmadd_ps(sum, _mm512_mul_ps(dw, _mm512_set1_ps(xd[r * nb + b])), f[r]);
+        f[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[r * nb + b]), f[r]);
+      }
+    } else {
+      const uint8_t* wb = w + b * kQ8Bytes;
+      for (int p = 0; p < 16; p += 2) {  // inputs 2p, 2p+1: 32 bytes, sign-extended to one pair per lane
+        const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 32)));
+        const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 32 + 32)));
+        for (int r = 0; r < MR; ++r) {
+          const int32_t* xr = reinterpret_cast<const int32_t*>(xb + r * k + p * 2);
+          a0[r] = _mm512_dpwssd_epi32(a0[r], w0, _mm512_set1_epi32(xr[0]));
+          a1[r] = _mm512_dpwssd_epi32(a1[r], w1, _mm512_set1_epi32(xr[1]));
+        }
+      }
+      const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + b * kTile)));
+      for (int r = 0; r < MR; ++r) {
+        const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(a0[r], a1[r]));
+        f[r] = _mm512_fmadd_ps(sum, _mm512_mul_ps(dw, _mm512_set1_ps(xd[r * nb + b])), f[r]);
+      }
+    }
+  }
+  const __mmask16 mask = valid >= kTile ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
+  for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + r * ld, mask, f[r]);
+#else
+  // Portable form of the same arithmetic, lane by lane (layouts in kernels/packed.py).
+  for (int r = 0; r < MR; ++r) {
+    float f[kTile] = {0.f};
+    const int16_t* xrow = xq + r * k;
+    for (int64_t b = 0; b < blocks; ++b) {
+      const float dx = xd[r * nb + b], sx = xs[r * nb + b];
+      const int16_t* xb = xrow + b * kBlock;
+      for (int64_t lane = 0; lane < kTile; ++lane) {
+        int32_t sum = 0;
+        if constexpr (kQ4) {
+          const uint8_t* wb = w + b * kQ4Bytes;
+          const int64_t l = lane / 4, kk = lane % 4;
+          for (int g = 0; g < 4; ++g)
+            for (int h = 0; h < 2; ++h)
+              for (int e = 0; e < 2; ++e) {
+                const uint8_t byte = wb[g * 64 + l * 16 + h * 8 + kk * 2 + e];
+                sum += (byte & 0xF) * xb[g * 8 + 2 * h + e] + (byte >> 4) * xb[g * 8 + 4 + 2 * h + e];
+              }
+          const uint16_t* sb = sc + b * 2 * kTile;
+          f[lane] = std::fma(static_cast<float>(sum), half_to_float(sb[lane]) * dx, f[lane]);
+          f[lane] = std::fma(half_to_float(sb[kTile + lane]), sx, f[lane]);
+        } else {
+          const int8_t* wb = reinterpret_cast<const int8_t*>(w + b * kQ8Bytes);
+          for (int p = 0; p < 16; ++p)
+            for (int e = 0; e < 2; ++e) sum += wb[p * 32 + lane * 2 + e] * xb[2 * p + e];
+          f[lane] = std::fma(static_cast<float>(sum), half_to_float(sc[b * kTile + lane]) * dx, f[lane]);
+        }
+      }
+    }
+    for (int64_t lane = 0; lane < std::min<int64_t>(valid, kTile); ++lane) out[r * ld + lane] = f[lane];
+  }
+#endif
+}
+
+// A packed weight: data [tiles, blocks, 256 or 512] uint8 (4-bit, or int8 values), scales [tiles, blocks, 32 or 16] fp16.
+struct Packed {
+  const uint8_t* data;
+  const uint16_t* scales;
+  int64_t tiles, blocks;
+  bool q4;
+
+  static Packed of(const at::Tensor& data, const at::Tensor& scales) {
+    TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 3 && data.is_contiguous(), "packed weight: uint8 [tiles, blocks, bytes]");
+    TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 3 && scales.is_contiguous(), "packed scales: fp16 [tiles, blocks, n]");
+    const bool q4 = data.size(2) == kQ4Bytes;
+    TORCH_CHECK(q4 || data.size(2) == kQ8Bytes, "packed weight: a tile-block is 256 (4-bit) or 512 (8-bit) bytes");
+    TORCH_CHECK(scales.size(0) == data.size(0) && scales.size(1) == data.size(1) && scales.size(2) == (q4 ? 2 : 1) * kTile,
+                "packed scales do not match the weight");
+    return {data.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), data.size(0),
+            data.size(1), q4};
+  }
+  // layer `l` of a stacked [L, tiles, blocks, bytes] weight
+  static Packed layer(const at::Tensor& data, const at::Tensor& scales, int64_t l) { return of(data[l], scales[l]); }
+  int64_t in_features() const { return blocks * kBlock; }
+  int64_t bytes_per_tile() const { return blocks * (q4 ? kQ4Bytes : kQ8Bytes); }
+  int64_t scales_per_tile() const { return blocks * (q4 ? 2 : 1) * kTile; }
+};
+
+template <bool kQ4>
+void linear_rows(const Packed& w, const QuantRows& x, int64_t rows, int64_t n_out, float* out) {
+  at::parallel_for(0, w.tiles, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint8_t* wt = w.data + t * w.bytes_per_tile();
+      const uint16_t* st = w.scales + t * w.scales_per_tile();
+      const int64_t valid = std::min(kTile, n_out - t * kTile);
+      float* o = out + t * kTile;
+      int64_t r = 0;
+#define STRATUM_TILE(MR) \
+  tile_dot<MR, kQ4>(wt, st, w.blocks, x.q.data() + r * x.k, x.d.data() + r * x.blocks, x.s.data() + r * x.blocks, \
+                    x.k, x.blocks, o + r * n_out, n_out, valid)
+      for (; r + 4 <= rows; r += 4) STRATUM_TILE(4);
+      switch (rows - r) {
+        case 3: STRATUM_TILE(3); break;
+        case 2: STRATUM_TILE(2); break;
+        case 1: STRATUM_TILE(1); break;
+        default: break;
+      }
+#undef STRATUM_TILE
+    }
+  });
+}
+
+// out [rows, n_out] = quantized x @ w^T
+void linear(const Packed& w, const QuantRows& x, int64_t rows, int64_t n_out, float* out) {
+  TORCH_CHECK(x.k == w.in_features(), "packed linear: input has ", x.k, " features, the weight ", w.in_features());
+  TORCH_CHECK(n_out <= w.tiles * kTile, "packed linear: more outputs than the weight holds");
+  if (w.q4)
+    linear_rows<true>(w, x, rows, n_out, out);
+  else
+    linear_rows<false>(w, x, rows, n_out, out);
+}
+
+void rms_norm(const float* x, const float* weight, int64_t rows, int64_t dim, float eps, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* xr = x + r * dim;
+    float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+    for (int64_t i = 0; i < dim; ++i) ss += xr[i] * xr[i];
+    const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
+    for (int64_t i = 0; i < dim; ++i) out[r * dim + i] = weight[i] * (xr[i] * inv);
+  }
+}
+
+struct Step {  // one call's geometry and buffers
+  int64_t tokens, hidden, heads, kv_heads, head_dim, block_size, max_blocks;
+  float eps, scale;
+  const int64_t* positions;
+  const int64_t* slots;
+  const int64_t* tables;
+  const int64_t* row_seq;
+  const float* cos;
+  const float* sin;
+};
+
+// Attention of every row over its own context (positions 0..pos), read in place from the pool.
+// Work is split by KV head and by chunks of rows; inside a chunk the blocks are walked in order,
+// so rows that share blocks (a prefill chunk's rows, decodes under one system prompt) read each
+// block while it is in cache. Each row's arithmetic does not depend on the other rows.
+template <typename T>
+void attend(const Step& s, const float* q, const T* k_pool, const T* v_pool, float* out) {
+  const int64_t group = s.heads / s.kv_heads, d = s.head_dim, bs = s.block_size;
+  const int64_t slot_stride = s.kv_heads * d;
+  constexpr int64_t kRows = 16;
+  const int64_t chunks = (s.tokens + kRows - 1) / kRows;
+  at::parallel_for(0, s.kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
+#if defined(__SSE__)
+    const unsigned int saved_csr = _mm_getcsr();
+    _mm_setcsr(saved_csr | 0x8040);  // FTZ | DAZ: exp() of peaked scores underflows into subnormals
+#endif
+    std::vector<float> acc(kRows * group * d), m(kRows * group), l(kRows * group), sc(group * bs);
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t h = item % s.kv_heads, r0 = (item / s.kv_heads) * kRows;
+      const int64_t r1 = std::min(s.tokens, r0 + kRows);
+      std::fill(acc.begin(), acc.end(), 0.f);
+      std::fill(m.begin(), m.end(), kNoScore);
+      std::fill(l.begin(), l.end(), 0.f);
+      int64_t blocks = 0;
+      for (int64_t r = r0; r < r1; ++r) blocks = std::max(blocks, (s.positions[r] + bs) / bs);
+      for (int64_t j = 0; j < blocks; ++j) {
+        for (int64_t r = r0; r < r1; ++r) {
+          const int64_t ctx = s.positions[r] + 1, start = j * bs;
+          if (start >= ctx) continue;
+          const int64_t n = std::min(bs, ctx - start);
+          const int64_t base = s.tables[s.row_seq[r] * s.max_blocks + j] * bs;
+          const float* qr = q + (r * s.heads + h * group) * d;
+          for (int64_t t = 0; t < n; ++t) {
+            const T* kv = k_pool + (base + t) * slot_stride + h * d;
+            for (int64_t g = 0; g < group; ++g) {
+              const float* qg = qr + g * d;
+              float dot = 0.f;
+#pragma omp simd reduction(+ : dot)
+              for (int64_t i = 0; i < d; ++i) dot += qg[i] * to_float(kv[i]);
+              sc[g * bs + t] = dot * s.scale;
+            }
+          }
+          const int64_t rr = r - r0;
+          for (int64_t g = 0; g < group; ++g) {
+            float* sg = &sc[g * bs];
+            float& mg = m[rr * group + g];
+            float new_m = mg;
+            for (int64_t t = 0; t < n; ++t) new_m = std::max(new_m, sg[t]);
+            float sum = 0.f;
+            for (int64_t t = 0; t < n; ++t) {
+              sg[t] = std::exp(sg[t] - new_m);
+              sum += sg[t];
+            }
+            const float rescale = std::exp(mg - new_m);
+            l[rr * group + g] = l[rr * group + g] * rescale + sum;
+            mg = new_m;
+            float* a = &acc[(rr * group + g) * d];
+#pragma omp simd
+            for (int64_t i = 0; i < d; ++i) a[i] *= rescale;
+          }
+          for (int64_t t = 0; t < n; ++t) {
+            const T* vv = v_pool + (base + t) * slot_stride + h * d;
+            for (int64_t g = 0; g < group; ++g) {
+              const float p = sc[g * bs + t];
+              float* a = &acc[(rr * group + g) * d];
+#pragma omp simd
+              for (int64_t i = 0; i < d; ++i) a[i] += p * to_float(vv[i]);
+            }
+          }
+        }
+      }
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t g = 0; g < group; ++g) {
+          const int64_t rr = r - r0;
+          const float inv = l[rr * group + g] > 0.f ? 1.f / l[rr * group + g] : 0.f;
+          float* o = out + (r * s.heads + h * group + g) * d;
+          const float* a = &acc[(rr * group + g) * d];
+          for (int64_t i = 0; i < d; ++i) o[i] = a[i] * inv;
+        }
+    }
+#if defined(__SSE__)
+    _mm_setcsr(saved_csr);
+#endif
+  });
+}
+
+// qkv [T, (H + 2 KVH) D] -> q rotated into `q` [T, H, D]; k rotated and v written at each row's slot.
+template <typename T>
+void rotate_and_store(const Step& s, float* qkv, const float* q_norm, const float* k_norm, float* q, T* k_pool, T* v_pool) {
+  const int64_t d = s.head_dim, half = d / 2, heads = s.heads + s.kv_heads;
+  const int64_t row = (s.heads + 2 * s.kv_heads) * d;
+  for (int64_t t = 0; t < s.tokens; ++t) {
+    float* x = qkv + t * row;
+    const float* c = s.cos + s.positions[t] * half;
+    const float* sn = s.sin + s.positions[t] * half;
+    for (int64_t h = 0; h < heads; ++h) {
+      float* xh = x + h * d;
+      const float* norm = h < s.heads ? q_norm : k_norm;
+      if (norm != nullptr) rms_norm(xh, norm, 1, d, s.eps, xh);  // Qwen3: per-head norm before rotation
+      for (int64_t i = 0; i < half; ++i) {
+        const float x1 = xh[i], x2 = xh[i + half];
+        xh[i] = x1 * c[i] - x2 * sn[i];
+        xh[i + half] = x2 * c[i] + x1 * sn[i];
+      }
+    }
+    std::memcpy(q + t * s.heads * d, x, s.heads * d * sizeof(float));
+    T* kd = k_pool + s.slots[t] * s.kv_heads * d;
+    T* vd = v_pool + s.slots[t] * s.kv_heads * d;
+    for (int64_t i = 0; i < s.kv_heads * d; ++i) {
+      store(kd + i, x[s.heads * d + i]);
+      store(vd + i, x[heads * d + i]);
+    }
+  }
+}
+
+void check_pool_access(const Step& s, const at::Tensor& tables, int64_t num_slots) {
+  const int64_t num_blocks = num_slots / s.block_size;
+  for (int64_t t = 0; t < s.tokens; ++t) {
+    TORCH_CHECK(s.positions[t] >= 0, "packed_forward: negative position");
+    TORCH_CHECK(s.slots[t] >= 0 && s.slots[t] < num_slots, "packed_forward: slot ", s.slots[t], " outside the pool");
+    TORCH_CHECK(s.row_seq[t] >= 0 && s.row_seq[t] < tables.size(0), "packed_forward: row names no block table");
+    TORCH_CHECK(s.positions[t] / s.block_size < s.max_blocks, "packed_forward: a context is longer than its block table");
+    for (int64_t j = 0; j <= s.positions[t] / s.block_size; ++j) {
+      const int64_t block = s.tables[s.row_seq[t] * s.max_blocks + j];
+      TORCH_CHECK(block >= 0 && block < num_blocks, "packed_forward: block ", block, " outside the pool");
+    }
+  }
+}
+
+// x [T, hidden] fp32 (the embedded tokens), returned as the final-normed hidden states.
+// weights: in_norm [L, hidden], post_norm [L, hidden], final_norm [hidden] fp32; then (data, scales)
+// of qkv, o, gate_up and down, each stacked [L, ...]; then qkv bias [L, n] (or empty), q_norm and
+// k_norm [L, D] (or empty). tables [S, max_blocks] int64, row_seq [T]: each row's sequence.
+// probe_layers / probe_rows: the rotated queries of these rows at these layers are returned too
+// ([len(layers), len(rows), H, D]), for the attention-coverage telemetry.
+std::tuple<at::Tensor, at::Tensor> packed_forward(const at::Tensor& x_in, const at::Tensor& positions, const at::Tensor& cos,
+                                                  const at::Tensor& sin, const at::Tensor& slot_mapping, const at::Tensor& tables,
+                                                  const at::Tensor& row_seq, at::TensorList k_caches, at::TensorList v_caches,
+                                                  at::TensorList weights, int64_t num_heads, int64_t num_kv_heads, double eps,
+                                                  int64_t block_size, at::IntArrayRef probe_layers, const at::Tensor& probe_rows) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "packed_forward: x must be [T, hidden] fp32");
+  TORCH_CHECK(weights.size() == 14, "packed_forward: 14 weight tensors expected");
+  const int64_t layers = weights[0].size(0), tokens = x_in.size(0), hidden = x_in.size(1);
+  TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == layers && static_cast<int64_t>(v_caches.size()) == layers,
+              "packed_forward: one K and one V pool per layer");
+  const int64_t head_dim = k_caches[0].size(2);
+  TORCH_CHECK(k_caches[0].size(1) == num_kv_heads && num_heads % num_kv_heads == 0, "packed_forward: head mismatch");
+  for (const auto& t : {positions, slot_mapping, row_seq})
+    TORCH_CHECK(t.scalar_type() == at::kLong && t.is_contiguous() && t.numel() == tokens, "packed_forward: one int64 per row");
+  TORCH_CHECK(tables.scalar_type() == at::kLong && tables.dim() == 2 && tables.is_contiguous(), "packed_forward: tables [S, N] int64");
+  TORCH_CHECK(cos.scalar_type() == at::kFloat && cos.is_contiguous() && sin.sizes() == cos.sizes() && sin.is_contiguous() &&
+              cos.size(-1) == head_dim / 2, "packed_forward: cos/sin [positions, D/2] fp32");
+  const auto pool_type = k_caches[0].scalar_type();
+  for (int64_t l = 0; l < layers; ++l)
+    TORCH_CHECK(k_caches[l].is_contiguous() && v_caches[l].is_contiguous() && k_caches[l].sizes() == k_caches[0].sizes() &&
+                v_caches[l].sizes() == k_caches[0].sizes() && k_caches[l].scalar_type() == pool_type &&
+                v_caches[l].scalar_type() == pool_type, "packed_forward: pools must be contiguous and alike");
+  TORCH_CHECK(pool_type == at::kFloat || pool_type == at::kBFloat16, "packed_forward: the pool is fp32 or bf16");
+  const float* cos_p = cos.data_ptr<float>();
+  Step s{tokens, hidden, num_heads, num_kv_heads, head_dim, block_size, tables.size(1), static_cast<float>(eps),
+         static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim))), positions.data_ptr<int64_t>(),
+         slot_mapping.data_ptr<int64_t>(), tables.data_ptr<int64_t>(), row_seq.data_ptr<int64_t>(), cos_p,
+         sin.data_ptr<float>()};
+  check_pool_access(s, tables, k_caches[0].size(0));
+  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(s.positions[t] < cos.size(0), "packed_forward: position beyond the rotary table");
+
+  const at::Tensor &in_norm = weights[0], &post_norm = weights[1], &final_norm = weights[2];
+  const at::Tensor &bias = weights[11], &q_norm = weights[12], &k_norm = weights[13];
+  const int64_t q_size = num_heads * head_dim, qkv_size = (num_heads + 2 * num_kv_heads) * head_dim;
+  const int64_t inter2 = weights[7].size(1) * kTile;  // gate_up outputs (padded to the tile)
+  Packed gu0 = Packed::layer(weights[7], weights[8], 0), dn0 = Packed::layer(weights[9], weights[10], 0);
+  const int64_t inter = dn0.in_features();
+  TORCH_CHECK(inter2 >= 2 * inter && gu0.in_features() == hidden, "packed_forward: MLP shapes do not match");
+
+  auto x = x_in.clone();
+  auto opt = x_in.options();
+  auto h = at::empty({tokens, hidden}, opt), qkv = at::empty({tokens, qkv_size}, opt), q = at::empty({tokens, q_size}, opt);
+  auto attn = at::empty({tokens, q_size}, opt), proj = at::empty({tokens, hidden}, opt);
+  auto gu = at::empty({tokens, 2 * inter}, opt), act = at::empty({tokens, inter}, opt);
+  const int64_t probes = probe_rows.numel();
+  auto probe_q = at::zeros({static_cast<int64_t>(probe_layers.size()), probes, num_heads, head_dim}, opt);
+  QuantRows xq;
+  float* xp = x.data_ptr<float>();
+  for (int64_t l = 0; l < layers; ++l) {
+    rms_norm(xp, in_norm[l].data_ptr<float>(), tokens, hidden, s.eps, h.data_ptr<float>());
+    xq.quantize(h.data_ptr<float>(), tokens, hidden);
+    linear(Packed::layer(weights[3], weights[4], l), xq, tokens, qkv_size, qkv.data_ptr<float>());
+    if (bias.numel()) qkv.add_(bias[l]);
+    const float* qn = q_norm.numel() ? q_norm[l].data_ptr<float>() : nullptr;
+    const float* kn = k_norm.numel() ? k_norm[l].data_ptr<float>() : nullptr;
+    if (pool_type == at::kFloat) {
+      rotate_and_store<float>(s, qkv.data_ptr<float>(), qn, kn, q.data_ptr<float>(), k_caches[l].data_ptr<float>(),
+                              v_caches[l].data_ptr<float>());
+      attend<float>(s, q.data_ptr<float>(), k_caches[l].data_ptr<float>(), v_caches[l].data_ptr<float>(), attn.data_ptr<float>());
+    } else {
+      auto* kp = reinterpret_cast<c10::BFloat16*>(k_caches[l].data_ptr<at::BFloat16>());
+      auto* vp = reinterpret_cast<c10::BFloat16*>(v_caches[l].data_ptr<at::BFloat16>());
+      rotate_and_store<c10::BFloat16>(s, qkv.data_ptr<float>(), qn, kn, q.data_ptr<float>(), kp, vp);
+      attend<c10::BFloat16>(s, q.data_ptr<float>(), kp, vp, attn.data_ptr<float>());
+    }
+    for (size_t p = 0; p < probe_layers.size(); ++p)
+      if (probe_layers[p] == l)
+        for (int64_t i = 0; i < probes; ++i) probe_q[p][i].view({-1}).copy_(q[probe_rows[i].item<int64_t>()]);
+    xq.quantize(attn.data_ptr<float>(), tokens, q_size);
+    linear(Packed::layer(weights[5], weights[6], l), xq, tokens, hidden, proj.data_ptr<float>());
+    x.add_(proj);
+    rms_norm(xp, post_norm[l].data_ptr<float>(), tokens, hidden, s.eps, h.data_ptr<float>());
+    xq.quantize(h.data_ptr<float>(), tokens, hidden);
+    linear(Packed::layer(weights[7], weights[8], l), xq, tokens, 2 * inter, gu.data_ptr<float>());
+    const float* g = gu.data_ptr<float>();
+    float* a = act.data_ptr<float>();
+    for (int64_t t = 0; t < tokens; ++t)
+      for (int64_t i = 0; i < inter; ++i) {
+        const float gate = g[t * 2 * inter + i];
+        a[t * inter + i] = gate / (1.f + std::exp(-gate)) * g[t * 2 * inter + inter + i];
+      }
+    xq.quantize(a, tokens, inter);
+    linear(Packed::layer(weights[9], weights[10], l), xq, tokens, hidden, proj.data_ptr<float>());
+    x.add_(proj);
+  }
+  rms_norm(xp, final_norm.data_ptr<float>(), tokens, hidden, s.eps, h.data_ptr<float>());
+  return {h, probe_q};
+}
+
+// x [M, K] fp32 -> [M, n_out] fp32 through one packed weight (the output projection, and tests).
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales, int64_t n_out) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "packed_linear: x must be [M, K] fp32");
+  const Packed w = Packed::of(data, scales);
+  TORCH_CHECK(x.size(1) == w.in_features(), "packed_linear: x has ", x.size(1), " features, the weight ", w.in_features());
+  const auto xc = x.contiguous();
+  QuantRows xq;
+  xq.quantize(xc.data_ptr<float>(), x.size(0), x.size(1));
+  auto out = at::empty({x.size(0), n_out}, x.options());
+  linear(w, xq, x.size(0), n_out, out.data_ptr<float>());
+  return out;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(stratum, m) {
+  m.def("packed_linear(Tensor x, Tensor data, Tensor scales, int n_out) -> Tensor");
+  m.impl("packed_linear", c10::DispatchKey::CPU, TORCH_FN(packed_linear));
+  m.def("packed_forward(Tensor x, Tensor positions, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor tables, "
+        "Tensor row_seq, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor[] weights, int num_heads, "
+        "int num_kv_heads, float eps, int block_size, int[] probe_layers, Tensor probe_rows) -> (Tensor, Tensor)");
+  m.impl("packed_forward", c10::DispatchKey::CPU, TORCH_FN(packed_forward));
+}
