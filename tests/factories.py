@@ -102,3 +102,74 @@ def rereads(n: int, output_tokens: int, block_size: int = 16) -> int:
     tokens filled the block holding the prompt's tail (the block is then cached, its slots copied)."""
     computed = n + max(0, output_tokens - 1)  # the last output token is never fed back; a warm-up computes n
     return n - 1 if computed >= ((n - 1) // block_size + 1) * block_size else (n - 1) // block_size * block_size
+
+
+def make_tiny_gguf(path: Path, qtype: str = "Q4_1", head_qtype: str = "Q8_0", num_layers: int = 2, hidden: int = 64,
+                   seed: int = 0) -> Path:
+    """The tiny model of `make_tiny_model_dir` as a GGUF file (architecture "llama", so Q and K rows are
+    permuted the way llama.cpp's converter stores them), its projections quantized to `qtype` and its
+    tied embedding to `head_qtype` by gguf-py. Returns the file."""
+    import gguf
+    import numpy as np
+    from gguf.quants import quantize
+
+    path = Path(path)
+    folder = make_tiny_model_dir(path.with_suffix(".hf"), num_layers=num_layers, hidden=hidden, seed=seed)
+    config = json.loads((folder / "config.json").read_text())
+    tokenizer = json.loads((folder / "tokenizer.json").read_text())
+    from safetensors.torch import load_file
+
+    weights = load_file(str(folder / "model.safetensors"))
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(num_layers)
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_layer_norm_rms_eps(config["rms_norm_eps"])
+    writer.add_rope_freq_base(config["rope_theta"])
+    vocab = sorted(tokenizer["model"]["vocab"].items(), key=lambda kv: kv[1])
+    for added in tokenizer["added_tokens"]:
+        vocab.append((added["content"], added["id"]))
+    tokens = [t for t, _ in sorted(dict(vocab).items(), key=lambda kv: kv[1])]
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tokenizer["model"]["merges"]]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_token_list(tokens)
+    writer.add_token_merges(merges)
+    writer.add_token_types([3 if t in SPECIAL else 1 for t in tokens])
+    writer.add_bos_token_id(tokens.index("<|im_start|>"))
+    writer.add_eos_token_id(tokens.index("<|im_end|>"))
+    writer.add_chat_template(CHATML)
+
+    def permute(w: torch.Tensor, n: int) -> torch.Tensor:  # convert_hf_to_gguf's LlamaModel.permute
+        return w.reshape(n, 2, w.shape[0] // n // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+    def put(name: str, tensor: torch.Tensor, kind: str | None) -> None:
+        array = tensor.float().numpy()
+        if kind is None:
+            writer.add_tensor(name, array)
+        else:
+            t = gguf.GGMLQuantizationType[kind]
+            writer.add_tensor(name, quantize(array, t), raw_dtype=t)
+
+    put("token_embd.weight", weights["model.embed_tokens.weight"], head_qtype)
+    put("output_norm.weight", weights["model.norm.weight"], None)
+    names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+             "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+             "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for i in range(num_layers):
+        for hf, short in names.items():
+            w = weights[f"model.layers.{i}.{hf}.weight"]
+            if short == "attn_q":
+                w = permute(w, heads)
+            elif short == "attn_k":
+                w = permute(w, kv_heads)
+            put(f"blk.{i}.{short}.weight", w, None if short.endswith("norm") else qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    del np
+    return path
