@@ -49,23 +49,21 @@ wait_up http://127.0.0.1:8301
 run() {
   local name=$1 workload=$2 conc=$3 max_tokens=$4 num=$5; shift 5
   local ctx=$(( conc * 4096 ))
-  $LLAMA_SERVER -m "$GGUF" -t 2 --parallel "$conc" -c "$ctx" -fa off --port 8302 >"$OUT/llama-$name-fa-off.log" 2>&1 & local a=$!
-  $LLAMA_SERVER -m "$GGUF" -t 2 --parallel "$conc" -c "$ctx" -fa on --port 8303 >"$OUT/llama-$name-fa-on.log" 2>&1 & local b=$!
-  pids+=($a $b)
-  wait_up http://127.0.0.1:8302; wait_up http://127.0.0.1:8303
+  $LLAMA_SERVER -m "$GGUF" -t 2 --parallel "$conc" -c "$ctx" -fa off --port 8302 >"$OUT/llama-$name.log" 2>&1 & local a=$!
+  pids+=($a)
+  wait_up http://127.0.0.1:8302
   $STRATUM bench compare --api openai --model smollm2-135m \
     --url http://127.0.0.1:8301 --label stratum \
-    --url http://127.0.0.1:8302 --label llama-server-fa-off \
-    --url http://127.0.0.1:8303 --label llama-server-fa-on \
+    --url http://127.0.0.1:8302 --label llama-server \
     --workload "$workload" --concurrency "$conc" --max-tokens "$max_tokens" --num-requests "$num" --ignore-eos \
     --markdown "$OUT/$name.md" --plot "$OUT/$name" "$@" >"$OUT/$name.json"
-  kill $a $b; wait $a $b 2>/dev/null || true
+  kill $a; wait $a 2>/dev/null || true
 }
 
 # a seed per run: no run finds another run's prompts in Stratum's prefix cache
 run single-stream unique 1 128 8 --seed 1
+run unique-c16 unique 16 128 48 --seed 6
 run shared-prefix-c32 shared-prefix 32 64 64 --seed 2
-run shared-prefix-c16 shared-prefix 16 64 48 --seed 3
 run multiturn-8x4 multiturn 8 64 32 --num-turns 4 --seed 4
 run mixed-long-c8 mixed-long 8 64 32 --seed 5
 echo "results in $OUT"

@@ -36,6 +36,11 @@ def decode_bytes(engine) -> int:
     """Bytes of weights one batch-1 decode step reads, with the engine's kernels."""
     from stratum.layers.linear import Linear
 
+    model = engine.model
+    if model.packed is not None:  # the native step: the packed blocks, the norms, the packed head
+        head = model.packed_head.nbytes if model.packed_head is not None else (
+            model.embed_tokens.weight.numel() * model.embed_tokens.weight.element_size())
+        return model.packed.nbytes + sum(w.numel() * w.element_size() for w in model.packed.weights[:3]) + head
     total = 0
     for module in engine.model.modules():
         if isinstance(module, Linear):
@@ -45,7 +50,6 @@ def decode_bytes(engine) -> int:
                 total += module.weight.numel() * module.weight.element_size()
         elif isinstance(module, torch.nn.Module) and hasattr(module, "eps"):  # RMSNorm
             total += module.weight.numel() * module.weight.element_size()
-    model = engine.model
     if model.lm_head_q8 is not None and model.q8_max_rows >= 1:  # one row runs on the Q8_0 projection
         return total + model.lm_head_q8.nbytes
     lm_head = model.lm_head.weight if model.lm_head is not None else model.embed_tokens.weight

@@ -269,6 +269,67 @@ struct Step {  // one call's geometry and buffers
   const float* sin;
 };
 
+template <typename T>
+using ScoresFn = void (*)(const float*, const T*, int64_t, int64_t, float, float*, int64_t);
+template <typename T>
+using ValuesFn = void (*)(const float*, const T*, int64_t, int64_t, float*, int64_t);
+
+#if STRATUM_VNNI
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
+  const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
+}
+
+// Scores of G query heads (C * 16 floats each, contiguous) against n slots of one KV head: each
+// key row is loaded once for the G heads that share it.
+template <typename T, int C, int G>
+inline void block_scores(const float* q, const T* k, int64_t stride, int64_t n, float scale, float* sc, int64_t bs) {
+  for (int64_t t = 0; t < n; ++t) {
+    __m512 kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = load16(k + t * stride + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      __m512 a = _mm512_mul_ps(kv[0], _mm512_loadu_ps(q + g * C * 16));
+      for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(kv[c], _mm512_loadu_ps(q + g * C * 16 + 16 * c), a);
+      sc[g * bs + t] = _mm512_reduce_add_ps(a) * scale;
+    }
+  }
+}
+
+// acc[g] += sum_t p[g][t] * v[t] for G heads sharing the KV head, the accumulators held in registers.
+template <typename T, int C, int G>
+inline void block_values(const float* p, const T* v, int64_t stride, int64_t n, float* acc, int64_t bs) {
+  __m512 a[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) a[g][c] = _mm512_loadu_ps(acc + (g * C + c) * 16);
+  for (int64_t t = 0; t < n; ++t)
+    for (int c = 0; c < C; ++c) {
+      const __m512 vv = load16(v + t * stride + 16 * c);
+      for (int g = 0; g < G; ++g) a[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * bs + t]), vv, a[g][c]);
+    }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (g * C + c) * 16, a[g][c]);
+}
+
+// The register-blocked forms for the head sizes and groups they cover (nullptr: the plain loops).
+template <typename T>
+std::pair<ScoresFn<T>, ValuesFn<T>> block_kernels(int64_t head_dim, int64_t group) {
+  if (head_dim == 64) switch (group) {
+      case 1: return {block_scores<T, 4, 1>, block_values<T, 4, 1>};
+      case 2: return {block_scores<T, 4, 2>, block_values<T, 4, 2>};
+      case 3: return {block_scores<T, 4, 3>, block_values<T, 4, 3>};
+      case 4: return {block_scores<T, 4, 4>, block_values<T, 4, 4>};
+      default: break;
+    }
+  if (head_dim == 128) switch (group) {
+      case 1: return {block_scores<T, 8, 1>, block_values<T, 8, 1>};
+      case 2: return {block_scores<T, 8, 2>, block_values<T, 8, 2>};
+      default: break;
+    }
+  return {nullptr, nullptr};
+}
+#endif
+
 // Attention of every row over its own context (positions 0..pos), read in place from the pool.
 // Work is split by KV head and by chunks of rows; inside a chunk the blocks are walked in order,
 // so rows that share blocks (a prefill chunk's rows, decodes under one system prompt) read each
@@ -279,6 +340,12 @@ void attend(const Step& s, const float* q, const T* k_pool, const T* v_pool, flo
   const int64_t slot_stride = s.kv_heads * d;
   constexpr int64_t kRows = 16;
   const int64_t chunks = (s.tokens + kRows - 1) / kRows;
+#if STRATUM_VNNI
+  const auto [scores_fn, values_fn] = block_kernels<T>(d, group);
+#else
+  const ScoresFn<T> scores_fn = nullptr;
+  const ValuesFn<T> values_fn = nullptr;
+#endif
   at::parallel_for(0, s.kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
 #if defined(__SSE__)
     const unsigned int saved_csr = _mm_getcsr();
@@ -300,14 +367,18 @@ void attend(const Step& s, const float* q, const T* k_pool, const T* v_pool, flo
           const int64_t n = std::min(bs, ctx - start);
           const int64_t base = s.tables[s.row_seq[r] * s.max_blocks + j] * bs;
           const float* qr = q + (r * s.heads + h * group) * d;
-          for (int64_t t = 0; t < n; ++t) {
-            const T* kv = k_pool + (base + t) * slot_stride + h * d;
-            for (int64_t g = 0; g < group; ++g) {
-              const float* qg = qr + g * d;
-              float dot = 0.f;
+          if (scores_fn != nullptr) {
+            scores_fn(qr, k_pool + base * slot_stride + h * d, slot_stride, n, s.scale, sc.data(), bs);
+          } else {
+            for (int64_t t = 0; t < n; ++t) {
+              const T* kv = k_pool + (base + t) * slot_stride + h * d;
+              for (int64_t g = 0; g < group; ++g) {
+                const float* qg = qr + g * d;
+                float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-              for (int64_t i = 0; i < d; ++i) dot += qg[i] * to_float(kv[i]);
-              sc[g * bs + t] = dot * s.scale;
+                for (int64_t i = 0; i < d; ++i) dot += qg[i] * to_float(kv[i]);
+                sc[g * bs + t] = dot * s.scale;
+              }
             }
           }
           const int64_t rr = r - r0;
@@ -315,8 +386,10 @@ void attend(const Step& s, const float* q, const T* k_pool, const T* v_pool, flo
             float* sg = &sc[g * bs];
             float& mg = m[rr * group + g];
             float new_m = mg;
+#pragma omp simd reduction(max : new_m)
             for (int64_t t = 0; t < n; ++t) new_m = std::max(new_m, sg[t]);
             float sum = 0.f;
+#pragma omp simd reduction(+ : sum)  // a vector exp: one call per block, not per score
             for (int64_t t = 0; t < n; ++t) {
               sg[t] = std::exp(sg[t] - new_m);
               sum += sg[t];
@@ -328,13 +401,17 @@ void attend(const Step& s, const float* q, const T* k_pool, const T* v_pool, flo
 #pragma omp simd
             for (int64_t i = 0; i < d; ++i) a[i] *= rescale;
           }
-          for (int64_t t = 0; t < n; ++t) {
-            const T* vv = v_pool + (base + t) * slot_stride + h * d;
-            for (int64_t g = 0; g < group; ++g) {
-              const float p = sc[g * bs + t];
-              float* a = &acc[(rr * group + g) * d];
+          if (values_fn != nullptr) {
+            values_fn(sc.data(), v_pool + base * slot_stride + h * d, slot_stride, n, &acc[rr * group * d], bs);
+          } else {
+            for (int64_t t = 0; t < n; ++t) {
+              const T* vv = v_pool + (base + t) * slot_stride + h * d;
+              for (int64_t g = 0; g < group; ++g) {
+                const float p = sc[g * bs + t];
+                float* a = &acc[(rr * group + g) * d];
 #pragma omp simd
-              for (int64_t i = 0; i < d; ++i) a[i] += p * to_float(vv[i]);
+                for (int64_t i = 0; i < d; ++i) a[i] += p * to_float(vv[i]);
+              }
             }
           }
         }
