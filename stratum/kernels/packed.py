@@ -138,7 +138,8 @@ class PackedStack:
     """Every decoder layer on packed weights, run by one native call per step (csrc/packed_step.cpp).
 
     Holds the weights stacked per kind across layers; the norms (and Qwen's biases and q/k norms)
-    are fp32 copies of the model's own.
+    are fp32 copies of the model's own. The KV pool it writes keeps keys transposed per block
+    (`keys` reads them back as [slot, KVH, D]).
     """
 
     def __init__(self, model, projections: dict[str, list[PackedWeight]]):
@@ -179,6 +180,14 @@ class PackedStack:
             if len({(w.data.shape, w.scales.shape) for w in ws}) != 1:
                 return None
         return cls(model, projections)
+
+    @staticmethod
+    def keys(k_cache: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:
+        """The keys at `slots`, [n, KVH, D], from a pool the native step wrote: its blocks hold keys
+        transposed, [KVH, D, block_size] each (csrc/packed_step.cpp)."""
+        num_slots, kv_heads, head_dim = k_cache.shape
+        blocks = k_cache.view(num_slots // block_size, kv_heads, head_dim, block_size)
+        return blocks[slots // block_size, :, :, slots % block_size]
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta, kv_caches) -> tuple[torch.Tensor, torch.Tensor]:

@@ -107,20 +107,21 @@ class LlamaForCausalLM(nn.Module):
         if self.packed is not None:
             hidden, probed = self.packed.forward(x, positions, self.rotary.cos, self.rotary.sin, meta, kv_caches)
             if meta.probe is not None:
-                self._record_coverage(meta.probe, probed, kv_caches)
+                self._record_coverage(meta.probe, probed, kv_caches, meta.block_size)
             return hidden
         rope = self.rotary.tables(positions)
         for layer, kv_cache in zip(self.layers, kv_caches):
             x = layer(x, rope, meta, kv_cache)
         return self.norm(x)
 
-    def _record_coverage(self, probe, probed: torch.Tensor, kv_caches) -> None:
+    def _record_coverage(self, probe, probed: torch.Tensor, kv_caches, block_size: int) -> None:
         """The coverage probe from the queries the native step returned ([layers, rows, H, D])."""
         scale = self.config.head_dim**-0.5
         for p, layer in enumerate(sorted(probe.layers)):
             k_cache = kv_caches[layer][0]
             for i, (slots, out) in enumerate(zip(probe.slots, probe.results)):
-                out.append(attention_coverage(probed[p, i], k_cache.index_select(0, slots), scale))
+                keys = self.packed.keys(k_cache, slots, block_size)
+                out.append(attention_coverage(probed[p, i], keys, scale))
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, fast: bool = False) -> torch.Tensor:

@@ -14,6 +14,10 @@
 // On AVX-512 VNNI sixteen outputs are computed side by side (one per int32 lane, vpdpwssd adds two
 // s16 x s16 products per lane), from weights repacked at load into tiles of 16 rows (kernels/packed.py).
 //
+// The K pool is laid out transposed per block, [block][KV head][head_dim][block_size], so a block's
+// scores are 16 lanes of one vector (V stays [slot][KV head][head_dim]); a block still occupies the
+// same bytes, so whole-block copies are layout-blind.
+//
 // Batch invariance: every output of every row is computed by the same sequence of operations
 // whatever else is in the batch: the activation scales are per row, integer sums are exact, the
 // fp32 accumulation runs over blocks in a fixed order per output lane, and attention walks each
@@ -270,7 +274,7 @@ struct Step {  // one call's geometry and buffers
 };
 
 template <typename T>
-using ScoresFn = void (*)(const float*, const T*, int64_t, int64_t, float, float*, int64_t);
+using ScoresFn = void (*)(const float*, int64_t, const T*, float, float*);
 template <typename T>
 using ValuesFn = void (*)(const float*, const T*, int64_t, int64_t, float*, int64_t);
 
@@ -281,19 +285,17 @@ inline __m512 load16(const c10::BFloat16* p) {  // bf16 is the top half of an fp
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bits), 16));
 }
 
-// Scores of G query heads (C * 16 floats each, contiguous) against n slots of one KV head: each
-// key row is loaded once for the G heads that share it.
-template <typename T, int C, int G>
-inline void block_scores(const float* q, const T* k, int64_t stride, int64_t n, float scale, float* sc, int64_t bs) {
-  for (int64_t t = 0; t < n; ++t) {
-    __m512 kv[C];
-    for (int c = 0; c < C; ++c) kv[c] = load16(k + t * stride + 16 * c);
-    for (int g = 0; g < G; ++g) {
-      __m512 a = _mm512_mul_ps(kv[0], _mm512_loadu_ps(q + g * C * 16));
-      for (int c = 1; c < C; ++c) a = _mm512_fmadd_ps(kv[c], _mm512_loadu_ps(q + g * C * 16 + 16 * c), a);
-      sc[g * bs + t] = _mm512_reduce_add_ps(a) * scale;
-    }
+// Scores of G query heads (d floats each, contiguous) against one block of 16 slots of one KV head,
+// whose keys lie transposed ([d][16]): sixteen scores per instruction, no horizontal sums.
+template <typename T, int G>
+inline void block_scores(const float* q, int64_t d, const T* kt, float scale, float* sc) {
+  __m512 a[G];
+  for (int g = 0; g < G; ++g) a[g] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; ++i) {
+    const __m512 kv = load16(kt + i * 16);
+    for (int g = 0; g < G; ++g) a[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g * d + i]), kv, a[g]);
   }
+  for (int g = 0; g < G; ++g) _mm512_storeu_ps(sc + g * 16, _mm512_mul_ps(a[g], _mm512_set1_ps(scale)));
 }
 
 // acc[g] += sum_t p[g][t] * v[t] for G heads sharing the KV head, the accumulators held in registers.
@@ -311,22 +313,34 @@ inline void block_values(const float* p, const T* v, int64_t stride, int64_t n, 
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (g * C + c) * 16, a[g][c]);
 }
 
-// The register-blocked forms for the head sizes and groups they cover (nullptr: the plain loops).
+// The register-blocked forms for the shapes they cover (nullptr: the plain loops).
 template <typename T>
-std::pair<ScoresFn<T>, ValuesFn<T>> block_kernels(int64_t head_dim, int64_t group) {
+ScoresFn<T> scores_kernel(int64_t block_size, int64_t group) {
+  if (block_size != 16) return nullptr;
+  switch (group) {
+    case 1: return block_scores<T, 1>;
+    case 2: return block_scores<T, 2>;
+    case 3: return block_scores<T, 3>;
+    case 4: return block_scores<T, 4>;
+    default: return nullptr;
+  }
+}
+
+template <typename T>
+ValuesFn<T> values_kernel(int64_t head_dim, int64_t group) {
   if (head_dim == 64) switch (group) {
-      case 1: return {block_scores<T, 4, 1>, block_values<T, 4, 1>};
-      case 2: return {block_scores<T, 4, 2>, block_values<T, 4, 2>};
-      case 3: return {block_scores<T, 4, 3>, block_values<T, 4, 3>};
-      case 4: return {block_scores<T, 4, 4>, block_values<T, 4, 4>};
+      case 1: return block_values<T, 4, 1>;
+      case 2: return block_values<T, 4, 2>;
+      case 3: return block_values<T, 4, 3>;
+      case 4: return block_values<T, 4, 4>;
       default: break;
     }
   if (head_dim == 128) switch (group) {
-      case 1: return {block_scores<T, 8, 1>, block_values<T, 8, 1>};
-      case 2: return {block_scores<T, 8, 2>, block_values<T, 8, 2>};
+      case 1: return block_values<T, 8, 1>;
+      case 2: return block_values<T, 8, 2>;
       default: break;
     }
-  return {nullptr, nullptr};
+  return nullptr;
 }
 #endif
 
@@ -341,7 +355,8 @@ void attend(const Step& s, const float* q, const T* k_pool, const T* v_pool, flo
   constexpr int64_t kRows = 16;
   const int64_t chunks = (s.tokens + kRows - 1) / kRows;
 #if STRATUM_VNNI
-  const auto [scores_fn, values_fn] = block_kernels<T>(d, group);
+  const ScoresFn<T> scores_fn = scores_kernel<T>(bs, group);
+  const ValuesFn<T> values_fn = values_kernel<T>(d, group);
 #else
   const ScoresFn<T> scores_fn = nullptr;
   const ValuesFn<T> values_fn = nullptr;
@@ -365,21 +380,20 @@ void attend(const Step& s, const float* q, const T* k_pool, const T* v_pool, flo
           const int64_t ctx = s.positions[r] + 1, start = j * bs;
           if (start >= ctx) continue;
           const int64_t n = std::min(bs, ctx - start);
-          const int64_t base = s.tables[s.row_seq[r] * s.max_blocks + j] * bs;
+          const int64_t block = s.tables[s.row_seq[r] * s.max_blocks + j], base = block * bs;
+          const T* kt = k_pool + (block * s.kv_heads + h) * d * bs;  // this block's keys of head h, [d][bs]
           const float* qr = q + (r * s.heads + h * group) * d;
           if (scores_fn != nullptr) {
-            scores_fn(qr, k_pool + base * slot_stride + h * d, slot_stride, n, s.scale, sc.data(), bs);
+            scores_fn(qr, d, kt, s.scale, sc.data());
           } else {
-            for (int64_t t = 0; t < n; ++t) {
-              const T* kv = k_pool + (base + t) * slot_stride + h * d;
+            for (int64_t t = 0; t < n; ++t)
               for (int64_t g = 0; g < group; ++g) {
                 const float* qg = qr + g * d;
                 float dot = 0.f;
 #pragma omp simd reduction(+ : dot)
-                for (int64_t i = 0; i < d; ++i) dot += qg[i] * to_float(kv[i]);
+                for (int64_t i = 0; i < d; ++i) dot += qg[i] * to_float(kt[i * bs + t]);
                 sc[g * bs + t] = dot * s.scale;
               }
-            }
           }
           const int64_t rr = r - r0;
           for (int64_t g = 0; g < group; ++g) {
@@ -451,10 +465,11 @@ void rotate_and_store(const Step& s, float* qkv, const float* q_norm, const floa
       }
     }
     std::memcpy(q + t * s.heads * d, x, s.heads * d * sizeof(float));
-    T* kd = k_pool + s.slots[t] * s.kv_heads * d;
-    T* vd = v_pool + s.slots[t] * s.kv_heads * d;
+    const int64_t slot = s.slots[t], bs = s.block_size;
+    T* kd = k_pool + (slot / bs) * s.kv_heads * d * bs + slot % bs;  // keys transposed per block: [KVH][d][bs]
+    T* vd = v_pool + slot * s.kv_heads * d;
     for (int64_t i = 0; i < s.kv_heads * d; ++i) {
-      store(kd + i, x[s.heads * d + i]);
+      store(kd + i * bs, x[s.heads * d + i]);
       store(vd + i, x[heads * d + i]);
     }
   }
@@ -556,11 +571,12 @@ std::tuple<at::Tensor, at::Tensor> packed_forward(const at::Tensor& x_in, const 
     linear(Packed::layer(weights[7], weights[8], l), xq, tokens, 2 * inter, gu.data_ptr<float>());
     const float* g = gu.data_ptr<float>();
     float* a = act.data_ptr<float>();
-    for (int64_t t = 0; t < tokens; ++t)
-      for (int64_t i = 0; i < inter; ++i) {
-        const float gate = g[t * 2 * inter + i];
-        a[t * inter + i] = gate / (1.f + std::exp(-gate)) * g[t * 2 * inter + inter + i];
-      }
+    for (int64_t t = 0; t < tokens; ++t) {
+      const float* gt = g + t * 2 * inter;
+      float* at = a + t * inter;
+#pragma omp simd  // a vector exp: a scalar one per value cost more than the projections at 32 rows
+      for (int64_t i = 0; i < inter; ++i) at[i] = gt[i] / (1.f + std::exp(-gt[i])) * gt[inter + i];
+    }
     xq.quantize(a, tokens, inter);
     linear(Packed::layer(weights[9], weights[10], l), xq, tokens, hidden, proj.data_ptr<float>());
     x.add_(proj);
