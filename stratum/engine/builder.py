@@ -18,7 +18,8 @@ from stratum.home import stratum_home
 from stratum.kernels import native
 from stratum.kernels import KernelPlan
 from stratum.kernels.plan import Shapes, select_plan
-from stratum.kernels.packed import PACKED_QTYPES, PackedStack
+from stratum.kernels.packed import LAYOUT_VERSION as PACKED_LAYOUT
+from stratum.kernels.packed import PACKED_QTYPES, PackedStack, PackedWeight
 from stratum.kernels.packed import pack as packed_weight
 from stratum.kernels.quant import Int4Weight, Int8Weight, Q8Weight, is_packable, unpack_q4, unpack_q8_0
 from stratum.layers.linear import Linear
@@ -95,7 +96,7 @@ def build_model(config: ResolvedConfig, checkpoint: Checkpoint) -> tuple[LlamaFo
     model.cast_weights(config.torch_dtype)
     model = model.to(device=torch.device(config.device)).eval()
     checkpoint.weights.clear()  # the model holds them now
-    if plan.packed_step and attach_packed(model, checkpoint.quantized):
+    if plan.packed_step and attach_packed(model, checkpoint.quantized, checkpoint.cache_dir):
         checkpoint.quantized.clear()
         return model, model.packed.nbytes
     int4_bytes = attach_int4(model, checkpoint.quantized, plan.int4_max_tokens, checkpoint.cache_dir)
@@ -109,29 +110,46 @@ def build_model(config: ResolvedConfig, checkpoint: Checkpoint) -> tuple[LlamaFo
     return model, int4_bytes
 
 
-def attach_packed(model, quantized: dict) -> bool:
+def attach_packed(model, quantized: dict, cache_dir: Path | None = None) -> bool:
     """Run every layer through the native step on the checkpoint's own blocks, when each projection
     is Q4_0, Q4_1 or Q8_0 (and the output projection too, when it is one of those).
 
-    The dense copies of the projections are dropped: the step never reads them. The embedding stays
-    (looked up from the Q8_0 table as stored where the file has one), and the output projection runs
-    on the same kernel for every row, so a token's logits do not depend on the batch around it.
+    The repacked blocks are kept in cache_dir/packed-<layout version>.pt when a cache is given: repacking takes
+    seconds at every start otherwise. The dense copies of the projections are dropped: the step
+    never reads them. The embedding stays (looked up from the Q8_0 table as stored where the file has
+    one), and the output projection runs on the same kernel for every row, so a token's logits do not
+    depend on the batch around it.
 
     Returns:
         Whether the step was attached (False: some projection is in another format).
     """
-    stack = PackedStack.build(model, quantized)
-    if stack is None:
+    cache = cache_dir / f"packed-{PACKED_LAYOUT}.pt" if cache_dir is not None else None
+    saved = None
+    if cache is not None and cache.exists():
+        try:
+            saved = torch.load(cache, weights_only=True)
+        except (OSError, RuntimeError, ValueError):
+            saved = None
+    if saved is None:
+        name = "lm_head.weight" if model.lm_head is not None else "model.embed_tokens.weight"
+        head = quantized.get(name)
+        head = packed_weight(head.qtype, head.data, head.shape) if head is not None and head.qtype in PACKED_QTYPES else None
+        saved = {"layers": PackedStack.pack_layers(quantized, model.config.num_layers),
+                 "head": (head.data, head.scales, head.out_features, head.in_features) if head is not None else None}
+        if saved["layers"] is not None and cache is not None:
+            try:
+                torch.save(saved, cache)
+            except OSError:
+                pass  # only costs the repacking on the next start
+    if saved["layers"] is None:
         return False
-    model.packed = stack
+    model.packed = PackedStack(model, saved["layers"])
     for layer in model.layers:
         for module in layer.modules():
             if isinstance(module, Linear):
                 module.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
-    name = "lm_head.weight" if model.lm_head is not None else "model.embed_tokens.weight"
-    head = quantized.get(name)
-    if head is not None and head.qtype in PACKED_QTYPES:
-        model.packed_head = packed_weight(head.qtype, head.data, head.shape)
+    if saved["head"] is not None:
+        model.packed_head = PackedWeight(*saved["head"])
     attach_q8_embedding(model, quantized)
     if model.lm_head is not None and model.packed_head is not None:
         model.lm_head.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)

@@ -30,6 +30,7 @@ from stratum.kernels.quant import GROUP_SIZE, Q8_0_BYTES
 
 TILE = 16
 PACKED_QTYPES = ("Q4_0", "Q4_1", "Q8_0")
+LAYOUT_VERSION = 1  # of the tiles below and csrc/packed_step.cpp's reading of them; names the cached copy
 
 
 def _fp16(blocks: np.ndarray, offset: int) -> np.ndarray:
@@ -142,15 +143,11 @@ class PackedStack:
     (`keys` reads them back as [slot, KVH, D]).
     """
 
-    def __init__(self, model, projections: dict[str, list[PackedWeight]]):
+    def __init__(self, model, stacked: list[torch.Tensor]):
+        """stacked: (data, scales) of each kind in FUSED order, each [layers, ...] (see `pack_layers`)."""
         cfg = model.config
         self.config = cfg
-        self.out_features = {name: ws[0].out_features for name, ws in projections.items()}
         layers = model.layers
-        stacked = []
-        for name in FUSED:
-            ws = projections[name]
-            stacked += [torch.stack([w.data for w in ws]), torch.stack([w.scales for w in ws])]
         empty = torch.empty(0)
         attn = [layer.self_attn for layer in layers]
         bias = torch.stack([a.qkv_proj.bias.float() for a in attn]) if cfg.attention_bias else empty
@@ -163,23 +160,19 @@ class PackedStack:
             *stacked,
             bias, q_norm, k_norm,
         ]
-        self.nbytes = sum(sum(w.nbytes for w in ws) for ws in projections.values())
+        self.nbytes = sum(t.numel() * t.element_size() for t in stacked)
 
-    @classmethod
-    def build(cls, model, quantized: dict) -> "PackedStack | None":
-        """From the checkpoint's raw GGUF tensors; None unless every projection of every layer is in
-        one packed format per kind (the step reads them as one stacked tensor)."""
-        projections: dict[str, list[PackedWeight]] = {name: [] for name in FUSED}
-        for i in range(model.config.num_layers):
-            for name, parts in FUSED.items():
-                w = pack_fused(quantized, f"model.layers.{i}.", parts)
-                if w is None:
-                    return None
-                projections[name].append(w)
-        for ws in projections.values():
-            if len({(w.data.shape, w.scales.shape) for w in ws}) != 1:
+    @staticmethod
+    def pack_layers(quantized: dict, num_layers: int) -> list[torch.Tensor] | None:
+        """The checkpoint's raw GGUF tensors as the stacked (data, scales) pairs the step reads; None
+        unless every projection of every layer is in one packed format per kind."""
+        stacked = []
+        for name, parts in FUSED.items():
+            ws = [pack_fused(quantized, f"model.layers.{i}.", parts) for i in range(num_layers)]
+            if any(w is None for w in ws) or len({(w.data.shape, w.scales.shape) for w in ws}) != 1:
                 return None
-        return cls(model, projections)
+            stacked += [torch.stack([w.data for w in ws]), torch.stack([w.scales for w in ws])]
+        return stacked
 
     @staticmethod
     def keys(k_cache: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:
