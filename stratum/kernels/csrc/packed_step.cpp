@@ -54,12 +54,7 @@ constexpr int64_t kPrefetch = 2048;  // finite: the library is built with -ffast
 
 inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 inline float to_float(float x) { return x; }
-inline float to_float(c10::BFloat16 x) {
-  uint32_t bits = static_cast<uint32_t>(x.x) << 16;
-  float f;
-  std::memcpy(&f, &bits, sizeof f);
-  return f;
-}
+inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }  // the top half of an fp32
 inline void store(float* p, float x) { *p = x; }
 inline void store(c10::BFloat16* p, float x) { *p = c10::BFloat16(x); }
 
