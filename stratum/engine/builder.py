@@ -32,17 +32,21 @@ def load(config: EngineConfig) -> Checkpoint:
     return load_checkpoint(resolve_model_path(config.model))
 
 
-def default_threads(serving: bool) -> int:
-    """$STRATUM_NUM_THREADS, else every core; a server leaves one core to its HTTP side.
+def default_threads(serving: bool, native_step: bool = False) -> int:
+    """$STRATUM_NUM_THREADS, else every core; a server on the PyTorch step leaves one core to its
+    HTTP side.
 
-    Measured on the 2-core reference machine: 1 engine thread served 1.6x (one stream) and 1.16x
-    (32 streams) the tokens/s of 2 threads, whose spin-waiting lost to the server's own work.
+    Measured on the 2-core reference machine: with the PyTorch step, 1 engine thread served 1.6x (one
+    stream) and 1.16x (32 streams) the tokens/s of 2 threads, whose spin-waiting lost to the server's
+    own work. With the native step it is the other way round (`stratum bench compare`, 2 threads
+    over 1, Intel machine): 1.69x at one stream, 1.34x at 16 unique streams, 1.27x at 32 streams
+    under a shared prompt and 1.27x on the multiturn workload.
     """
     env = int(os.environ.get("STRATUM_NUM_THREADS", 0) or 0)
     if env > 0:
         return env
     cores = os.cpu_count() or 1
-    return max(1, cores - 1) if serving else cores
+    return max(1, cores - 1) if serving and not native_step else cores
 
 
 def resolve(config: EngineConfig, checkpoint: Checkpoint) -> ResolvedConfig:
@@ -52,8 +56,13 @@ def resolve(config: EngineConfig, checkpoint: Checkpoint) -> ResolvedConfig:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     threads = config.num_threads or default_threads(config.serving)
-    prefill_threads = config.prefill_threads or max(threads, os.cpu_count() or 1)
     plan = _plan(config, checkpoint, device, threads)
+    wider = default_threads(config.serving, native_step=True)
+    if not config.num_threads and plan.packed_step and wider != threads:
+        candidate = _plan(config, checkpoint, device, wider)  # the plan at that thread count decides
+        if candidate.packed_step:
+            threads, plan = wider, candidate
+    prefill_threads = config.prefill_threads or max(threads, os.cpu_count() or 1)
     max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     per_block = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * config.block_size * (2 if plan.dtype == "bfloat16" else 4)
     num_blocks = config.num_kv_blocks or max(16, config.kv_cache_memory_mb * 2**20 // per_block)
