@@ -19,7 +19,7 @@ from stratum.kernels import native
 from stratum.kernels import KernelPlan
 from stratum.kernels.plan import Shapes, select_plan
 from stratum.kernels.packed import LAYOUT_VERSION as PACKED_LAYOUT
-from stratum.kernels.packed import PACKED_QTYPES, PackedStack, PackedWeight
+from stratum.kernels.packed import FUSED, PACKED_QTYPES, PackedStack, PackedWeight
 from stratum.kernels.packed import pack as packed_weight
 from stratum.kernels.quant import Int4Weight, Int8Weight, Q8Weight, is_packable, unpack_q4, unpack_q8_0
 from stratum.layers.linear import Linear
@@ -55,13 +55,13 @@ def resolve(config: EngineConfig, checkpoint: Checkpoint) -> ResolvedConfig:
     device = config.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    threads = config.num_threads or default_threads(config.serving)
+    # every core where the native step runs; otherwise a server leaves one to its HTTP side, and the
+    # plan at that thread count decides (one plan measured, not two, where the step wins)
+    threads = config.num_threads or default_threads(config.serving, native_step=True)
     plan = _plan(config, checkpoint, device, threads)
-    wider = default_threads(config.serving, native_step=True)
-    if not config.num_threads and plan.packed_step and wider != threads:
-        candidate = _plan(config, checkpoint, device, wider)  # the plan at that thread count decides
-        if candidate.packed_step:
-            threads, plan = wider, candidate
+    narrower = default_threads(config.serving)
+    if not config.num_threads and not plan.packed_step and narrower != threads:
+        threads, plan = narrower, _plan(config, checkpoint, device, narrower)
     prefill_threads = config.prefill_threads or max(threads, os.cpu_count() or 1)
     max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     per_block = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * config.block_size * (2 if plan.dtype == "bfloat16" else 4)
@@ -165,15 +165,6 @@ def attach_packed(model, quantized: dict, cache_dir: Path | None = None) -> bool
     return True
 
 
-# HF checkpoint names that make up each fused projection of a layer.
-_FUSED = {
-    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "self_attn.o_proj": ("self_attn.o_proj",),
-    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
-    "mlp.down_proj": ("mlp.down_proj",),
-}
-
-
 def attach_int4(model, quantized: dict, max_tokens: int, cache_dir: Path | None = None) -> int:
     """Give every projection whose parts are all GGUF Q4 tensors a packed int4 copy.
 
@@ -193,7 +184,7 @@ def attach_int4(model, quantized: dict, max_tokens: int, cache_dir: Path | None 
             packed = {}
     total, fresh = 0, not packed
     for i, layer in enumerate(model.layers):
-        for fused, parts in _FUSED.items():
+        for fused, parts in FUSED.items():
             module: Linear = layer.get_submodule(fused)
             key = f"layers.{i}.{fused}"
             if key in packed:

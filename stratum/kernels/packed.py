@@ -115,12 +115,13 @@ def reference_matmul(qtype: str, raw: np.ndarray, shape: tuple[int, int], x: tor
     return (sums * d[None] * dx[..., 0][:, None, :] + m[None] * sx[:, None, :]).sum(-1)
 
 
-# HF checkpoint names that make up each fused projection of a layer, in the native step's order.
+# Each fused projection of a decoder layer (its module path) and the HF checkpoint tensors that make
+# it up, in the native step's order: the PyTorch path's int4 copies are built from the same parts.
 FUSED = {
-    "qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-    "o": ("self_attn.o_proj",),
-    "gate_up": ("mlp.gate_proj", "mlp.up_proj"),
-    "down": ("mlp.down_proj",),
+    "self_attn.qkv_proj": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attn.o_proj": ("self_attn.o_proj",),
+    "mlp.gate_up_proj": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.down_proj": ("mlp.down_proj",),
 }
 
 
@@ -167,7 +168,7 @@ class PackedStack:
         """The checkpoint's raw GGUF tensors as the stacked (data, scales) pairs the step reads; None
         unless every projection of every layer is in one packed format per kind."""
         stacked = []
-        for name, parts in FUSED.items():
+        for parts in FUSED.values():
             ws = [pack_fused(quantized, f"model.layers.{i}.", parts) for i in range(num_layers)]
             if any(w is None for w in ws) or len({(w.data.shape, w.scales.shape) for w in ws}) != 1:
                 return None
