@@ -1,6 +1,7 @@
-"""The engine in a process of its own: the wire format round-trips, and a request served through the
-process gives the same tokens as the offline engine, with the text assembled from deltas equal to
-the engine's own."""
+"""The engine boundary: every command and event round-trips through the one codec, a step is one
+compact frame, and a request served through each local transport (the engine in a process of its
+own, or in a thread) gives the same tokens as the offline engine, with the text assembled from
+deltas equal to the engine's own."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ import pytest
 from stratum.engine import (
     LLM, EngineConfig, EngineDeadError, InvalidRequestError, RequestOutput, RequestStats, SamplingParams,
 )
-from stratum.engine.process import start_process_engine
+from stratum.engine.client import start_thread_engine
+from stratum.engine.process import EngineProcess, start_process_engine
 from stratum.engine.protocol import (
     Abort, Accepted, AddRequest, EngineDied, EngineInfo, EngineSnapshot, HeldKeys, KVBlocks, ListHeld, RequestFailed,
     Routed, Started, Stop, StreamDecoder, decode, decode_info, encode, encode_info,
@@ -92,22 +94,26 @@ def test_an_aborted_request_ends_with_a_last_output(tiny_model_dir):
     assert isinstance(emitted[-1], EngineSnapshot) and emitted[-1].kv_blocks.in_use == 0
 
 
-@pytest.fixture(scope="module")
-def process_client(tiny_model_dir):
-    client = start_process_engine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, num_threads=1))
+@pytest.fixture(scope="module", params=["process", "thread"])
+def engine_client(request, tiny_model_dir):
+    """The engine behind each local transport."""
+    if request.param == "process":
+        client = start_process_engine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, num_threads=1))
+    else:
+        client = start_thread_engine(LLM(str(tiny_model_dir), num_kv_blocks=64, num_threads=1).engine)
     yield client
     client.shutdown()
 
 
-def test_process_engine_serves_what_the_offline_engine_computes(tiny_model_dir, process_client):
-    assert process_client.engine_pid != os.getpid()
+def test_each_transport_serves_what_the_offline_engine_computes(tiny_model_dir, engine_client):
+    assert (engine_client.engine_pid != os.getpid()) == isinstance(engine_client.transport, EngineProcess)
     prompts = [[1, 5, 9, 13, 17], [1, 200, 201, 202, 3, 4, 5, 6, 7]]
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
     offline = LLM(str(tiny_model_dir), num_kv_blocks=64, num_threads=1).generate(prompts, params)
 
     async def serve():
         async def one(i, ids):
-            stream = process_client.submit(ids, params, request_id=f"p{i}")
+            stream = engine_client.submit(ids, params, request_id=f"p{i}")
             deltas, last = [], None
             async for out in stream:
                 deltas.append(out.delta_text)
@@ -122,7 +128,7 @@ def test_process_engine_serves_what_the_offline_engine_computes(tiny_model_dir, 
     for got, want in zip(served, offline):
         assert got.token_ids == want.token_ids and got.text == want.text
         assert got.stats.num_prompt_tokens == want.stats.num_prompt_tokens
-    assert process_client.snapshot.alive and process_client.snapshot.kv_blocks.in_use == 0
+    assert engine_client.snapshot.alive and engine_client.snapshot.kv_blocks.in_use == 0
 
 
 def test_engine_process_exits_when_shut_down(tiny_model_dir):

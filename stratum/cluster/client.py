@@ -125,8 +125,8 @@ class ReplicaSetTransport(Transport):
         except BaseException as e:
             if not call.cancelled:  # the replica died, or the call failed: its requests end with that error
                 log.warning("a replica call failed: %s: %s", type(e).__name__, e)
-                self.client.receive([RequestFailed(rid, f"the replica serving this request failed: {type(e).__name__}: {e}",
-                                                   "unavailable") for rid in call.request_ids])
+                error = f"the replica serving this request failed: {type(e).__name__}: {e}"
+                self.client.receive([RequestFailed(rid, error, "unavailable") for rid in call.request_ids])
             if isinstance(e, asyncio.CancelledError):
                 raise
         finally:

@@ -2,10 +2,10 @@
 
 A replica owns an `LLMEngine` and runs its `EngineLoop` in a thread, exactly as `--engine thread`
 does; instead of an `EngineClient` it hands each request's events (outputs, `Accepted`, `Started`,
-`RequestFailed`; `stratum.engine.protocol`, in its codec) back to the caller as the items of one
-streamed call, so the ingress's client applies them as it would the events of a local engine. Serve's hooks: `record_routing_stats` tells
-the router what this replica's cache holds and how loaded it is; `check_health` fails once the
-engine loop is gone, and Serve replaces the replica.
+`RequestFailed`: `stratum.engine.protocol`'s records, in its codec) back to the caller as the items
+of one streamed call, so the ingress's client applies them as it would the events of a local
+engine. Serve's hooks: `record_routing_stats` tells the router what this replica's cache holds and
+how loaded it is; `check_health` fails once the engine loop is gone, and Serve replaces the replica.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from stratum.engine.client import EngineLoop
 from stratum.engine.config import EngineConfig, SchedulerConfig
 from stratum.engine.outputs import RequestOutput
 from stratum.engine.protocol import (
-    Abort, Accepted, EngineDied, EngineInfo, EngineSnapshot, Event, HeldKeys, ListHeld, RequestFailed, Routed, Started, decode,
-    encode, encode_info, encode_tokenizer,
+    Abort, Accepted, EngineDied, EngineInfo, EngineSnapshot, Event, HeldKeys, ListHeld, RequestFailed, Routed, Started,
+    decode, encode, encode_info, encode_tokenizer,
 )
 
 # Block keys a replica reports: the most recently used first. 4096 keys of 16-token blocks cover
@@ -72,7 +72,8 @@ class EngineReplica:
         try:
             yield [encode(Routed(rid, self.name)) for rid in rids]
             if not self.snapshot.alive:
-                yield [encode(RequestFailed(rid, f"the engine stopped: {self.snapshot.error}", "unavailable")) for rid in rids]
+                error = f"the engine stopped: {self.snapshot.error}"
+                yield [encode(RequestFailed(rid, error, "unavailable")) for rid in rids]
                 return
             for command in commands:
                 self.loop.submit(command)

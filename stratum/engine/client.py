@@ -431,7 +431,8 @@ class EngineClient:
                     if stream is not None:
                         stream.queue.put_nowait(event)
                     stats = event.stats
-                    if event.finished and event.finish_reason != "abort" and stats is not None and stats.finish_time is not None:
+                    if (event.finished and event.finish_reason != "abort" and stats is not None
+                            and stats.finish_time is not None):
                         self._recent_e2e.append(stats.finish_time - stats.arrival_time)
                 case Accepted(request_id=rid):
                     if (stream := self._streams.get(rid)) is not None:

@@ -164,7 +164,7 @@ def _record(cls) -> Callable[[list | None], Any]:
     return lambda values: None if values is None else cls(*values)
 
 
-# A message's tag is its index here: both sides run the same code. Nested fields are rebuilt by these.
+# A message's tag is its index here (both sides run the same code), with how its nested fields are rebuilt.
 _MESSAGES: dict[type, dict[str, Callable]] = {
     RequestOutput: {"stats": _record(RequestStats)},
     EngineSnapshot: {"kv_blocks": _record(KVBlocks)},
@@ -175,10 +175,11 @@ _MESSAGES: dict[type, dict[str, Callable]] = {
 }
 _TAGS = {cls: tag for tag, cls in enumerate(_MESSAGES)}
 _FIELDS = {cls: tuple(f.name for f in fields(cls)) for cls in _MESSAGES}
+_RECORD_FIELDS = {cls: tuple(f.name for f in fields(cls))  # the records nested in messages
+                  for cls in (RequestStats, KVBlocks, SamplingParams, CachePolicy)}
 _DECODERS = [(cls, [(_FIELDS[cls].index(name), rebuild) for name, rebuild in nested.items()])
              for cls, nested in _MESSAGES.items()]
-_SUBRECORDS = {RequestStats, KVBlocks, SamplingParams, CachePolicy}
-_SUBFIELDS = {cls: tuple(f.name for f in fields(cls)) for cls in _SUBRECORDS}
+_SENT_TEXT = [1 + _FIELDS[RequestOutput].index(name) for name in ("text", "token_ids")]  # positions in a message
 
 
 def encode(message: Command | Event) -> list:
@@ -191,10 +192,11 @@ def encode(message: Command | Event) -> list:
     values = [_TAGS[cls]]
     for name in _FIELDS[cls]:
         value = getattr(message, name)
-        sub = _SUBFIELDS.get(type(value))
-        values.append(value if sub is None else [getattr(value, f) for f in sub])
+        nested = _RECORD_FIELDS.get(type(value))
+        values.append(value if nested is None else [getattr(value, f) for f in nested])
     if cls is RequestOutput and not message.finished:
-        values[4] = values[5] = None  # text, token_ids
+        for i in _SENT_TEXT:
+            values[i] = None
     return values
 
 
