@@ -26,7 +26,7 @@ from dataclasses import asdict
 
 import msgpack
 
-from stratum.engine.client import EngineClient, Transport
+from stratum.engine.client import EngineClient, EngineLoop, Transport
 from stratum.engine.config import EngineConfig, SchedulerConfig
 from stratum.engine.protocol import (
     Command, EngineDied, EngineInfo, Stop, StreamDecoder, decode, decode_info, decode_tokenizer, encode, encode_info,
@@ -171,7 +171,6 @@ def main(argv: list[str] | None = None) -> int:
         except BrokenPipeError:  # the serving process is gone: nobody is left to serve
             loop.stop()
 
-    from stratum.engine.client import EngineLoop
     from stratum.engine.core import LLMEngine
 
     settings = json.loads(args.config)
