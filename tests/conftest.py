@@ -14,6 +14,22 @@ from tests.factories import make_tiny_model_dir
 os.environ["STRATUM_PLAN_DIR"] = tempfile.mkdtemp(prefix="stratum-test-plans-")
 
 
+def pytest_addoption(parser):
+    parser.addoption("--slow", action="store_true", default=False,
+                     help="also run the long variants of soak, fuzz and stress tests (marked slow)")
+
+
+def pytest_collection_modifyitems(config, items):
+    """A test marked slow is the long variant of one the default run keeps in a bounded form: it
+    runs with --slow (or when selected with -m slow)."""
+    if config.getoption("--slow") or "slow" in (config.getoption("-m") or ""):
+        return
+    skip = pytest.mark.skip(reason="the long variant: run with --slow (the default run has a bounded one)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))

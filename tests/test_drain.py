@@ -83,6 +83,15 @@ class Stream(threading.Thread):
         return "cut"
 
 
+def wait_draining(server: ServerProcess, timeout: float = 15.0) -> httpx.Response:
+    """/health once it says the server is draining (the signal is handled on the server's event loop)."""
+    deadline = time.monotonic() + timeout
+    while (health := httpx.get(server.url + "/health", timeout=5)).json()["status"] != "draining":
+        assert time.monotonic() < deadline, f"still not draining after {timeout}s: {health.json()}"
+        time.sleep(0.05)
+    return health
+
+
 def run_streams(server: ServerProcess, max_tokens: int, n: int = 8) -> list[Stream]:
     streams = [Stream(server.url, "anthropic" if i % 2 == 0 else "openai", max_tokens) for i in range(n)]
     for s in streams:
@@ -97,9 +106,8 @@ def test_long_streams_end_with_an_error_event_after_the_drain_timeout(start):
     streams = run_streams(server, max_tokens=1800)  # far longer than the drain
     t0 = time.monotonic()
     server.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
-    health = httpx.get(server.url + "/health", timeout=5)
-    assert health.status_code == 503 and health.json()["status"] == "draining"
+    health = wait_draining(server)
+    assert health.status_code == 503
     assert health.json()["in_flight"] == len(streams)
     refused = httpx.post(server.url + "/v1/messages", json={"model": "tiny", "max_tokens": 4,
                                                              "messages": [{"role": "user", "content": "hi"}]}, timeout=5)
@@ -128,12 +136,15 @@ def test_streams_that_finish_within_the_drain_complete(start):
 
 
 def test_a_second_signal_exits_at_once(start):
+    """Drained, these streams would run to their end (60 s allowed); a second signal ends the
+    server before they can."""
     server = start(60)
     streams = run_streams(server, max_tokens=1800, n=2)
     server.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
+    wait_draining(server)
     server.proc.send_signal(signal.SIGINT)
-    assert server.proc.wait(20) is not None
+    assert server.proc.wait(20) == 0
     for s in streams:
         s.join(20)
         assert not s.is_alive()
+    assert "completed" not in [s.ending for s in streams], [s.events[-1:] for s in streams]

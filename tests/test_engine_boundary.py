@@ -2,10 +2,14 @@
 
 - a burst gets exactly the queue it was configured with, and the rest 529 with a retry-after that is
   not the same for everyone;
-- an engine loop that dies ends every request in flight within 2 s, in each API's error shape, and
-  new requests get 503 at once;
+- an engine loop that dies ends every request in flight promptly (not at a client's timeout), in each
+  API's error shape, and new requests get 503 at once;
 - /health answers from the published snapshot during a long prefill step;
 - a large body is parsed and tokenized off the event loop, so other clients' streams keep flowing.
+
+No bound here is tight: each is far from what a regression costs (a request that waits for a dead
+engine hangs to its timeout; /health that waits for the step takes the step's seconds), or is a ratio
+against a figure the test measures under the same load.
 """
 
 from __future__ import annotations
@@ -120,8 +124,8 @@ def test_engine_death_ends_every_request(dying_server):
         t.join(timeout=90)
     assert dead_at, "/health never reported the dead engine"
     assert set(ended) == {"blocking", "anthropic_stream", "openai_stream"}, f"requests still hanging: {set(ended)}"
-    for name, (when, _) in ended.items():
-        assert when - dead_at[0] < 2.0, f"{name} ended {when - dead_at[0]:.2f}s after the engine died"
+    for name, (when, _) in ended.items():  # a request left waiting would hang to its 60 s timeout
+        assert when - dead_at[0] < 10.0, f"{name} ended {when - dead_at[0]:.2f}s after the engine died"
 
     _, r = ended["blocking"]
     assert 500 <= r.status_code < 600 and r.json()["type"] == "error" and r.json()["error"]["message"]
@@ -136,7 +140,7 @@ def test_engine_death_ends_every_request(dying_server):
 
     t0 = time.monotonic()
     r = httpx.post(url + "/v1/messages", json=message("after"), timeout=10)
-    assert r.status_code == 503 and time.monotonic() - t0 < 1.0
+    assert r.status_code == 503 and time.monotonic() - t0 < 5.0  # refused, not queued behind a dead engine
     assert r.json()["error"]["type"] == "api_error"
     r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "user", "content": "x"}]},
                    timeout=10)
@@ -159,11 +163,14 @@ def test_health_answers_during_a_long_prefill(long_step_server):
     url = long_step_server.url
     prompt = " ".join(f"word{i}" for i in range(1300))  # about 4,000 tokens: one long prefill step
     done = threading.Event()
+    took: list[float] = []
 
     def long_request():
+        t0 = time.perf_counter()
         try:
             httpx.post(url + "/v1/messages", json=message(prompt, max_tokens=1), timeout=300)
         finally:
+            took.append(time.perf_counter() - t0)
             done.set()
 
     worker = threading.Thread(target=long_request)
@@ -179,15 +186,15 @@ def test_health_answers_during_a_long_prefill(long_step_server):
             time.sleep(0.05)
     worker.join()
     assert len(latencies) >= 5, "the prefill ended before /health could be probed during it"
-    assert max(latencies) < 0.1, f"/health took up to {max(latencies) * 1000:.0f} ms during the prefill"
+    # Waiting for the step would take what is left of it: most of the request's time. A fifth of it
+    # (seconds on a CPU) holds however loaded the machine is, and fails on that regression.
+    assert max(latencies) < 0.2 * took[0], (
+        f"/health took up to {max(latencies) * 1000:.0f} ms during a prefill of {took[0]:.1f} s")
 
 
-def test_large_body_does_not_stall_other_streams(tiny_server):
-    """A 3.9 MB count_tokens body is parsed and tokenized in a worker thread: another client's stream
-    keeps receiving events meanwhile."""
-    url = tiny_server.url
-    big = message("lorem ipsum dolor sit amet " * 140_000)  # about 3.8 MB of JSON
-    del big["max_tokens"]
+def _stalls_around_a_large_body(url: str, big: dict) -> tuple[float, float]:
+    """(another client's longest gap between stream events while the large body was processed, its
+    longest gap over the second before), one stream and one count_tokens call."""
     gaps: list[tuple[float, float]] = []  # (when, gap since the previous event)
     counted: list[tuple[float, float]] = []
     streaming = threading.Event()
@@ -197,14 +204,15 @@ def test_large_body_does_not_stall_other_streams(tiny_server):
             last = time.monotonic()
             for line in r.iter_lines():
                 if line.startswith("event: content_block_delta"):
-                    streaming.set()
                     now = time.monotonic()
-                    gaps.append((now, now - last))
+                    if streaming.is_set():  # the first gap is the prefill's
+                        gaps.append((now, now - last))
+                    streaming.set()
                     last = now
 
     def count():
         streaming.wait(30)
-        time.sleep(0.2)
+        time.sleep(1.0)
         t0 = time.monotonic()
         r = httpx.post(url + "/v1/messages/count_tokens", json=big, timeout=120)
         assert r.status_code == 200 and r.json()["input_tokens"] > 100_000
@@ -218,5 +226,32 @@ def test_large_body_does_not_stall_other_streams(tiny_server):
     assert counted, "count_tokens did not answer"
     start, end = counted[0]
     during = [gap for when, gap in gaps if start <= when <= end + 0.05]
-    assert during, "the stream ended before the large body was processed"
-    assert max(during) < 0.1, f"the stream stalled {max(during) * 1000:.0f} ms while a large body was tokenized"
+    before = [gap for when, gap in gaps if start - 1.0 <= when < start]
+    assert during and before, "the stream ended before the large body was processed"
+    return max(during), max(before)
+
+
+def test_large_body_does_not_stall_other_streams(tiny_server):
+    """A 3.9 MB count_tokens body is parsed in a worker thread and tokenized in the tokenizer's helper
+    process: another client's stream keeps receiving events meanwhile.
+
+    Tokenized in this process (even in a worker thread) it stalled the stream 235 ms (cli.py); on the
+    event loop, for the whole tokenization. The bound is 150 ms or three times the stream's own worst
+    gap just before (the machine's load, measured), and a stall on a busy machine is probed again
+    (three tries): a regression stalls every try."""
+    import psutil
+
+    url = tiny_server.url
+    big = message("lorem ipsum dolor sit amet " * 140_000)  # about 3.8 MB of JSON
+    del big["max_tokens"]
+    tries = []
+    for _ in range(3):
+        stall, before = _stalls_around_a_large_body(url, big)
+        tries.append((round(stall * 1000), round(before * 1000)))
+        if stall < max(0.15, 3 * before):
+            break
+    else:
+        pytest.fail(f"the stream stalled while a large body was tokenized, every try: (ms during, ms before) {tries}")
+    helpers = [p for p in psutil.Process(tiny_server.proc.pid).children()
+               if "stratum.models.tokenizer" in " ".join(p.cmdline())]
+    assert len(helpers) == 1, "the large text was not tokenized in the helper process"

@@ -128,17 +128,29 @@ def busy_core():
 
 
 def test_a_plan_measured_on_a_busy_machine_is_measured_again(tmp_path, plan_dir):
-    """The default model's shapes, one thread, with another core kept busy: the plan equals the one
-    measured on a quiet machine, or it knows it was disturbed and the next start measures it to it."""
-    quiet = kernels.measure_plan(SMOLLM2, 1, can_pack=True)
-    assert quiet.quiet, quiet.other_load  # this test needs the machine to itself
+    """The default model's shapes, one thread, with another core kept busy: the plan knows it was
+    disturbed, and the next starts measure it again (merging the figures) until one is quiet, or up
+    to MAX_REMEASURES starts; then the cached plan is used. On a machine quiet enough for both, the
+    merged plan decides as a quiet measurement does.
+
+    Needs no idle machine: other load only makes the first plan busier, and the later starts are
+    checked for what they must do either way."""
     with busy_core():
         busy = kernels.select_plan(tmp_path, SMOLLM2, 1, can_pack=True)
-    assert min(busy.other_load) > kernels.BUSY_CORES and not busy.quiet
-    again = kernels.select_plan(tmp_path, SMOLLM2, 1, can_pack=True)  # a later start, on a quiet machine
-    assert again.source == "measured" and again.remeasured == 1 and again.quiet
-    assert again.decision == quiet.decision
-    assert kernels.select_plan(tmp_path, SMOLLM2, 1, can_pack=True).source == "cache"
+    assert min(busy.other_load) > kernels.BUSY_CORES and not busy.quiet, busy.other_load
+    plan = busy
+    for start in range(1, kernels.MAX_REMEASURES + 1):  # later starts
+        plan = kernels.select_plan(tmp_path, SMOLLM2, 1, can_pack=True)
+        assert plan.source == "measured" and plan.remeasured == start
+        assert plan.runs > busy.runs and len(plan.other_load) == plan.runs  # the runs of every start, merged
+        if plan.quiet:
+            break
+    cached = kernels.select_plan(tmp_path, SMOLLM2, 1, can_pack=True)
+    assert cached.source == "cache" and cached.remeasured == plan.remeasured  # measured no more
+    if plan.quiet:
+        quiet = kernels.measure_plan(SMOLLM2, 1, can_pack=True)
+        if quiet.quiet:
+            assert plan.decision == quiet.decision, (plan.timings_us, quiet.timings_us)
 
 
 QUALITY_CORPUS = [

@@ -1,22 +1,25 @@
 """The ingress's engine client when the engine is N replicas behind Ray Serve.
 
-`ClusterClient` is an `EngineClient`: the server, its pipeline and its telemetry use it unchanged.
-What differs is where a request goes — one streamed `generate` call on the replicas' deployment
-handle, routed by `router.StratumRouter` on the prompt's block keys — and where the snapshot comes
-from: the sum of the replicas' routing stats. A replica that dies mid-request ends that request with
-an error; the ones after it are routed to the replicas left, and Serve starts a replacement.
+`connect` returns a plain `EngineClient` built on a `ReplicaSetTransport`: the server, its pipeline
+and its telemetry use it unchanged. What the transport changes is where a request goes — one
+streamed `generate` call on the replicas' deployment handle, routed by `router.StratumRouter` on the
+prompt's block keys, its commands and events in `stratum.engine.protocol`'s codec — and where the
+snapshot comes from: the sum of the replicas' routing stats. A replica that dies mid-request ends
+that request with an error; the ones after it are routed to the replicas left, and Serve starts a
+replacement.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from stratum.engine.client import EngineClient, EngineSnapshot, KVBlocks, ReplicaView
-from stratum.engine.process import decode_info, decode_snapshot, decode_tokenizer
+from stratum.engine.client import EngineClient, ReplicaView, Transport
+from stratum.engine.protocol import (
+    AddRequest, EngineSnapshot, KVBlocks, RequestFailed, StreamDecoder, decode, decode_info, decode_tokenizer, encode,
+)
 from stratum.engine.request import prompt_block_keys
-from stratum.engine.sampling_params import SamplingParams
 
 log = logging.getLogger("stratum.cluster")
 
@@ -29,23 +32,36 @@ class _Call:
     response: object = None
     task: asyncio.Task | None = None
     cancelled: bool = False
+    decoder: StreamDecoder = field(default_factory=StreamDecoder)
 
 
-class ClusterClient(EngineClient):
-    """Args:
+def connect(handle, description: dict, deployment: str, on_shutdown=None) -> EngineClient:
+    """The client of a running deployment.
+
+    Args:
         handle: the replicas' DeploymentHandle.
         description: a replica's `describe()` (configuration, tokenizer, chat template, snapshot).
         deployment: the deployment's name (which router in this process routes it).
         on_shutdown: stops the deployment.
     """
+    tokenizer, template = decode_tokenizer(description["tokenizer"])
+    transport = ReplicaSetTransport(handle, decode(description["snapshot"]), deployment, on_shutdown)
+    return EngineClient(decode_info(description["info"]), tokenizer, template, transport, engine_pid=description["pid"])
 
-    def __init__(self, handle, description: dict, deployment: str, on_shutdown=None):
-        tokenizer, template = decode_tokenizer(description["tokenizer"])
-        self._first = decode_snapshot(description["snapshot"])
-        super().__init__(decode_info(description["info"]), tokenizer, template, send=self._refuse,
-                         on_shutdown=on_shutdown, engine_pid=description["pid"])
+
+class ReplicaSetTransport(Transport):
+    """Args:
+        handle: the replicas' DeploymentHandle.
+        first: the snapshot a replica described itself with (reported until the router exists).
+        deployment: the deployment's name.
+        on_shutdown: stops the deployment.
+    """
+
+    def __init__(self, handle, first: EngineSnapshot, deployment: str, on_shutdown=None):
         self._generate = handle.options(stream=True, method_name="generate")
+        self._first = first
         self.deployment = deployment
+        self._on_shutdown = on_shutdown
         self._calls: dict[str, _Call] = {}
 
     # ---- the state of the replica set ---------------------------------------------------------------
@@ -59,15 +75,14 @@ class ClusterClient(EngineClient):
         views = []
         for name, stats in sorted(router.stats().items()):
             state = router.policy.replicas.get(name)
-            snap = decode_snapshot(stats["snapshot"]) if "snapshot" in stats else EngineSnapshot(alive=True)
+            snap = decode(stats["snapshot"]) if "snapshot" in stats else EngineSnapshot(alive=True)
             views.append(ReplicaView(name, stats.get("pid"), snap, state.load if state else 0,
                                      len(stats.get("held", ())), stats.get("at", 0.0)))
         return views
 
-    @property
-    def snapshot(self) -> EngineSnapshot:
-        """The replicas' snapshots summed (alive while any replica is); before the router exists,
-        the first replica's own."""
+    def snapshot(self, published: EngineSnapshot) -> EngineSnapshot:
+        """The replicas' snapshots summed (alive while any replica is); before the router exists, the
+        first replica's own. (No engine loop publishes to the client itself: `published` is unused.)"""
         from stratum.cluster.router import ROUTERS
 
         views = self.replicas()
@@ -91,41 +106,27 @@ class ClusterClient(EngineClient):
             mean_step_s=max(s.mean_step_s for s in snaps), threads=sum(s.threads for s in snaps),
             rss_mb=sum(s.rss_mb for s in snaps), published_at=min(s.published_at for s in snaps))
 
-    @snapshot.setter
-    def snapshot(self, value: EngineSnapshot) -> None:  # the base class's initial value; replicas report their own
-        pass
-
-    @property
-    def width(self) -> int:
-        """Live replicas: the server's waiting queue and Retry-After scale with them."""
-        return max(1, sum(v.snapshot.alive for v in self.replicas()))
-
     # ---- requests -----------------------------------------------------------------------------------
-    def _queue_requests(self, requests: list[tuple[str, list[int], SamplingParams, dict]]) -> None:
-        """One `generate` call for the lot (the members of a group share the prompt that forks them)."""
-        _, ids, _, kwargs = requests[0]
-        keys = prompt_block_keys(ids, self.config.block_size, kwargs.get("cache_salt"))
-        call = _Call([r[0] for r in requests])
-        call.response = self._generate.remote({"keys": keys, "requests": requests})
+    def send(self, commands: list[AddRequest]) -> None:
+        """One `generate` call for the lot (the members of a group share the prompt that forks them).
+        Only requests cross here: an abort is the call's cancellation (`abort`)."""
+        first = commands[0]
+        keys = prompt_block_keys(first.prompt_token_ids, self.client.config.block_size, first.cache_salt)
+        call = _Call([c.request_id for c in commands])
+        call.response = self._generate.remote({"keys": keys, "requests": [encode(c) for c in commands]})
         for rid in call.request_ids:
             self._calls[rid] = call
         call.task = asyncio.get_running_loop().create_task(self._pump(call))
 
     async def _pump(self, call: _Call) -> None:
         try:
-            async for events in call.response:
-                for event in events:
-                    if event[0] == "replica":
-                        for rid in call.request_ids:
-                            stream = self._streams.get(rid)
-                            if stream is not None:
-                                stream.replica = event[1]
-                self._on_events(events)
+            async for items in call.response:
+                self.client.receive([call.decoder.decode(item) for item in items])
         except BaseException as e:
             if not call.cancelled:  # the replica died, or the call failed: its requests end with that error
                 log.warning("a replica call failed: %s: %s", type(e).__name__, e)
-                self._on_events([("error", rid, f"the replica serving this request failed: {type(e).__name__}: {e}",
-                                  "unavailable") for rid in call.request_ids])
+                error = f"the replica serving this request failed: {type(e).__name__}: {e}"
+                self.client.receive([RequestFailed(rid, error, "unavailable") for rid in call.request_ids])
             if isinstance(e, asyncio.CancelledError):
                 raise
         finally:
@@ -136,10 +137,10 @@ class ClusterClient(EngineClient):
         """The call is cancelled (the replica aborts what has not finished) once none of its requests
         is read any more."""
         call = self._calls.get(request_id)
-        if self._forget(request_id) and call is not None and not any(r in self._streams for r in call.request_ids):
+        if call is not None and not any(self.client.is_open(r) for r in call.request_ids):
             call.cancelled = True
             call.response.cancel()
 
-    @staticmethod
-    def _refuse(command: tuple) -> None:
-        raise RuntimeError("a cluster client sends no engine-loop commands")
+    def shutdown(self) -> None:
+        if self._on_shutdown is not None:
+            self._on_shutdown()

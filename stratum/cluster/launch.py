@@ -2,9 +2,9 @@
 
 `stratum serve --replicas N` (N > 1) calls `start`: it starts a local Ray cluster, or joins the
 one at --ray-address, deploys the replicas (`replica.EngineReplica`) with Stratum's request router,
-waits until every replica has loaded its model, and returns a `ClusterClient`. The server in front
-is the same FastAPI/uvicorn app as with one engine, so the API, headers, SSE, errors and the HTTP
-hardening are those of the single process.
+waits until every replica has loaded its model, and returns the `EngineClient` on them. The server
+in front is the same FastAPI/uvicorn app as with one engine, so the API, headers, SSE, errors and
+the HTTP hardening are those of the single process.
 """
 
 from __future__ import annotations
@@ -19,14 +19,14 @@ DEPLOYMENT = "stratum-engine"
 
 def start(config: EngineConfig, replicas: int, ray_address: str | None = None, routing: str = "prefix",
           app_name: str = "stratum", max_imbalance: int = 8):
-    """Deploy `replicas` engines for `config`; returns the ClusterClient (its `shutdown` undeploys them,
+    """Deploy `replicas` engines for `config`; returns their EngineClient (its `shutdown` undeploys them,
     and stops the Ray cluster if this call started it; a cluster joined keeps running)."""
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
     from ray import serve
     from ray.serve.config import RequestRouterConfig
 
-    from stratum.cluster.client import ClusterClient
+    from stratum.cluster.client import connect
     from stratum.cluster.replica import EngineReplica
     from stratum.cluster.routing import POLICIES
 
@@ -70,4 +70,4 @@ def start(config: EngineConfig, replicas: int, ray_address: str | None = None, r
             if started:  # a cluster joined is left running, with its other applications
                 ray.shutdown()
 
-    return ClusterClient(handle, description, DEPLOYMENT, on_shutdown=shutdown)
+    return connect(handle, description, DEPLOYMENT, on_shutdown=shutdown)

@@ -1,11 +1,11 @@
 """One engine replica: the body of the Ray Serve deployment that `stratum serve --replicas N` runs.
 
 A replica owns an `LLMEngine` and runs its `EngineLoop` in a thread, exactly as `--engine thread`
-does; instead of an `EngineClient` it hands each request's raw events (outputs, "accepted",
-"started", errors) back to the caller as the items of one streamed call, so the ingress's client
-applies them as it would the events of a local engine. Serve's hooks: `record_routing_stats` tells
-the router what this replica's cache holds and how loaded it is; `check_health` fails once the
-engine loop is gone, and Serve replaces the replica.
+does; instead of an `EngineClient` it hands each request's events (outputs, `Accepted`, `Started`,
+`RequestFailed`: `stratum.engine.protocol`'s records, in its codec) back to the caller as the items
+of one streamed call, so the ingress's client applies them as it would the events of a local
+engine. Serve's hooks: `record_routing_stats` tells the router what this replica's cache holds and
+how loaded it is; `check_health` fails once the engine loop is gone, and Serve replaces the replica.
 """
 
 from __future__ import annotations
@@ -16,9 +16,13 @@ import threading
 import time
 from dataclasses import replace
 
-from stratum.engine.client import EngineInfo, EngineLoop, EngineSnapshot
+from stratum.engine.client import EngineLoop
 from stratum.engine.config import EngineConfig, SchedulerConfig
-from stratum.engine.process import encode_info, encode_snapshot, encode_tokenizer
+from stratum.engine.outputs import RequestOutput
+from stratum.engine.protocol import (
+    Abort, Accepted, EngineDied, EngineInfo, EngineSnapshot, Event, HeldKeys, ListHeld, RequestFailed, Routed, Started,
+    decode, encode, encode_info, encode_tokenizer,
+)
 
 # Block keys a replica reports: the most recently used first. 4096 keys of 16-token blocks cover
 # 64k tokens of hot prefixes, about 40 KB per report.
@@ -50,13 +54,14 @@ class EngineReplica:
         return dict(self.description, snapshot=self._stats()["snapshot"])
 
     async def generate(self, payload: dict):
-        """Run one request, or one group (n samples forked from a prompt), streaming lists of events.
+        """Run one request, or one group (n samples forked from a prompt), streaming lists of encoded events.
 
-        payload: {"keys": the prompt's block keys (read by the router), "requests": [(request id,
-        prompt ids, SamplingParams, add_request keyword arguments), ...]}. The first item names this
-        replica. Cancelling the call (the client went away) aborts whatever has not finished.
+        payload: {"keys": the prompt's block keys (read by the router), "requests": [encoded AddRequest,
+        ...]}. The first item names this replica (`Routed`). Cancelling the call (the client went away)
+        aborts whatever has not finished.
         """
-        rids = [r[0] for r in payload["requests"]]
+        commands = [decode(c) for c in payload["requests"]]
+        rids = [c.request_id for c in commands]
         queue: asyncio.Queue = asyncio.Queue()
         loop = asyncio.get_running_loop()
         with self._lock:
@@ -65,22 +70,22 @@ class EngineReplica:
         open_ = set(rids)
         self.calls += 1
         try:
-            yield [("replica", self.name)]
+            yield [encode(Routed(rid, self.name)) for rid in rids]
             if not self.snapshot.alive:
-                yield [("error", rid, f"the engine stopped: {self.snapshot.error}", "unavailable") for rid in rids]
+                error = f"the engine stopped: {self.snapshot.error}"
+                yield [encode(RequestFailed(rid, error, "unavailable")) for rid in rids]
                 return
-            for rid, ids, sampling, kwargs in payload["requests"]:
-                self.loop.submit(("add", rid, ids, sampling, kwargs))
+            for command in commands:
+                self.loop.submit(command)
             while open_:
                 events = [await queue.get()]
                 while not queue.empty():
                     events.append(queue.get_nowait())
                 for event in events:
-                    if event[0] == "out" and event[1].finished:
-                        open_.discard(event[1].request_id)
-                    elif event[0] == "error":
-                        open_.discard(event[1])
-                yield events
+                    match event:
+                        case RequestOutput(finished=True, request_id=rid) | RequestFailed(request_id=rid):
+                            open_.discard(rid)
+                yield [encode(e) for e in events]
         finally:
             self.calls -= 1
             with self._lock:
@@ -88,10 +93,10 @@ class EngineReplica:
                     if self._requests.get(rid, (None, None))[1] is queue:
                         del self._requests[rid]
             for rid in open_:
-                self.loop.submit(("abort", rid))
+                self.loop.submit(Abort(rid))
 
     def record_routing_stats(self) -> dict:
-        self.loop.submit(("held", MAX_HELD_KEYS))  # fresh for the next report
+        self.loop.submit(ListHeld(MAX_HELD_KEYS))  # fresh for the next report
         return self._stats()
 
     def check_health(self) -> None:
@@ -102,26 +107,25 @@ class EngineReplica:
         self.loop.stop()
 
     # ---- the engine thread calls this ---------------------------------------------------------------
-    def _deliver(self, events: list) -> None:
-        by_request: dict[str, list] = {}
+    def _deliver(self, events: list[Event]) -> None:
+        by_request: dict[str, list[Event]] = {}
         for event in events:
-            kind = event[0]
-            if kind == "snapshot":
-                self.snapshot = event[1]
-            elif kind == "held":
-                self.held = (event[1], time.time())
-            elif kind == "dead":
-                self.snapshot = replace(self.snapshot, alive=False, error=event[1])
-                with self._lock:
-                    for rid in self._requests:
-                        by_request.setdefault(rid, []).append(("error", rid, f"the engine stopped: {event[1]}", "unavailable"))
-            elif kind == "out":
-                by_request.setdefault(event[1].request_id, []).append(event)
-            elif kind in ("error", "accepted"):
-                by_request.setdefault(event[1], []).append(event)
-            elif kind == "started":
-                for rid in event[1]:
-                    by_request.setdefault(rid, []).append(("started", [rid]))
+            match event:
+                case EngineSnapshot():
+                    self.snapshot = event
+                case HeldKeys(keys=keys):
+                    self.held = (keys, time.time())
+                case EngineDied(reason=reason):
+                    self.snapshot = replace(self.snapshot, alive=False, error=reason)
+                    with self._lock:
+                        for rid in self._requests:
+                            by_request.setdefault(rid, []).append(
+                                RequestFailed(rid, f"the engine stopped: {reason}", "unavailable"))
+                case RequestOutput(request_id=rid) | RequestFailed(request_id=rid) | Accepted(request_id=rid):
+                    by_request.setdefault(rid, []).append(event)
+                case Started(request_ids=rids):
+                    for rid in rids:
+                        by_request.setdefault(rid, []).append(Started([rid]))
         with self._lock:
             targets = [(self._requests.get(rid), evs) for rid, evs in by_request.items()]
         for target, evs in targets:
@@ -133,7 +137,7 @@ class EngineReplica:
     def _stats(self) -> dict:
         keys, held_at = self.held
         return {"replica": self.name, "pid": os.getpid(), "at": time.time(), "calls": self.calls,
-                "snapshot": encode_snapshot(self.snapshot), "held": keys, "held_at": held_at}
+                "snapshot": encode(self.snapshot), "held": keys, "held_at": held_at}
 
 
 def _replica_name() -> str:

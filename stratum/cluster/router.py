@@ -13,7 +13,7 @@ from typing import Any
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from stratum.cluster.routing import make_policy
-from stratum.engine.process import decode_snapshot
+from stratum.engine.protocol import decode
 
 ROUTERS: dict[str, "StratumRouter"] = {}  # deployment name -> its router in this process
 
@@ -42,7 +42,7 @@ class StratumRouter(RequestRouter):
         for name, r in by_name.items():
             stats = r.routing_stats
             if stats and "snapshot" in stats:
-                s = decode_snapshot(stats["snapshot"])
+                s = decode(stats["snapshot"])
                 self.policy.report(name, stats["at"], stats["calls"], s.kv_blocks.free if s.kv_blocks.total else None,
                                    stats["held"], stats["held_at"], s.alive)
         ranked = self.policy.rank(_keys_of(pending_request), sorted(by_name))

@@ -8,7 +8,7 @@ Names are imported on first use, so `import stratum.engine.outputs` (plain data)
 import importlib
 
 _EXPORTS = {
-    "EngineClient": "client", "EngineSnapshot": "client", "QueueFull": "client", "RequestStream": "client",
+    "EngineClient": "client", "EngineSnapshot": "protocol", "QueueFull": "client", "RequestStream": "client",
     "start_thread_engine": "client",
     "EngineConfig": "config", "ResolvedConfig": "config", "SchedulerConfig": "config",
     "LLMEngine": "core", "LLM": "llm",

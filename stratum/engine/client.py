@@ -6,8 +6,9 @@ serving side is `EngineClient`: submit, abort, stream outputs, and a read-only `
 server talks to the engine through the client alone; nothing on the serving side reads the
 scheduler or the KV pool, and nothing there waits for a step.
 
-Events and commands are plain data, so the loop can run in a thread of this process or in a
-process of its own (`stratum.engine.process`) behind the same client.
+Commands and events are the typed records of `stratum.engine.protocol`. How they travel is the
+client's `Transport`: a thread of this process (`ThreadTransport`, here), a process of its own
+(`stratum.engine.process`) or a set of Ray Serve replicas (`stratum.cluster`), behind the same client.
 """
 
 from __future__ import annotations
@@ -21,11 +22,14 @@ import threading
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable
+from dataclasses import dataclass, replace
+from typing import Callable
 
-from stratum.engine.config import ResolvedConfig
 from stratum.engine.outputs import EngineDeadError, OrchestrationError, RequestOutput, StepError
+from stratum.engine.protocol import (
+    Abort, Accepted, AddRequest, Command, EngineDied, EngineInfo, EngineSnapshot, Event, HeldKeys, KVBlocks, ListHeld,
+    RequestFailed, Routed, Started,
+)
 from stratum.engine.request import short_key
 from stratum.engine.sampling_params import InvalidRequestError, SamplingParams
 
@@ -40,39 +44,6 @@ class QueueFull(RuntimeError):
         self.retry_after_s = retry_after_s
 
 
-@dataclass(frozen=True, slots=True)
-class KVBlocks:
-    total: int
-    free: int
-    cached: int
-    in_use: int
-
-
-@dataclass(frozen=True, slots=True)
-class EngineSnapshot:
-    """What the engine looked like after its last step, published by the engine, read by anyone."""
-
-    alive: bool
-    mode: str = "normal"
-    degraded_reason: str | None = None
-    error: str | None = None  # why the loop died
-    num_running: int = 0
-    num_waiting: int = 0  # in the scheduler's queue (preempted requests included)
-    kv_blocks: KVBlocks = KVBlocks(0, 0, 0, 0)
-    num_preemptions: int = 0
-    num_steps: int = 0
-    overhead_ratio: float = 0.0  # time outside the model forward / step time, over recent steps
-    mean_step_s: float = 0.0  # over recent steps
-    threads: int = 0
-    rss_mb: float = 0.0  # the engine process's resident memory
-    gpu_memory_allocated_mb: float | None = None
-    published_at: float = field(default_factory=time.time)
-
-    @property
-    def kv_usage(self) -> float:
-        return self.kv_blocks.in_use / self.kv_blocks.total if self.kv_blocks.total else 0.0
-
-
 @dataclass(frozen=True)
 class ReplicaView:
     """One engine replica of several, as its last report showed it (/health, /metrics)."""
@@ -83,20 +54,6 @@ class ReplicaView:
     in_flight: int  # requests routed to it that have not completed
     held_blocks: int  # cached block keys it reported
     reported_at: float  # wall-clock time of that report
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    """What does not change while the engine runs: its resolved configuration and kernel choices."""
-
-    config: ResolvedConfig
-    model_name: str  # the checkpoint's own name
-    vocab_size: int
-    kernel_choices: dict[str, Any]
-
-    @classmethod
-    def of(cls, engine) -> "EngineInfo":
-        return cls(engine.config, engine.model_config.name, engine.model_config.vocab_size, engine.kernel_choices)
 
 
 def count_kv_blocks(engine) -> KVBlocks:
@@ -127,12 +84,9 @@ class EngineLoop:
 
     Args:
         engine: the LLMEngine it owns; only this loop touches it.
-        emit: receives one list of events per step (or per batch of commands), in order:
-            ("out", RequestOutput), ("error", request_id, message, kind: invalid_request | unavailable |
-            internal), ("accepted", request_id, cached tokens
-            expected), ("started", [request_id...]),
-            ("snapshot", EngineSnapshot), ("held", [short block key...]) when asked, and once, last,
-            ("dead", reason).
+        emit: receives one list of events (`stratum.engine.protocol`) per step, or per batch of
+            commands, in order: RequestOutput, RequestFailed, Accepted, Started, HeldKeys when asked,
+            then the EngineSnapshot after it; once, last, EngineDied.
     """
 
     RSS_EVERY_S = 0.5
@@ -140,17 +94,17 @@ class EngineLoop:
     # requests run it is refreshed this often; the snapshot an idle engine leaves is always exact.
     KV_COUNT_EVERY_S = 0.05
 
-    def __init__(self, engine, emit: Callable[[list], None]):
+    def __init__(self, engine, emit: Callable[[list[Event]], None]):
         self.engine = engine
         self.emit = emit
-        self._commands: deque = deque()
+        self._commands: deque[Command] = deque()
         self._wake = threading.Condition()
         self._stopped = False
         self.death: str | None = None  # why run() ended, if it was not stop()
         self._rss = (0.0, 0.0)  # (when measured, MiB)
         self._kv: tuple[float, KVBlocks | None] = (0.0, None)
 
-    def submit(self, command: tuple) -> None:
+    def submit(self, command: Command) -> None:
         with self._wake:
             self._commands.append(command)
             self._wake.notify()
@@ -162,13 +116,13 @@ class EngineLoop:
 
     def run(self) -> None:
         try:
-            self.emit([("snapshot", self._snapshot())])
+            self.emit([self._snapshot()])
             while not self._stopped:
                 self._once()
         except BaseException as e:  # the loop is gone: every request in it must hear so, now
             self.death = f"{type(e).__name__}: {e}"
             log.critical("engine loop died: %s", self.death, exc_info=not isinstance(e, KeyboardInterrupt))
-            self.emit([("dead", self.death)])
+            self.emit([EngineDied(self.death)])
             if not isinstance(e, Exception):
                 return  # the loop's own death (injected, or the interpreter stopping): nothing more to raise
             raise
@@ -179,41 +133,46 @@ class EngineLoop:
                 self._wake.wait()
             commands = list(self._commands)
             self._commands.clear()
-        events: list = []
+        events: list[Event] = []
         for command in commands:
             self._apply(command, events)
         if self.engine.has_unfinished() and not self._stopped:
             self._step(events)
-        events.append(("snapshot", self._snapshot()))
+        events.append(self._snapshot())
         self.emit(events)
 
-    def _apply(self, command: tuple, events: list) -> None:
-        kind = command[0]
-        if kind == "add":
-            _, rid, ids, sampling, kwargs = command
-            try:
-                seq = self.engine.add_request(ids, sampling, request_id=rid, **kwargs)
-            except InvalidRequestError as e:
-                events.append(("error", rid, str(e), "invalid_request"))
-                return
-            except Exception as e:  # the admission hook's refusal, or a bug: this request fails, not the loop
-                log.exception("add_request failed")
-                events.append(("error", rid, f"{type(e).__name__}: {e}", "internal"))
-                return
-            try:  # what its cache hit will be, for usage reported before prefill ends; a broken cache only loses it
-                events.append(("accepted", rid, self.engine.expected_cached_tokens(seq)))
-            except Exception:
-                log.debug("no expected cache hit for %s", rid, exc_info=True)
-        elif kind == "abort":
-            out = self.engine.abort(command[1])
-            if out is not None:  # its last output: whoever assembles deltas can forget the request
-                events.append(("out", out))
-        elif kind == "held":  # what the prefix cache holds, most recent first, for a router to follow
-            bm = self.engine.block_manager
-            keys = bm.cache.recent_keys(command[1]) if bm.enable_prefix_cache else []
-            events.append(("held", [short_key(k) for k in keys]))
+    def _apply(self, command: Command, events: list[Event]) -> None:
+        match command:
+            case AddRequest(request_id=rid):
+                try:
+                    seq = self.engine.add_request(
+                        command.prompt_token_ids, command.sampling, request_id=rid, priority=command.priority,
+                        cache_salt=command.cache_salt, cache_policy=command.cache_policy,
+                        tool_marker=command.tool_marker, pin_prefixes=command.pin_prefixes,
+                        low_latency=command.low_latency, fork_of=command.fork_of)
+                except InvalidRequestError as e:
+                    events.append(RequestFailed(rid, str(e), "invalid_request"))
+                    return
+                except Exception as e:  # the admission hook's refusal, or a bug: this request fails, not the loop
+                    log.exception("add_request failed")
+                    events.append(RequestFailed(rid, f"{type(e).__name__}: {e}", "internal"))
+                    return
+                try:  # what its cache hit will be, for usage reported before prefill ends; a broken cache only loses it
+                    events.append(Accepted(rid, self.engine.expected_cached_tokens(seq)))
+                except Exception:
+                    log.debug("no expected cache hit for %s", rid, exc_info=True)
+            case Abort(request_id=rid):
+                out = self.engine.abort(rid)
+                if out is not None:  # its last output: whoever assembles deltas can forget the request
+                    events.append(out)
+            case ListHeld(max_keys=n):  # what the prefix cache holds, most recent first, for a router to follow
+                bm = self.engine.block_manager
+                keys = bm.cache.recent_keys(n) if bm.enable_prefix_cache else []
+                events.append(HeldKeys([short_key(k) for k in keys]))
+            case _:  # a bug on the serving side: said, and the loop goes on
+                log.error("not an engine-loop command: %r", command)
 
-    def _step(self, events: list) -> None:
+    def _step(self, events: list[Event]) -> None:
         engine = self.engine
         try:
             outputs = engine.step()
@@ -230,13 +189,13 @@ class EngineLoop:
             return
         started = engine.take_started()
         if started:
-            events.append(("started", started))
-        events.extend(("out", out) for out in outputs)
+            events.append(Started(started))
+        events.extend(outputs)
 
-    def _fail(self, request_ids: list[str], error: Exception, events: list) -> None:
+    def _fail(self, request_ids: list[str], error: Exception, events: list[Event]) -> None:
         for rid in request_ids:
             self.engine.abort(rid)
-            events.append(("error", rid, f"engine step failed: {error}", "internal"))
+            events.append(RequestFailed(rid, f"engine step failed: {error}", "internal"))
 
     def _snapshot(self) -> EngineSnapshot:
         now = time.monotonic()
@@ -364,59 +323,157 @@ class RequestGroup:
         self.queue.put_nowait(error)
 
 
+class Transport:
+    """How an `EngineClient` reaches its engine: commands go out through `send`; events come back
+    through `client.deliver` (from any thread) or `client.receive` (on the client's event loop).
+
+    This base reaches one engine loop, which publishes its own snapshots. `ThreadTransport` (below)
+    and `ProcessTransport` (`stratum.engine.process`) are one loop each; the cluster's transport
+    (`stratum.cluster.client`) reaches a set of replicas and overrides `snapshot` and `replicas`.
+    """
+
+    client: "EngineClient"
+
+    def bind(self, client: "EngineClient") -> None:
+        """The client whose events this transport delivers (set once, by the client)."""
+        self.client = client
+
+    def send(self, commands: list[Command]) -> None:
+        """Hand commands to the engine, in order (thread-safe). A group of requests read as one
+        stream arrives as one list."""
+        raise NotImplementedError
+
+    def abort(self, request_id: str) -> None:
+        """The client stopped reading the request (its stream is forgotten already)."""
+        if self.client.is_alive:
+            self.send([Abort(request_id)])
+
+    def snapshot(self, published: EngineSnapshot) -> EngineSnapshot:
+        """The engine's state as the client reports it: here what the loop published last."""
+        return published
+
+    def replicas(self) -> list[ReplicaView]:
+        """The replicas behind the client, when the engine is several; else none."""
+        return []
+
+    def shutdown(self) -> None:
+        pass
+
+
+class ThreadTransport(Transport):
+    """The engine loop in a thread of this process: commands and events cross as the records themselves."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.loop: EngineLoop | None = None
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.loop = EngineLoop(self.engine, self.client.deliver)
+        self.thread = threading.Thread(target=self.loop.run, name="stratum-engine", daemon=True)
+        self.thread.start()
+
+    def send(self, commands: list[Command]) -> None:
+        for command in commands:
+            self.loop.submit(command)
+
+    def shutdown(self) -> None:
+        self.loop.stop()
+        self.thread.join(timeout=10)
+
+
 class EngineClient:
     """The serving side's one handle on the engine.
 
     Args:
         info: the engine's resolved configuration and kernel choices.
         tokenizer, chat_template: the model's, for the serving side's own tokenization.
-        send: hands one command to the engine loop (thread-safe).
-        on_shutdown: stops the engine loop.
+        transport: how commands reach the engine and its events come back; bound to this client.
+        engine_pid: the process that runs the engine loop (default: this one).
     """
 
-    def __init__(self, info: EngineInfo, tokenizer, chat_template, send: Callable[[tuple], None], on_shutdown=None,
-                 engine_pid: int | None = None):
+    def __init__(self, info: EngineInfo, tokenizer, chat_template, transport: Transport, engine_pid: int | None = None):
         self.info = info
-        self.engine_pid = engine_pid or os.getpid()  # the process that runs the engine loop
+        self.engine_pid = engine_pid or os.getpid()
         self.config = info.config
         self.tokenizer = tokenizer
         self.chat_template = chat_template
-        self._send = send
-        self._on_shutdown = on_shutdown
-        self.snapshot = EngineSnapshot(alive=True)
+        self.transport = transport
+        self._published = EngineSnapshot(alive=True)  # the loop's last snapshot
         self._streams: dict[str, RequestStream] = {}
         self._queued: set[str] = set()  # admitted, not yet scheduled: what --max-waiting counts
         self._loop: asyncio.AbstractEventLoop | None = None
         self._recent_e2e: deque[float] = deque(maxlen=32)
+        transport.bind(self)
 
-    # ---- the engine side calls these (any thread) ---------------------------------------------------
-    def deliver(self, events: list) -> None:
-        """Events from the engine loop, from whatever thread reads them."""
+    # ---- the transport calls these ------------------------------------------------------------------
+    def deliver(self, events: list[Event]) -> None:
+        """Events from the engine, from whatever thread reads them."""
         for event in events:  # the snapshot is a plain reference swap: readable at once, from any thread
-            if event[0] == "snapshot":
-                self.snapshot = event[1]
-            elif event[0] == "dead":
-                self.snapshot = replace(self.snapshot, alive=False, error=event[1])
+            match event:
+                case EngineSnapshot():
+                    self._published = event
+                case EngineDied(reason=reason):
+                    self._published = replace(self._published, alive=False, error=reason)
         loop = self._loop
         if loop is not None and not loop.is_closed():
             try:
-                loop.call_soon_threadsafe(self._on_events, events)
+                loop.call_soon_threadsafe(self.receive, events)
             except RuntimeError:  # the loop closed in between
                 pass
 
+    def receive(self, events: list[Event]) -> None:
+        """Events applied to the requests they concern, on the client's event loop."""
+        for event in events:
+            match event:
+                case RequestOutput():
+                    stream = self._streams.get(event.request_id)
+                    if stream is not None:
+                        stream.queue.put_nowait(event)
+                    stats = event.stats
+                    if (event.finished and event.finish_reason != "abort" and stats is not None
+                            and stats.finish_time is not None):
+                        self._recent_e2e.append(stats.finish_time - stats.arrival_time)
+                case Accepted(request_id=rid):
+                    if (stream := self._streams.get(rid)) is not None:
+                        stream.expected_cached_tokens = event.expected_cached_tokens
+                case Routed(request_id=rid):
+                    if (stream := self._streams.get(rid)) is not None:
+                        stream.replica = event.replica
+                case Started(request_ids=rids):
+                    self._queued.difference_update(rids)
+                case RequestFailed(request_id=rid):
+                    if (stream := self._streams.get(rid)) is not None:
+                        stream.queue.put_nowait(event.exception())
+                case EngineDied(reason=reason):
+                    error = EngineDeadError(f"the engine stopped: {reason}")
+                    for stream in list(self._streams.values()):
+                        stream.queue.put_nowait(error)
+                    self._streams.clear()
+                    self._queued.clear()
+
+    def is_open(self, request_id: str) -> bool:
+        """Whether the request's stream is still read."""
+        return request_id in self._streams
+
     # ---- the serving side (one event loop) ----------------------------------------------------------
+    @property
+    def snapshot(self) -> EngineSnapshot:
+        """What the engine looked like after its last step (the replicas' sum, for a replica set)."""
+        return self.transport.snapshot(self._published)
+
     @property
     def is_alive(self) -> bool:
         return self.snapshot.alive
 
     @property
     def width(self) -> int:
-        """Engines behind this client (their queues and batches add up): 1 here."""
-        return 1
+        """Engines behind this client (their queues and batches add up): the live replicas, or 1."""
+        return max(1, sum(v.snapshot.alive for v in self.replicas()))
 
     def replicas(self) -> list[ReplicaView]:
         """The replicas behind this client, when the engine is several (`stratum.cluster`); else none."""
-        return []
+        return self.transport.replicas()
 
     @property
     def num_queued(self) -> int:
@@ -446,14 +503,17 @@ class EngineClient:
         self.config.check_request(num_prompt_tokens, sampling)
 
     def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
-               **kwargs) -> RequestStream:
-        """Queue a request in the engine now; its outputs (or its error) arrive on the stream."""
+               **options) -> RequestStream:
+        """Queue a request in the engine now; its outputs (or its error) arrive on the stream.
+
+        options: `AddRequest`'s fields after `sampling` (priority, cache_salt, cache_policy, ...).
+        """
         stream = self._open(request_id or uuid.uuid4().hex)
-        self._queue_requests([(stream.request_id, list(prompt_token_ids), sampling, kwargs)])
+        self.transport.send([AddRequest(stream.request_id, list(prompt_token_ids), sampling, **options)])
         return stream
 
     def submit_group(self, prompts: list[list[int]], samplings: list[SamplingParams], request_ids: list[str],
-                     forks: list[str | None], **kwargs) -> RequestGroup:
+                     forks: list[str | None], **options) -> RequestGroup:
         """Queue several requests read as one stream: n samples of a prompt (each with its own sampling),
         or several prompts. A member with a fork (the id of an earlier member with the same prompt)
         starts from that member's computed prompt instead of computing it again."""
@@ -463,8 +523,8 @@ class EngineClient:
                 members.append(self._open(rid))
             for stream in members[1:]:
                 stream.queue = members[0].queue
-            self._queue_requests([(rid, list(ids), sampling, dict(kwargs, fork_of=fork))
-                                  for ids, sampling, rid, fork in zip(prompts, samplings, request_ids, forks)])
+            self.transport.send([AddRequest(rid, list(ids), sampling, **options, fork_of=fork)
+                                 for ids, sampling, rid, fork in zip(prompts, samplings, request_ids, forks)])
         except BaseException:  # none of them was queued: none stays open
             for stream in members:
                 self._forget(stream.request_id)
@@ -480,18 +540,12 @@ class EngineClient:
         stream = self._streams[request_id] = RequestStream(self, request_id)
         return stream
 
-    def _queue_requests(self, requests: list[tuple[str, list[int], SamplingParams, dict]]) -> None:
-        """Hand opened requests to the engine loop, in order (one command each)."""
-        for rid, ids, sampling, kwargs in requests:
-            self._send(("add", rid, ids, sampling, kwargs))
-
     def abort(self, request_id: str) -> None:
-        if self._forget(request_id) and self.is_alive:
-            self._send(("abort", request_id))
+        if self._forget(request_id):
+            self.transport.abort(request_id)
 
     def shutdown(self) -> None:
-        if self._on_shutdown is not None:
-            self._on_shutdown()
+        self.transport.shutdown()
 
     def _forget(self, request_id: str) -> bool:
         self._queued.discard(request_id)
@@ -504,47 +558,10 @@ class EngineClient:
         batches = (len(self._queued) + self.snapshot.num_running) / max(1, self.config.scheduler.max_num_seqs * self.width)
         return max(1, math.ceil(typical * max(1.0, batches) * random.uniform(0.5, 1.5)))
 
-    def _on_events(self, events: list) -> None:
-        for event in events:
-            kind = event[0]
-            if kind == "out":
-                out = event[1]
-                stream = self._streams.get(out.request_id)
-                if stream is not None:
-                    stream.queue.put_nowait(out)
-                stats = out.stats
-                if out.finished and out.finish_reason != "abort" and stats is not None and stats.finish_time is not None:
-                    self._recent_e2e.append(stats.finish_time - stats.arrival_time)
-            elif kind == "accepted":
-                stream = self._streams.get(event[1])
-                if stream is not None:
-                    stream.expected_cached_tokens = event[2]
-            elif kind == "started":
-                for rid in event[1]:
-                    self._queued.discard(rid)
-            elif kind == "error":
-                _, rid, message, category = event
-                stream = self._streams.get(rid)
-                if stream is not None:
-                    error = {"invalid_request": InvalidRequestError, "unavailable": EngineDeadError}.get(category, RuntimeError)
-                    stream.queue.put_nowait(error(message))
-            elif kind == "dead":
-                error = EngineDeadError(f"the engine stopped: {event[1]}")
-                for stream in list(self._streams.values()):
-                    stream.queue.put_nowait(error)
-                self._streams.clear()
-                self._queued.clear()
-
 
 def start_thread_engine(engine) -> EngineClient:
     """Run engine's loop in a thread of this process, behind an EngineClient."""
-    def shutdown():
-        loop.stop()
-        thread.join(timeout=10)
-
-    client = EngineClient(EngineInfo.of(engine), engine.tokenizer, engine.chat_template, lambda c: loop.submit(c),
-                          shutdown)
-    loop = EngineLoop(engine, client.deliver)
-    thread = threading.Thread(target=loop.run, name="stratum-engine", daemon=True)
-    thread.start()
+    transport = ThreadTransport(engine)
+    client = EngineClient(EngineInfo.of(engine), engine.tokenizer, engine.chat_template, transport)
+    transport.start()
     return client

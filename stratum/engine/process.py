@@ -1,10 +1,11 @@
 """The engine loop in a process of its own, behind the same `EngineClient`.
 
 The serving process starts `python -m stratum.engine.process` with two pipes: commands go down one,
-events come up the other, as msgpack frames (typed fields, no pickle). The engine process loads the
+events come up the other, as msgpack frames (plain lists, no pickle). The engine process loads the
 model, sends one "ready" message (its resolved configuration, kernel choices, tokenizer and chat
 template, so the serving side never loads the weights), then one frame per step holding every event
-of that step: tokens stream back without a round trip per token.
+of that step: tokens stream back without a round trip per token. Commands and events are
+`stratum.engine.protocol`'s records in its codec; `EngineProcess` is the client's transport.
 
 Either side notices the other's death: the engine process stops when its command pipe closes; the
 serving side reads end-of-file when the engine process exits, for whatever reason, and ends every
@@ -21,15 +22,16 @@ import signal
 import subprocess
 import sys
 import threading
-from dataclasses import asdict, fields
+from dataclasses import asdict
 
 import msgpack
 
-from stratum.engine.client import EngineClient, EngineInfo, EngineSnapshot, KVBlocks
-from stratum.engine.config import EngineConfig, ResolvedConfig, SchedulerConfig
-from stratum.engine.outputs import RequestOutput, RequestStats
-from stratum.engine.request import CachePolicy
-from stratum.engine.sampling_params import SamplingParams
+from stratum.engine.client import EngineClient, EngineLoop, Transport
+from stratum.engine.config import EngineConfig, SchedulerConfig
+from stratum.engine.protocol import (
+    Command, EngineDied, EngineInfo, Stop, StreamDecoder, decode, decode_info, decode_tokenizer, encode, encode_info,
+    encode_tokenizer,
+)
 
 log = logging.getLogger("stratum.engine")
 
@@ -40,7 +42,7 @@ class EngineStartError(RuntimeError):
     """The engine process exited before it was ready; the message holds its reason."""
 
 
-# ---- the wire format: plain lists and dicts --------------------------------------------------------
+# ---- the wire: msgpack messages of `stratum.engine.protocol`'s codec --------------------------------
 def _pack(obj):
     return msgpack.packb(obj, use_bin_type=True)
 
@@ -53,108 +55,6 @@ def _messages(fd: int):
         yield from unpacker
 
 
-def _values(obj) -> list:
-    """A dataclass's fields in declaration order (the other side rebuilds it positionally)."""
-    return [getattr(obj, f.name) for f in fields(obj)]
-
-
-def encode_output(out: RequestOutput) -> list:
-    """A running request's output carries only its deltas (the serving side accumulates text and
-    tokens); a finished one also carries its full text and tokens, which are authoritative."""
-    values = dict(zip(_OUTPUT_FIELDS, _values(out)))
-    if not out.finished:
-        values["text"] = values["token_ids"] = None
-    if out.stats is not None:
-        values["stats"] = _values(out.stats)
-    return list(values.values())
-
-
-def decode_output(values: list) -> RequestOutput:
-    out = RequestOutput(*values)
-    if out.stats is not None:
-        out.stats = RequestStats(*out.stats)
-    return out
-
-
-def encode_snapshot(s: EngineSnapshot) -> list:
-    values = dict(zip(_SNAPSHOT_FIELDS, _values(s)))
-    values["kv_blocks"] = _values(s.kv_blocks)
-    return list(values.values())
-
-
-def decode_snapshot(values: list) -> EngineSnapshot:
-    values = dict(zip(_SNAPSHOT_FIELDS, values))
-    values["kv_blocks"] = KVBlocks(*values["kv_blocks"])
-    return EngineSnapshot(**values)
-
-
-_OUTPUT_FIELDS = [f.name for f in fields(RequestOutput)]
-_SNAPSHOT_FIELDS = [f.name for f in fields(EngineSnapshot)]
-
-
-def encode_event(event: tuple) -> list:
-    kind = event[0]
-    if kind == "out":
-        return ["out", encode_output(event[1])]
-    if kind == "snapshot":
-        return ["snapshot", encode_snapshot(event[1])]
-    return list(event)
-
-
-def encode_command(command: tuple) -> list:
-    if command[0] != "add":
-        return list(command)
-    _, rid, ids, sampling, kwargs = command
-    kwargs = dict(kwargs)
-    if kwargs.get("cache_policy") is not None:
-        kwargs["cache_policy"] = asdict(kwargs["cache_policy"])
-    return ["add", rid, ids, {f.name: getattr(sampling, f.name) for f in fields(SamplingParams)}, kwargs]
-
-
-def decode_command(command: list) -> tuple:
-    if command[0] != "add":
-        return tuple(command)
-    _, rid, ids, sampling, kwargs = command
-    if kwargs.get("cache_policy") is not None:
-        kwargs["cache_policy"] = CachePolicy(**kwargs["cache_policy"])
-    if kwargs.get("pin_prefixes"):
-        kwargs["pin_prefixes"] = [tuple(p) for p in kwargs["pin_prefixes"]]
-    return ("add", rid, ids, SamplingParams(**sampling), kwargs)
-
-
-def encode_info(info: EngineInfo) -> dict:
-    return asdict(info)
-
-
-def decode_info(d: dict) -> EngineInfo:
-    from stratum.kernels import KernelPlan
-
-    config = dict(d["config"])
-    config["kernel_plan"] = KernelPlan(**config["kernel_plan"])
-    config["scheduler"] = SchedulerConfig(**config["scheduler"])
-    return EngineInfo(ResolvedConfig(**config), d["model_name"], d["vocab_size"], d["kernel_choices"])
-
-
-def encode_tokenizer(engine) -> dict:
-    """The engine's tokenizer and chat template as plain data, for a serving side elsewhere."""
-    tok = engine.tokenizer
-    return {"json": tok.backend.to_str(), "bos_token": tok.bos_token, "eos_token": tok.eos_token,
-            "bos_token_id": tok.bos_token_id, "eos_token_ids": list(tok.eos_token_ids),
-            "chat_template": engine.chat_template.source}
-
-
-def decode_tokenizer(d: dict):
-    """(TextTokenizer, ChatTemplate) from `encode_tokenizer`'s data."""
-    from tokenizers import Tokenizer
-
-    from stratum.models.chat_template import ChatTemplate
-    from stratum.models.tokenizer import TextTokenizer
-
-    tokenizer = TextTokenizer(Tokenizer.from_str(d["json"]), d["bos_token"], d["eos_token"], d["bos_token_id"],
-                              tuple(d["eos_token_ids"]))
-    return tokenizer, ChatTemplate(d["chat_template"], tokenizer)
-
-
 def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
@@ -162,8 +62,9 @@ def _write_all(fd: int, data: bytes) -> None:
 
 
 # ---- the serving side ------------------------------------------------------------------------------
-class EngineProcess:
-    """The engine process, started at construction; `connect` waits until its model is loaded.
+class EngineProcess(Transport):
+    """The process transport: the engine process, started at construction; `connect` waits until its
+    model is loaded and returns the client built on this transport.
 
     The caller may do its own start-up work (imports, the web app) in between, while the engine
     process loads the model.
@@ -195,13 +96,13 @@ class EngineProcess:
             raise EngineStartError(ready[1] if len(ready) > 1 else "the engine process failed to start")
         _, info, tok = ready
         tokenizer, template = decode_tokenizer(tok)
-        client = EngineClient(decode_info(info), tokenizer, template, self.send, self.shutdown, engine_pid=self.proc.pid)
+        client = EngineClient(decode_info(info), tokenizer, template, self, engine_pid=self.proc.pid)
         threading.Thread(target=_read_events, args=(self._ev_r, messages, client, self.proc),
                          name="stratum-engine-events", daemon=True).start()
         return client
 
-    def send(self, command: tuple) -> None:
-        data = _pack(encode_command(command))
+    def send(self, commands: list[Command]) -> None:
+        data = b"".join(_pack(encode(c)) for c in commands)
         try:
             with self._write_lock:
                 _write_all(self._cmd_w, data)
@@ -209,7 +110,7 @@ class EngineProcess:
             pass
 
     def shutdown(self) -> None:
-        self.send(("stop",))
+        self.send([Stop()])
         try:
             self.proc.wait(timeout=10)
         except subprocess.TimeoutExpired:
@@ -227,42 +128,23 @@ def start_process_engine(config: EngineConfig) -> EngineClient:
 
 def _read_events(fd: int, frames, client: EngineClient, proc: subprocess.Popen) -> None:
     """Frames of events until end-of-file; then the engine process is gone, whatever the reason."""
-    partial: dict[str, tuple[list[str], list[int]]] = {}  # request id -> (text pieces, token ids) so far
+    decoder = StreamDecoder()
     dead_said = False
     try:
         for frame in frames:
-            events = [_decode_event(e, partial) for e in frame]
-            dead_said |= any(e[0] == "dead" for e in events)
+            events = [decoder.decode(e) for e in frame]
+            dead_said |= any(isinstance(e, EngineDied) for e in events)
             client.deliver(events)
     except Exception as e:  # a broken frame: the engine cannot be trusted any more
         log.exception("engine event stream broke")
         proc.kill()
-        client.deliver([("dead", f"engine event stream broke: {type(e).__name__}: {e}")])
+        client.deliver([EngineDied(f"engine event stream broke: {type(e).__name__}: {e}")])
         return
     finally:
         os.close(fd)
     code = proc.wait()
     if not dead_said:
-        client.deliver([("dead", f"the engine process exited with code {code}")])
-
-
-def _decode_event(event: list, partial: dict) -> tuple:
-    kind = event[0]
-    if kind == "out":
-        out = decode_output(event[1])
-        if out.finished:
-            partial.pop(out.request_id, None)
-        else:
-            pieces, ids = partial.setdefault(out.request_id, ([], []))
-            pieces.append(out.delta_text)
-            ids.extend(out.delta_token_ids)
-            out.text, out.token_ids = "".join(pieces), list(ids)
-        return ("out", out)
-    if kind == "snapshot":
-        return ("snapshot", decode_snapshot(event[1]))
-    if kind == "error":
-        partial.pop(event[1], None)
-    return tuple(event)
+        client.deliver([EngineDied(f"the engine process exited with code {code}")])
 
 
 # ---- the engine side ----------------------------------------------------------------------------------
@@ -281,15 +163,14 @@ def main(argv: list[str] | None = None) -> int:
     ev_fd = args.events
     lock = threading.Lock()
 
-    def emit(events: list) -> None:
-        data = _pack([encode_event(e) for e in events])
+    def emit(events: list) -> None:  # one frame per step
+        data = _pack([encode(e) for e in events])
         try:
             with lock:
                 _write_all(ev_fd, data)
         except BrokenPipeError:  # the serving process is gone: nobody is left to serve
             loop.stop()
 
-    from stratum.engine.client import EngineLoop
     from stratum.engine.core import LLMEngine
 
     settings = json.loads(args.config)
@@ -304,10 +185,11 @@ def main(argv: list[str] | None = None) -> int:
 
     def read_commands() -> None:
         try:
-            for command in _messages(args.commands):
-                if command[0] == "stop":
+            for data in _messages(args.commands):
+                command = decode(data)
+                if isinstance(command, Stop):
                     return
-                loop.submit(decode_command(command))
+                loop.submit(command)
         finally:
             loop.stop()  # the serving process closed the pipe, or died: nothing is left to serve
 

@@ -1,0 +1,264 @@
+"""The engine boundary's language: every command the serving side sends an engine loop and every event
+the loop sends back, as typed records, and the one codec that turns them into plain lists and back.
+
+The thread transport hands the records over as they are; the process transport (msgpack frames,
+`stratum.engine.process`) and the Ray transport (`stratum.cluster`) send `encode(message)` and read
+`decode(data)`, or `StreamDecoder` where running outputs carry only their deltas. Plain data, no torch.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Callable, Literal, Union
+
+from stratum.engine.config import ResolvedConfig, SchedulerConfig
+from stratum.engine.outputs import EngineDeadError, RequestOutput, RequestStats
+from stratum.engine.request import CachePolicy
+from stratum.engine.sampling_params import InvalidRequestError, SamplingParams
+
+
+# ---- what the engine publishes ----------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class KVBlocks:
+    total: int
+    free: int
+    cached: int
+    in_use: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSnapshot:
+    """What the engine looked like after its last step, published by the engine, read by anyone."""
+
+    alive: bool
+    mode: str = "normal"
+    degraded_reason: str | None = None
+    error: str | None = None  # why the loop died
+    num_running: int = 0
+    num_waiting: int = 0  # in the scheduler's queue (preempted requests included)
+    kv_blocks: KVBlocks = KVBlocks(0, 0, 0, 0)
+    num_preemptions: int = 0
+    num_steps: int = 0
+    overhead_ratio: float = 0.0  # time outside the model forward / step time, over recent steps
+    mean_step_s: float = 0.0  # over recent steps
+    threads: int = 0
+    rss_mb: float = 0.0  # the engine process's resident memory
+    gpu_memory_allocated_mb: float | None = None
+    published_at: float = field(default_factory=time.time)
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks.in_use / self.kv_blocks.total if self.kv_blocks.total else 0.0
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    """What does not change while the engine runs: its resolved configuration and kernel choices."""
+
+    config: ResolvedConfig
+    model_name: str  # the checkpoint's own name
+    vocab_size: int
+    kernel_choices: dict[str, Any]
+
+    @classmethod
+    def of(cls, engine) -> "EngineInfo":
+        return cls(engine.config, engine.model_config.name, engine.model_config.vocab_size, engine.kernel_choices)
+
+
+# ---- commands: serving side -> engine loop -----------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class AddRequest:
+    """Queue one request; the fields after `sampling` are `LLMEngine.add_request`'s options."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams
+    priority: int = 0
+    cache_salt: str | None = None
+    cache_policy: CachePolicy | None = None
+    tool_marker: str | None = None
+    pin_prefixes: list[tuple[int, float]] = field(default_factory=list)  # (prefix length, ttl seconds)
+    low_latency: bool = False
+    fork_of: str | None = None  # an earlier request of the same prompt whose computed prompt it starts from
+
+
+@dataclass(frozen=True, slots=True)
+class Abort:
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class ListHeld:
+    """Ask for the prefix cache's most recently used block keys (answered by `HeldKeys`)."""
+
+    max_keys: int
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    """End the engine process (the process transport's last command)."""
+
+
+# ---- events: engine loop -> serving side (besides RequestOutput and EngineSnapshot) -------------------
+@dataclass(frozen=True, slots=True)
+class Accepted:
+    """The request is queued; its prefix-cache hit is expected to be this many tokens."""
+
+    request_id: str
+    expected_cached_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
+class Started:
+    """These requests left the waiting queue: they are scheduled."""
+
+    request_ids: list[str]
+
+
+FailureKind = Literal["invalid_request", "unavailable", "internal"]
+
+
+@dataclass(frozen=True, slots=True)
+class RequestFailed:
+    """The request ended without a last output."""
+
+    request_id: str
+    message: str
+    kind: FailureKind
+
+    def exception(self) -> Exception:
+        """What the request's reader raises."""
+        error = {"invalid_request": InvalidRequestError, "unavailable": EngineDeadError}.get(self.kind, RuntimeError)
+        return error(self.message)
+
+
+@dataclass(frozen=True, slots=True)
+class HeldKeys:
+    """The prefix cache's block keys (short form), most recent first: the answer to `ListHeld`."""
+
+    keys: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class EngineDied:
+    """The engine loop is gone; always its last event."""
+
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """The replica (of several) that serves the request."""
+
+    request_id: str
+    replica: str
+
+
+Command = Union[AddRequest, Abort, ListHeld, Stop]
+Event = Union[RequestOutput, EngineSnapshot, Accepted, Started, RequestFailed, HeldKeys, EngineDied, Routed]
+
+
+# ---- the codec: [tag, field, field, ...], nested records as lists of their fields ----------------------
+def _record(cls) -> Callable[[list | None], Any]:
+    return lambda values: None if values is None else cls(*values)
+
+
+# A message's tag is its index here (both sides run the same code), with how its nested fields are rebuilt.
+_MESSAGES: dict[type, dict[str, Callable]] = {
+    RequestOutput: {"stats": _record(RequestStats)},
+    EngineSnapshot: {"kv_blocks": _record(KVBlocks)},
+    Accepted: {}, Started: {}, RequestFailed: {}, HeldKeys: {}, EngineDied: {}, Routed: {},
+    AddRequest: {"sampling": _record(SamplingParams), "cache_policy": _record(CachePolicy),
+                 "pin_prefixes": lambda prefixes: [tuple(p) for p in prefixes]},
+    Abort: {}, ListHeld: {}, Stop: {},
+}
+_TAGS = {cls: tag for tag, cls in enumerate(_MESSAGES)}
+_FIELDS = {cls: tuple(f.name for f in fields(cls)) for cls in _MESSAGES}
+_RECORD_FIELDS = {cls: tuple(f.name for f in fields(cls))  # the records nested in messages
+                  for cls in (RequestStats, KVBlocks, SamplingParams, CachePolicy)}
+_DECODERS = [(cls, [(_FIELDS[cls].index(name), rebuild) for name, rebuild in nested.items()])
+             for cls, nested in _MESSAGES.items()]
+_SENT_TEXT = [1 + _FIELDS[RequestOutput].index(name) for name in ("text", "token_ids")]  # positions in a message
+
+
+def encode(message: Command | Event) -> list:
+    """[tag, field values...] with nested records as lists of their field values (msgpack-ready).
+
+    A running RequestOutput carries only its deltas (`text` and `token_ids` are None): the reader
+    assembles them (`StreamDecoder`). A finished one also carries its full text and tokens.
+    """
+    cls = type(message)
+    values = [_TAGS[cls]]
+    for name in _FIELDS[cls]:
+        value = getattr(message, name)
+        nested = _RECORD_FIELDS.get(type(value))
+        values.append(value if nested is None else [getattr(value, f) for f in nested])
+    if cls is RequestOutput and not message.finished:
+        for i in _SENT_TEXT:
+            values[i] = None
+    return values
+
+
+def decode(data: list) -> Command | Event:
+    """The message `encode` made (a running output as it was sent: deltas only)."""
+    cls, nested = _DECODERS[data[0]]
+    values = data[1:]
+    for i, rebuild in nested:
+        values[i] = rebuild(values[i])
+    return cls(*values)
+
+
+class StreamDecoder:
+    """Decodes one stream of events, assembling each running request's text and tokens from its deltas."""
+
+    def __init__(self):
+        self._partial: dict[str, tuple[list[str], list[int]]] = {}  # request id -> (text pieces, token ids)
+
+    def decode(self, data: list) -> Event:
+        event = decode(data)
+        match event:
+            case RequestOutput(finished=True):
+                self._partial.pop(event.request_id, None)
+            case RequestOutput():
+                pieces, ids = self._partial.setdefault(event.request_id, ([], []))
+                pieces.append(event.delta_text)
+                ids.extend(event.delta_token_ids)
+                event.text, event.token_ids = "".join(pieces), list(ids)
+            case RequestFailed(request_id=rid):
+                self._partial.pop(rid, None)
+        return event
+
+
+# ---- what the serving side needs before the first request ------------------------------------------
+def encode_info(info: EngineInfo) -> dict:
+    return asdict(info)
+
+
+def decode_info(d: dict) -> EngineInfo:
+    from stratum.kernels import KernelPlan
+
+    config = dict(d["config"])
+    config["kernel_plan"] = KernelPlan(**config["kernel_plan"])
+    config["scheduler"] = SchedulerConfig(**config["scheduler"])
+    return EngineInfo(ResolvedConfig(**config), d["model_name"], d["vocab_size"], d["kernel_choices"])
+
+
+def encode_tokenizer(engine) -> dict:
+    """The engine's tokenizer and chat template as plain data, for a serving side elsewhere."""
+    tok = engine.tokenizer
+    return {"json": tok.backend.to_str(), "bos_token": tok.bos_token, "eos_token": tok.eos_token,
+            "bos_token_id": tok.bos_token_id, "eos_token_ids": list(tok.eos_token_ids),
+            "chat_template": engine.chat_template.source}
+
+
+def decode_tokenizer(d: dict):
+    """(TextTokenizer, ChatTemplate) from `encode_tokenizer`'s data."""
+    from tokenizers import Tokenizer
+
+    from stratum.models.chat_template import ChatTemplate
+    from stratum.models.tokenizer import TextTokenizer
+
+    tokenizer = TextTokenizer(Tokenizer.from_str(d["json"]), d["bos_token"], d["eos_token"], d["bos_token_id"],
+                              tuple(d["eos_token_ids"]))
+    return tokenizer, ChatTemplate(d["chat_template"], tokenizer)
