@@ -81,6 +81,17 @@ def test_malformed_content_length_gets_400_in_the_error_shape(server, length):
     check_error(status, headers, body, 400, "invalid_request_error")
 
 
+@pytest.mark.parametrize("path", [b"/v1/chat/completions", b"/v1/completions?x=1"])
+def test_parser_errors_on_openai_routes_come_in_openai_shape(server, path):
+    with connect(server) as s:
+        s.sendall(b"POST " + path + b" HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+                  b"content-length: abc\r\n\r\n{}")
+        status, headers, body = read_response(s)
+    assert status == 400, body
+    assert "type" not in body and body["error"]["type"] == "invalid_request_error" and body["error"]["message"]
+    assert headers["request-id"].startswith("req_") and body["request_id"] == headers["request-id"]
+
+
 def test_a_stalled_body_gets_408(server):
     with connect(server) as s:
         t0 = time.monotonic()

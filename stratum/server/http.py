@@ -1,7 +1,8 @@
 """The HTTP server under the app: uvicorn with the limits a public endpoint needs, and a graceful drain.
 
 - Requests the HTTP parser refuses (a malformed Content-Length, a broken request line, headers over
-  the size limit) are answered in the API's error shape with a request id: 400, or 431 for headers;
+  the size limit) are answered in the error shape of the API the request line names (Anthropic's
+  when it names none) with a request id: 400, or 431 for headers;
   headers that do not all arrive within `header_timeout_s` get 408, and a connection that sends
   nothing for that long is closed. A refused connection is half-closed, and what the client still
   sends is read and dropped for a moment, so the client reads the answer instead of a reset.
@@ -36,6 +37,7 @@ def protocol(max_connections: int, header_timeout_s: float) -> type[asyncio.Prot
     class Protocol(H11Protocol):
         _lingering = False
         _header_timer: asyncio.TimerHandle | None = None
+        _request_line = b""  # the current request's first line, so a refusal knows its route
 
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
@@ -54,6 +56,8 @@ def protocol(max_connections: int, header_timeout_s: float) -> type[asyncio.Prot
         def data_received(self, data: bytes) -> None:
             if self._lingering:
                 return
+            if self.conn.their_state in (h11.IDLE, h11.DONE) and not self.conn.trailing_data[0]:
+                self._request_line = data.split(b"\r\n", 1)[0][:_MAX_REQUEST_LINE]
             super().data_received(data)
             # Still waiting for a request's headers: they must all arrive within header_timeout_s.
             if self.conn.their_state is h11.IDLE and not self._lingering:
@@ -87,7 +91,7 @@ def protocol(max_connections: int, header_timeout_s: float) -> type[asyncio.Prot
         def _refuse(self, err: APIError) -> None:
             """Answer err and close, written directly: the parser cannot frame a response any more."""
             request_id = new_request_id()
-            body = json.dumps(error_body(err, request_id, "")).encode()
+            body = json.dumps(error_body(err, request_id, _target(self._request_line))).encode()
             head = (f"HTTP/1.1 {err.status} {HTTPStatus(err.status).phrase}\r\ncontent-type: application/json\r\n"
                     f"content-length: {len(body)}\r\nrequest-id: {request_id}\r\nconnection: close\r\n\r\n")
             self.transport.write(head.encode() + body)
@@ -98,6 +102,16 @@ def protocol(max_connections: int, header_timeout_s: float) -> type[asyncio.Prot
             self.loop.call_later(LINGER_S, self.transport.close)
 
     return Protocol
+
+
+_MAX_REQUEST_LINE = 8192
+
+
+def _target(request_line: bytes) -> str:
+    """The path of `METHOD PATH HTTP/1.1`, or "" when the line is not one: OpenAI routes get
+    OpenAI's error shape even from the parser, the rest Anthropic's."""
+    parts = request_line.split(b" ")
+    return parts[1].split(b"?", 1)[0].decode("latin-1") if len(parts) == 3 else ""
 
 
 class _Connection(h11.Connection):
