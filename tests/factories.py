@@ -204,9 +204,10 @@ GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "q
              "gemma3": "gemma3", "phi3": "phi3"}
 
 
-def make_family_dir(path: Path, family: str, seed: int = 0) -> Path:
+def make_family_dir(path: Path, family: str, seed: int = 0, **overrides) -> Path:
     """A tiny random-weight model of `family` written by transformers (config -> seeded random init ->
-    save_pretrained safetensors), with the tiny BPE tokenizer of `make_tiny_model_dir`. Returns the folder.
+    save_pretrained safetensors), with the tiny BPE tokenizer of `make_tiny_model_dir`; `overrides` replace
+    FAMILY_CONFIGS options. Returns the folder.
 
     Weights are drawn here rather than left at transformers' init (std 0.02, norms at their neutral
     value), so every norm, bias and cap changes the logits."""
@@ -217,9 +218,9 @@ def make_family_dir(path: Path, family: str, seed: int = 0) -> Path:
     (path / "model.safetensors").unlink()
     vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     cls, extra = FAMILY_CONFIGS[family]
-    config = getattr(transformers, cls)(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                                        num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-6,
-                                        bos_token_id=1, eos_token_id=2, **extra)
+    dims = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+    config = getattr(transformers, cls)(vocab_size=vocab, **{**dims, **extra, **overrides})
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     g = torch.Generator().manual_seed(seed)

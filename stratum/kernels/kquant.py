@@ -15,6 +15,7 @@ already have — so a kernel can take K-quant weights as blocks of 32 (or 16) wi
 
 from __future__ import annotations
 
+import warnings
 from typing import NamedTuple
 
 import numpy as np
@@ -31,6 +32,13 @@ class Unpacked(NamedTuple):
     scale: torch.Tensor  # [N, K / group] fp32
     offset: torch.Tensor | None  # [N, K / group] fp32, or None (Q6_K)
     group: int  # weights per sub-block: 32, or 16 for Q6_K
+
+
+def mapped_tensor(array: np.ndarray) -> torch.Tensor:
+    """A tensor over a (read-only, memory-mapped) array, without a copy; only ever read."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+        return torch.from_numpy(np.asarray(array))
 
 
 def _fp16(blocks: torch.Tensor, at: int) -> torch.Tensor:
@@ -56,7 +64,7 @@ def unpack(qtype: str, raw: np.ndarray | torch.Tensor, shape: tuple[int, int]) -
     if qtype not in BLOCK_BYTES:
         raise ValueError(f"{qtype}: not a K-quant format ({', '.join(BLOCK_BYTES)})")
     n, k = shape
-    data = torch.as_tensor(np.asarray(raw, dtype=np.uint8)) if not isinstance(raw, torch.Tensor) else raw
+    data = raw if isinstance(raw, torch.Tensor) else mapped_tensor(raw)
     if k % QK_K or data.numel() != n * k // QK_K * BLOCK_BYTES[qtype]:
         raise ValueError(f"{qtype}: {data.numel()} bytes do not hold a [{n}, {k}] tensor")
     b = data.reshape(n, k // QK_K, BLOCK_BYTES[qtype])

@@ -113,6 +113,7 @@ class LlamaForCausalLM(nn.Module):
         self.q8_max_rows = 0
         self.packed = None  # every layer on the checkpoint's packed blocks, one native call per step (kernels.packed)
         self.packed_head = None  # the output projection as stored, on the same kernel: every row alike
+        self.packed_refusal = None  # why the native step cannot run this model (kernels.packed), or None
         positions = max_positions or cfg.max_position_embeddings
         self.rotary = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta, cfg.rope_scaling)
         # Gemma 3's sliding layers rotate with a base of their own, unscaled

@@ -11,7 +11,6 @@ import json
 import logging
 import os
 import shutil
-import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -243,10 +242,8 @@ def _dense(data: np.ndarray, qtype: str, shape: tuple[int, ...]) -> torch.Tensor
 
     from stratum.kernels import kquant
 
-    if qtype == "F32":  # a view of the mapped file, read-only: the model copies what it keeps
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            return torch.from_numpy(np.asarray(data, dtype=np.float32).reshape(shape))
+    if qtype == "F32":  # a view of the mapped file: the model copies what it keeps
+        return kquant.mapped_tensor(data).view(torch.float32).reshape(shape)
     if qtype in kquant.BLOCK_BYTES:
         return kquant.dequantize(qtype, data, (int(np.prod(shape[:-1])), shape[-1])).reshape(shape)
     array = data if qtype == "F16" else dequantize(data, GGMLQuantizationType[qtype])
