@@ -183,3 +183,32 @@ def test_native_step_runs_only_the_families_it_computes(family, tmp_path):
     assert a.output_token_ids == b.output_token_ids
     for p in a.logits:  # the int16 activations of the native step, as tests/test_packed_step.py bounds them
         torch.testing.assert_close(b.logits[p], a.logits[p], rtol=1e-3, atol=1e-3 * float(a.logits[p].abs().max()))
+
+
+# ---- stratum info FILE ---------------------------------------------------------------------------------
+
+def test_info_tells_architecture_tensor_types_and_what_runs_packed(qwen_dir, tmp_path, capsys):
+    from stratum.cli import main
+
+    gemma = make_family_dir(tmp_path / "gemma2", "gemma2", hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                            num_key_value_heads=4, head_dim=32)
+    path = write_family_gguf(gemma, tmp_path / "gemma2-q4km.gguf", qtype="Q4_K", head_qtype="Q6_K")
+    assert main(["info", str(path), "--threads", "1"]) == 0
+    ck = json.loads(capsys.readouterr().out)["checkpoint"]
+    assert ck["architecture"] == "gemma2"
+    assert ck["features"]["attn_logit_softcap"] == 5.0 and ck["features"]["sliding_layers"] == [0]
+    assert ck["tensor_types"] == {"F32": 1 + 2 * 4, "Q4_K": 2 * 7, "Q6_K": 1}  # norms; projections; tied embedding
+    assert ck["step"] == "pytorch" and "not Llama-shaped" in ck["native_step_refused"]
+    assert ck["projections"] == {"dense float32 (dequantized from Q4_K)": 2 * 4, "output projection: dense float32": 1} \
+        or ck["projections"] == {"dense bfloat16 (dequantized from Q4_K)": 2 * 4, "output projection: dense bfloat16": 1}
+    assert "masked" in ck["attention"]
+
+    q4 = write_family_gguf(qwen_dir, tmp_path / "qwen-q4.gguf", qtype="Q4_0", head_qtype="Q8_0")
+    assert main(["info", str(q4), "--threads", "1"]) == 0
+    ck = json.loads(capsys.readouterr().out)["checkpoint"]
+    assert ck["tensor_types"]["Q4_0"] == 2 * 7 + 1 and ck["native_step_refused"] is None  # and the untied embedding
+
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 60)
+    assert main(["info", str(bad)]) == 1
+    assert "not a readable GGUF file" in capsys.readouterr().err

@@ -191,6 +191,23 @@ def _load_cached(cache_dir: Path, path: Path) -> Checkpoint:
     return Checkpoint(ModelConfig(**cfg), weights, tokenizer, meta["chat_template"], path, quantized, cache_dir)
 
 
+def tensor_types(path: Path) -> dict[str, int]:
+    """How many tensors of each type (GGUF types, or safetensors dtypes) the checkpoint at `path` stores."""
+    from collections import Counter
+
+    if path.is_dir():
+        from safetensors import safe_open
+
+        counts: Counter = Counter()
+        for f in sorted(path.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as st:
+                counts.update(st.get_slice(k).get_dtype() for k in st.keys())
+        return dict(counts)
+    from gguf import GGUFReader
+
+    return dict(Counter(t.tensor_type.name for t in GGUFReader(str(path)).tensors))
+
+
 def _read_gguf(path: Path) -> Checkpoint:
     from gguf import GGUFReader
 
