@@ -194,7 +194,9 @@ class LlamaForCausalLM(nn.Module):
             param = params[name]
             if tuple(param.shape) != tuple(tensor.shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
-            param.data.copy_(tensor)
+            # the loader's tensor itself, not a copy: the untouched empty parameter costs no memory, and
+            # a float32 tensor mapped from the file stays mapped (weights are only ever read)
+            param.data = tensor.to(param.dtype).contiguous()
 
         put("embed_tokens.weight", take("model.embed_tokens.weight"))
         put("norm.weight", take("model.norm.weight"))

@@ -116,7 +116,7 @@ def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 # Parsing a GGUF's metadata in Python (49k vocabulary strings) and dequantizing it take seconds; the
 # first load converts the file into this cache, later loads map safetensors instead.
-# the output projection (or the tied embedding that serves as one), kept raw when it is Q8_0
+# the output projection (or the tied embedding that serves as one), kept raw for the kernels that read it as stored
 _HEAD_NAMES = ("lm_head.weight", "model.embed_tokens.weight")
 CACHE_VERSION = 3  # 2: Q8_0 output projections are kept raw too; 3: more families, K-quants kept raw
 
@@ -187,7 +187,9 @@ def _load_cached(cache_dir: Path, path: Path) -> Checkpoint:
                               t["eos_token"], t["bos_token_id"], tuple(t["eos_token_ids"]))
     raw = load_file(str(cache_dir / "quantized.safetensors"))
     quantized = {k: QuantizedTensor(q["qtype"], raw[k].numpy(), tuple(q["shape"])) for k, q in meta["quantized"].items()}
-    weights = load_file(str(cache_dir / "weights.safetensors"))
+    # read, not mapped: each tensor its own buffer, so what the model drops (projections that run
+    # packed) is freed rather than holding the whole mapping resident
+    weights = load_file(str(cache_dir / "weights.safetensors"), backend="pread")
     return Checkpoint(ModelConfig(**cfg), weights, tokenizer, meta["chat_template"], path, quantized, cache_dir)
 
 
@@ -259,7 +261,7 @@ def _dense(data: np.ndarray, qtype: str, shape: tuple[int, ...]) -> torch.Tensor
 
     from stratum.kernels import kquant
 
-    if qtype == "F32":  # a view of the mapped file: the model copies what it keeps
+    if qtype == "F32":  # a view of the mapped file: a float32 model takes it as its parameter, uncopied
         return kquant.mapped_tensor(data).view(torch.float32).reshape(shape)
     if qtype in kquant.BLOCK_BYTES:
         return kquant.dequantize(qtype, data, (int(np.prod(shape[:-1])), shape[-1])).reshape(shape)
