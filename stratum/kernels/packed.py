@@ -127,8 +127,8 @@ FUSED = {
 
 # What packed_step.cpp computes: Llama-shaped decoders (RMSNorm before attention and MLP, SwiGLU,
 # unscaled embeddings, causal attention at 1/sqrt(head_dim)) with Qwen2's q/k/v bias and Qwen3's q/k
-# norms; Phi-3 once the loader has split its fused projections. Each is checked against the PyTorch
-# model in tests/test_packed_step.py.
+# norms; Phi-3 once the loader has split its fused projections. Each family is checked against the
+# PyTorch model in tests/test_gguf_formats.py.
 NATIVE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 
 
