@@ -196,7 +196,8 @@ def httpx_model(url: str, api_key: str | None) -> str | None:
 
 
 def cmd_info(args) -> int:
-    """The hardware, and the kernel plan `stratum serve` would run this model with."""
+    """The hardware, and the kernel plan `stratum serve` would run this model with; for the model, its
+    architecture, tensor types and what runs packed (and why not, where not)."""
     import platform
 
     import torch
@@ -216,19 +217,85 @@ def cmd_info(args) -> int:
     }
     if torch.cuda.is_available():
         info["cuda_device"] = torch.cuda.get_device_name(0)
-    config = EngineConfig(model=args.model, num_threads=args.threads, serving=True, remeasure_plan=args.remeasure)
+    model = args.file or args.model
+    config = EngineConfig(model=model, num_threads=args.threads, serving=True, remeasure_plan=args.remeasure)
     try:
-        resolved = builder.resolve(config, builder.load(config))
-    except (PullError, ValueError) as e:
+        checkpoint = builder.load(config)
+        resolved = builder.resolve(config, checkpoint)
+    except (PullError, ValueError) as e:  # ModelLoadError names the unsupported architecture or tensor type
         info["plan_error"] = str(e)
-    else:
-        info["model"] = args.model
-        info["engine"] = {"device": resolved.device, "dtype": resolved.dtype, "threads": resolved.num_threads,
-                          "prefill_threads": resolved.prefill_threads, "max_model_len": resolved.max_model_len,
-                          "kv_blocks": resolved.num_kv_blocks}
-        info["kernel_plan"] = resolved.kernel_plan.describe()
+        print(json.dumps(info, indent=2))
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    info["model"] = model
+    info["checkpoint"] = _checkpoint_info(checkpoint, resolved)
+    info["engine"] = {"device": resolved.device, "dtype": resolved.dtype, "threads": resolved.num_threads,
+                      "prefill_threads": resolved.prefill_threads, "max_model_len": resolved.max_model_len,
+                      "kv_blocks": resolved.num_kv_blocks}
+    info["kernel_plan"] = resolved.kernel_plan.describe()
     print(json.dumps(info, indent=2))
     return 0
+
+
+def _checkpoint_info(checkpoint, resolved) -> dict:
+    """The model's architecture, its file's tensor types, and how each projection runs once built:
+    read off the model `build_model` makes, so it says what serving would run."""
+    from collections import Counter
+    from dataclasses import fields
+
+    from stratum.engine import builder
+    from stratum.layers.linear import Linear
+    from stratum.models.config import rope_type
+    from stratum.models.loader import tensor_types
+
+    cfg = checkpoint.config
+    stored = {name: q.qtype for name, q in checkpoint.quantized.items()}
+    options = ("tie_word_embeddings", "attention_bias", "qk_norm", "hidden_act", "embedding_scale", "sandwich_norms",
+               "query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "sliding_window", "rope_local_theta")
+    features = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name in options and getattr(cfg, f.name) != f.default}
+    if cfg.rope_scaling:
+        features["rope_scaling"] = rope_type(cfg.rope_scaling)
+    if any(cfg.sliding_layers):
+        features["sliding_layers"] = [i for i, s in enumerate(cfg.sliding_layers) if s]
+    model, _ = builder.build_model(resolved, checkpoint)
+    runs: Counter = Counter()
+    for i, layer in enumerate(model.layers):
+        for name, module in layer.named_modules():
+            if not isinstance(module, Linear):
+                continue
+            kinds = sorted({stored.get(f"model.layers.{i}.{p}", "dense") for p in _parts(name)})
+            source = "+".join(kinds)
+            if model.packed is not None:
+                runs[f"native step, {source} as stored"] += 1
+            elif module.int4 is not None:
+                runs[f"int4 packed up to {module.int4_max_tokens} rows, else dense {resolved.dtype} ({source})"] += 1
+            else:
+                runs[f"dense {resolved.dtype} ({'dequantized from ' + source if source != 'dense' else 'as stored'})"] += 1
+    head = "output projection"
+    if model.packed_head is not None:
+        runs[f"{head}: native step, as stored"] += 1
+    elif model.lm_head_q8 is not None:
+        runs[f"{head}: Q8_0 as stored up to {model.q8_max_rows} rows, else dense {resolved.dtype}"] += 1
+    else:
+        runs[f"{head}: dense {resolved.dtype}"] += 1
+    masked = cfg.has_masked_attention
+    return {
+        "architecture": cfg.architecture, "name": cfg.name, "layers": cfg.num_layers, "hidden": cfg.hidden_size,
+        "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "vocab": cfg.vocab_size,
+        "features": features,
+        "tensor_types": tensor_types(checkpoint.path),
+        "step": "native (packed blocks)" if model.packed is not None else "pytorch",
+        "native_step_refused": model.packed_refusal,
+        "projections": dict(runs),
+        "attention": ("pytorch, masked (sliding window / soft-capped scores): the native attention kernel does not "
+                      "mask them" if masked else "native paged" if model.packed is not None else "paged (native decode kernel where built)"),
+    }
+
+
+def _parts(fused: str) -> list[str]:
+    from stratum.kernels.packed import FUSED
+
+    return [f"{p}.weight" for p in FUSED.get(fused, (fused,))]
 
 
 def cmd_trace(args) -> int:
@@ -337,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--raw", action="store_true", help="no chat template")
     p.set_defaults(func=cmd_generate)
 
-    p = sub.add_parser("info", help="hardware, and the kernel plan with its measured times")
+    p = sub.add_parser("info", help="hardware, the model's architecture and tensor types, what runs packed, and the kernel plan")
+    p.add_argument("file", nargs="?", default=None, help="a .gguf file or Hugging Face folder (default: --model)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--threads", type=int, default=None, help="engine threads (serve default: cores - 1)")
     p.add_argument("--remeasure", action="store_true", help="measure the kernel plan again and cache the new one")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from stratum.engine.block_manager import BlockManager
@@ -173,3 +174,180 @@ def make_tiny_gguf(path: Path, qtype: str = "Q4_1", head_qtype: str = "Q8_0", nu
     writer.close()
     del np
     return path
+
+
+# ---- tiny random models of every supported family, as HF folders and as GGUF files ------------------
+
+# transformers config class and the family's own options, at tiny dims. Each exercises what its family
+# adds: Llama 3 RoPE scaling and tied embeddings; Qwen2 q/k/v bias; Qwen3 q/k norms and a head_dim
+# that is not hidden / heads; Mistral an explicit head_dim; Gemma 2 soft-capped scores and logits and
+# alternating sliding-window layers; Gemma 3 q/k norms, 5 local layers to 1 global, each with its own
+# RoPE base, the global one linearly scaled; Phi-3 fused projections and a sliding window. Windows and
+# caps are small so a prompt of a few dozen tokens crosses them.
+FAMILY_CONFIGS = {
+    "llama": ("LlamaConfig", dict(num_hidden_layers=2, tie_word_embeddings=True, rope_theta=500000.0,
+                                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
+    "qwen2": ("Qwen2Config", dict(num_hidden_layers=2, tie_word_embeddings=False, rope_theta=1000000.0)),
+    "qwen3": ("Qwen3Config", dict(num_hidden_layers=2, head_dim=32, tie_word_embeddings=True, rope_theta=1000000.0)),
+    "mistral": ("MistralConfig", dict(num_hidden_layers=2, head_dim=24, sliding_window=None, tie_word_embeddings=False)),
+    "gemma2": ("Gemma2Config", dict(num_hidden_layers=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                                    attn_logit_softcapping=5.0, final_logit_softcapping=10.0,
+                                    hidden_activation="gelu_pytorch_tanh")),
+    "gemma3": ("Gemma3TextConfig", dict(num_hidden_layers=6, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
+                                        rope_theta=1000000.0, rope_local_base_freq=10000.0,
+                                        rope_scaling={"rope_type": "linear", "factor": 2.0},
+                                        final_logit_softcapping=None, attn_logit_softcapping=None)),
+    "phi3": ("Phi3Config", dict(num_hidden_layers=2, sliding_window=8, tie_word_embeddings=False, pad_token_id=0)),
+}
+GGUF_ARCH = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+             "gemma3": "gemma3", "phi3": "phi3"}
+
+
+def make_family_dir(path: Path, family: str, seed: int = 0, **overrides) -> Path:
+    """A tiny random-weight model of `family` written by transformers (config -> seeded random init ->
+    save_pretrained safetensors), with the tiny BPE tokenizer of `make_tiny_model_dir`; `overrides` replace
+    FAMILY_CONFIGS options. Returns the folder.
+
+    Weights are drawn here rather than left at transformers' init (std 0.02, norms at their neutral
+    value), so every norm, bias and cap changes the logits."""
+    import transformers
+
+    path = Path(path)
+    make_tiny_model_dir(path, num_layers=1, seed=seed)  # the tokenizer files; config and weights replaced below
+    (path / "model.safetensors").unlink()
+    vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    cls, extra = FAMILY_CONFIGS[family]
+    dims = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=256, rms_norm_eps=1e-6, bos_token_id=1, eos_token_id=2)
+    config = getattr(transformers, cls)(vocab_size=vocab, **{**dims, **extra, **overrides})
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    gemma = family.startswith("gemma")
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            if "norm" in name:  # Gemma stores w of (1 + w); the others the multiplier itself
+                p.copy_(noise * 0.1 + (0.0 if gemma else 1.0))
+            elif name.endswith("bias"):
+                p.copy_(noise * 0.5)
+            elif "embed_tokens" in name:
+                p.copy_(noise)
+            else:
+                p.copy_(noise * p.shape[-1] ** -0.5 * 1.5)
+    model.save_pretrained(str(path), safe_serialization=True)
+    return path
+
+
+def write_family_gguf(folder: Path, out: Path, qtype: str | None = None, head_qtype: str | None = None,
+                      qtypes: dict[str, str] | None = None) -> Path:
+    """Convert a `make_family_dir` folder to GGUF the way llama.cpp's convert_hf_to_gguf.py writes it:
+    tensor names from gguf-py's TensorNameMap, Llama/Mistral Q and K rows permuted for interleaved RoPE,
+    Gemma norms stored as (1 + w), Llama 3 RoPE scaling as a rope_freqs tensor, and each family's keys.
+
+    Matrices are F32 unless qtype names a gguf type (Q8_0, Q4_0, Q4_1 by gguf-py; Q4_K, Q5_K, Q6_K by
+    tests/kquants.py); head_qtype is the output projection's (or the tied embedding's); qtypes maps a
+    GGUF tensor-name fragment ("ffn_down") to a type of its own, as llama.cpp's Q4_K_M mixes do.
+    """
+    import math
+
+    import gguf
+    from safetensors.torch import load_file
+
+    from tests.kquants import quantize as quantize_tensor
+
+    cfg = json.loads((folder / "config.json").read_text())
+    tok = json.loads((folder / "tokenizer.json").read_text())
+    family = {"gemma3_text": "gemma3"}.get(cfg["model_type"], cfg["model_type"])
+    arch = GGUF_ARCH[family]
+    num_layers, heads, kv_heads = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_name(f"tiny-{family}")
+    w.add_block_count(num_layers)
+    w.add_context_length(cfg["max_position_embeddings"])
+    w.add_embedding_length(cfg["hidden_size"])
+    w.add_feed_forward_length(cfg["intermediate_size"])
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    rope = cfg.get("rope_parameters") or {}
+    rope = rope.get("full_attention", rope)
+    w.add_rope_freq_base(float(cfg.get("rope_theta") or rope.get("rope_theta", 10000.0)))
+    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    if scaling and scaling["rope_type"] == "linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(scaling["factor"])
+    if family == "gemma2":
+        w.add_attn_logit_softcapping(cfg["attn_logit_softcapping"])
+    if family.startswith("gemma") and cfg.get("final_logit_softcapping"):
+        w.add_final_logit_softcapping(cfg["final_logit_softcapping"])
+    if family in ("gemma2", "gemma3") or (family == "phi3" and cfg.get("sliding_window")):
+        w.add_sliding_window(cfg["sliding_window"])
+    if family == "phi3":
+        w.add_rope_dimension_count(head_dim)
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    tokens = [t for t, _ in vocab]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("gpt-2")
+    w.add_token_list(tokens)
+    w.add_token_types([gguf.TokenType.CONTROL if t in SPECIAL else gguf.TokenType.NORMAL for t in tokens])
+    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_chat_template(CHATML)
+
+    if scaling and scaling["rope_type"] == "llama3":  # convert_hf_to_gguf LlamaModel.generate_extra_tensors
+        base = float(cfg.get("rope_theta") or rope["rope_theta"])
+        freqs = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old = scaling["original_max_position_embeddings"]
+        factors = []
+        for freq in freqs.tolist():
+            wavelen = 2 * math.pi / freq
+            if wavelen < old / high:
+                factors.append(1.0)
+            elif wavelen > old / low:
+                factors.append(factor)
+            else:
+                smooth = (old / wavelen - low) / (high - low)
+                factors.append(1 / ((1 - smooth) / factor + smooth))
+        w.add_tensor("rope_freqs.weight", np.array(factors, dtype=np.float32))
+
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], num_layers)
+    tied = "lm_head.weight" not in load_file(str(folder / "model.safetensors"))
+    for name, tensor in load_file(str(folder / "model.safetensors")).items():
+        gname = names.get_name(name, try_suffixes=(".weight", ".bias"))
+        assert gname is not None, name
+        if family.startswith("gemma") and name.endswith("norm.weight"):
+            tensor = tensor + 1
+        if arch == "llama" and ".attn_q." in gname:
+            tensor = _llamacpp_permute(tensor, heads)
+        elif arch == "llama" and ".attn_k." in gname:
+            tensor = _llamacpp_permute(tensor, kv_heads)
+        array = tensor.float().numpy()
+        kind = None
+        if array.ndim == 2:
+            is_head = gname == "output.weight" or (gname == "token_embd.weight" and tied)
+            kind = head_qtype if is_head else qtype
+            for fragment, special in (qtypes or {}).items():
+                if fragment in gname:
+                    kind = special
+        if kind is None:
+            w.add_tensor(gname, array)
+        else:
+            t = gguf.GGMLQuantizationType[kind]
+            w.add_tensor(gname, quantize_tensor(array, kind), raw_dtype=t)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def _llamacpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """convert_hf_to_gguf's LlamaModel.permute: rotate-half rows -> interleaved pairs."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)

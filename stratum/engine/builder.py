@@ -7,6 +7,7 @@ attaches the packed kernels the plan chose.
 
 from __future__ import annotations
 
+import logging
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -19,13 +20,15 @@ from stratum.kernels import native
 from stratum.kernels import KernelPlan
 from stratum.kernels.plan import Shapes, select_plan
 from stratum.kernels.packed import LAYOUT_VERSION as PACKED_LAYOUT
-from stratum.kernels.packed import FUSED, PACKED_QTYPES, PackedStack, PackedWeight
+from stratum.kernels.packed import FUSED, PACKED_QTYPES, PackedStack, PackedWeight, native_step_refusal
 from stratum.kernels.packed import pack as packed_weight
 from stratum.kernels.quant import Int4Weight, Int8Weight, Q8Weight, is_packable, unpack_q4, unpack_q8_0
 from stratum.layers.linear import Linear
 from stratum.models.llama import LlamaForCausalLM
 from stratum.models.loader import Checkpoint, load_checkpoint
 from stratum.models.registry import resolve_model_path, sampling_defaults
+
+log = logging.getLogger("stratum.engine")
 
 
 def load(config: EngineConfig) -> Checkpoint:
@@ -105,7 +108,10 @@ def build_model(config: ResolvedConfig, checkpoint: Checkpoint) -> tuple[LlamaFo
     model.cast_weights(config.torch_dtype)
     model = model.to(device=torch.device(config.device)).eval()
     checkpoint.weights.clear()  # the model holds them now
-    if plan.packed_step and attach_packed(model, checkpoint.quantized, checkpoint.cache_dir):
+    model.packed_refusal = native_step_refusal(checkpoint.config, checkpoint.quantized)
+    if model.packed_refusal is not None and checkpoint.quantized:
+        log.warning("%s: the native step does not run this model: %s", checkpoint.config.name, model.packed_refusal)
+    if plan.packed_step and model.packed_refusal is None and attach_packed(model, checkpoint.quantized, checkpoint.cache_dir):
         checkpoint.quantized.clear()
         return model, model.packed.nbytes
     int4_bytes = attach_int4(model, checkpoint.quantized, plan.int4_max_tokens, checkpoint.cache_dir)

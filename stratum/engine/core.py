@@ -104,15 +104,21 @@ class LLMEngine:
     @property
     def kernel_choices(self) -> dict:
         plan = self.kernel_plan
-        native_attention = self.runner.native
         return {"dtype": plan.dtype, "int4_max_tokens": plan.int4_max_tokens, "int4_mb": round(self.int4_bytes / 2**20, 1),
                 "q8_output_max_rows": self.model.q8_max_rows if self.model.lm_head_q8 is not None else 0,
                 "low_latency_lm_head": "int8" if self.model.lm_head_int8 is not None else None,
                 "threads": plan.threads, "native_kernels": native.status() if self.device.type == "cpu" else "cpu only",
                 "step": "native, packed blocks" if self.model.packed is not None else "pytorch",
-                "attention": ("native paged, every row" if self.model.packed is not None else
-                              ("native paged decode" if native_attention else "paged gather") + " + cascade, torch sdpa prefill"),
+                "native_step_refused": self.model.packed_refusal,
+                "attention": self._attention_path(),
                 "source": plan.source}
+
+    def _attention_path(self) -> str:
+        if self.model.packed is not None:
+            return "native paged, every row"
+        if self.runner.masked_attention:  # layers.attention: sliding windows and soft-caps on PyTorch
+            return "pytorch paged gather, masked (sliding window / soft-cap), no cascade"
+        return ("native paged decode" if self.runner.native else "paged gather") + " + cascade, torch sdpa prefill"
 
     # ---- requests ------------------------------------------------------------------------------
     def check_request(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:

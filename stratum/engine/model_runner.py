@@ -49,6 +49,9 @@ class ModelRunner:
         self.coverage_layers = frozenset({0, n // 2, n - 1})
         # decode attention reads the pool in place through the native kernel where it is built (CPU)
         self.native = device.type == "cpu" and native.available()
+        # sliding windows and soft-capped scores are computed on PyTorch (layers.attention): every decode's
+        # context gathered, no native decode kernel and no shared-prefix cascade
+        self.masked_attention = cfg.has_masked_attention
         self.grammars: grammar.GrammarCompiler | None = None  # the engine's, for constrained requests
 
     @property
@@ -205,7 +208,7 @@ class ModelRunner:
         bs = self.block_size
         ctx_lens = [s.num_computed_tokens + 1 for s in seqs]
         shared = 0
-        if len(seqs) > 1:
+        if len(seqs) > 1 and not self.masked_attention:
             first = seqs[0].block_table
             limit = min((c - 1) // bs for c in ctx_lens)  # the block being written is never shared
             while shared < limit and all(s.block_table[shared] == first[shared] for s in seqs):
@@ -220,8 +223,9 @@ class ModelRunner:
         table = table.to(self.device)
         lens = torch.tensor(ctx_lens, dtype=torch.long, device=self.device) - shared * bs
         meta.num_decode_tokens = len(seqs)
-        if self.native:
-            meta.decode_table, meta.decode_lens, meta.block_size = table, lens, bs
+        meta.decode_lens = lens
+        if self.native and not self.masked_attention:
+            meta.decode_table, meta.block_size = table, bs
         else:
             meta.decode_slots = (table[:, :, None] * bs + self._offsets).flatten(1)  # [B, L]
             span = torch.arange(meta.decode_slots.shape[1], device=self.device)

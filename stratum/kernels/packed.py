@@ -125,6 +125,29 @@ FUSED = {
 }
 
 
+# What packed_step.cpp computes: Llama-shaped decoders (RMSNorm before attention and MLP, SwiGLU,
+# unscaled embeddings, causal attention at 1/sqrt(head_dim)) with Qwen2's q/k/v bias and Qwen3's q/k
+# norms; Phi-3 once the loader has split its fused projections. Each family is checked against the
+# PyTorch model in tests/test_gguf_formats.py.
+NATIVE_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+
+
+def native_step_refusal(config, quantized: dict) -> str | None:
+    """Why the native step cannot run this checkpoint (config: a ModelConfig), or None where it can."""
+    if config.architecture not in NATIVE_ARCHITECTURES:
+        return (f"architecture {config.architecture} is not Llama-shaped "
+                f"(the native step computes {', '.join(NATIVE_ARCHITECTURES)})")
+    if config.has_masked_attention:
+        return "sliding-window attention, which the native attention kernel does not mask"
+    for parts in FUSED.values():
+        kinds = {getattr(quantized.get(f"model.layers.{i}.{p}.weight"), "qtype", "dense")
+                 for i in range(config.num_layers) for p in parts}
+        if len(kinds) != 1 or not kinds <= set(PACKED_QTYPES):
+            return (f"projections stored as {', '.join(sorted(kinds))} (the native step runs "
+                    f"{', '.join(PACKED_QTYPES)}, one format per projection kind)")
+    return None
+
+
 def pack_fused(quantized: dict, prefix: str, parts: tuple[str, ...]) -> PackedWeight | None:
     """The parts of one fused projection (their rows concatenated), or None when a part is missing
     or not in a packed format, or the parts differ in format."""

@@ -11,6 +11,10 @@ Decodes whose block tables start with the same blocks (a shared system prompt) a
 common prefix once, as one matrix product for the whole batch, and merge it with the per-sequence
 remainder by log-sum-exp (the cascade idea of FlashInfer, Ye et al. 2024), so the shared prefix is
 not gathered once per sequence.
+
+A layer with a sliding window (attend to the last `window` positions, itself included) or soft-capped
+scores (cap * tanh(s / cap), Gemma 2) runs on PyTorch here: the runner then gathers every decode's
+whole context (no native decode kernel, no cascade), and prefill is masked explicitly.
 """
 
 from __future__ import annotations
@@ -78,7 +82,7 @@ class AttentionMetadata:
     decode_mask: torch.Tensor | None = None  # [B, 1, 1, L] bool, True = attend
     # the native kernel's form of the same: block tables [B, N] and context lengths [B], after the shared prefix
     decode_table: torch.Tensor | None = None
-    decode_lens: torch.Tensor | None = None
+    decode_lens: torch.Tensor | None = None  # also set with decode_slots: each decode's context length
     block_size: int = 16
     native: bool = False  # the native CPU kernels are loaded: decode_table/decode_lens, fused rotary + pool write
     shared_slots: torch.Tensor | None = None  # [P]: the slots all decodes share, or None
@@ -98,11 +102,15 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     written: bool = False,
+    window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """Write this step's K/V into the pool (unless already `written`), then attend.
 
     Args:
         q: [T, H, D]; k, v: [T, KVH, D]; k_cache, v_cache: [num_slots, KVH, D].
+        window: attend only to the last `window` positions; softcap: cap the scores (None: neither).
+            Either needs decodes prepared as gathered slots without a shared prefix.
     Returns:
         [T, H, D] attention output.
     """
@@ -113,15 +121,23 @@ def paged_attention(
         v_cache[meta.slot_mapping] = v
     out = torch.empty_like(q)
     num_decode = meta.num_decode_tokens
-    if num_decode:
+    masked = window is not None or softcap is not None
+    if num_decode and masked:
+        assert meta.decode_slots is not None and meta.shared_slots is None, "masked attention needs gathered decodes"
+        out[:num_decode] = _decode(q[:num_decode], k_cache, v_cache, meta, scale, window, softcap)
+    elif num_decode:
         if meta.shared_slots is None:
             out[:num_decode] = _decode(q[:num_decode], k_cache, v_cache, meta, scale)
         else:
             out[:num_decode] = _decode_cascade(q[:num_decode], k_cache, v_cache, meta, scale)
     for span in meta.prefills:
-        qp = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, S, D]
+        rows = slice(span.start, span.end)
+        if masked:
+            out[rows] = _prefill_masked(q[rows], k[rows], v[rows], k_cache, v_cache, span, scale, window, softcap)
+            continue
+        qp = q[rows].transpose(0, 1).unsqueeze(0)  # [1, H, S, D]
         if span.ctx_slots is None:
-            kp, vp = k[span.start : span.end], v[span.start : span.end]
+            kp, vp = k[rows], v[rows]
             o = F.scaled_dot_product_attention(
                 qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
                 is_causal=True, scale=scale, enable_gqa=True,
@@ -132,7 +148,7 @@ def paged_attention(
                 qp, kp.transpose(0, 1).unsqueeze(0), vp.transpose(0, 1).unsqueeze(0),
                 attn_mask=span.mask, scale=scale, enable_gqa=True,
             )
-        out[span.start : span.end] = o[0].transpose(0, 1)
+        out[rows] = o[0].transpose(0, 1)
     return out.to(dtype)
 
 
@@ -157,22 +173,59 @@ def _native_suffix(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
                                               meta.block_size, scale)
 
 
-def _suffix_scores(q, k_cache, meta: AttentionMetadata, scale: float):
-    """Masked scores of each decode query against its own gathered slots: [B, KVH, G, L] fp32."""
+def _suffix_scores(q, k_cache, meta: AttentionMetadata, scale: float, window: int | None = None,
+                   softcap: float | None = None):
+    """Masked scores of each decode query against its own gathered slots: [B, KVH, G, L] fp32.
+    With a window, slot column j is position j (no shared prefix), and the query is at decode_lens - 1."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
     kd = _gather(k_cache, meta.decode_slots)  # [B, KVH, L, D]
     qg = q.view(num_seqs, num_kv_heads, num_heads // num_kv_heads, head_dim)  # [B, KVH, G, D]
-    scores = torch.matmul(qg, kd.transpose(-1, -2)).float() * scale
-    return scores.masked_fill(~meta.decode_mask.view(num_seqs, 1, 1, -1), float("-inf"))
+    scores = _softcap(torch.matmul(qg, kd.transpose(-1, -2)).float() * scale, softcap)
+    mask = meta.decode_mask.view(num_seqs, -1)
+    if window is not None:
+        span = torch.arange(mask.shape[1], device=mask.device)
+        mask = mask & (span[None, :] > meta.decode_lens[:, None] - 1 - window)
+    return scores.masked_fill(~mask.view(num_seqs, 1, 1, -1), float("-inf"))
 
 
-def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+def _softcap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    return scores if cap is None else torch.tanh(scores / cap) * cap
+
+
+def _prefill_masked(q, k, v, k_cache, v_cache, span: PrefillSpan, scale: float, window: int | None,
+                    softcap: float | None) -> torch.Tensor:
+    """One prefill chunk attended with explicit scores: q [S, H, D] -> [S, H, D].
+
+    Query i of the chunk is at position C - S + i of its context of C positions (cached prefix + chunk);
+    it sees positions up to its own, and with a window only those after its position - window.
+    """
+    if span.ctx_slots is None:
+        kp, vp = k, v
+    else:
+        kp, vp = k_cache[span.ctx_slots], v_cache[span.ctx_slots]  # [C, KVH, D]
+    num_q, num_heads, head_dim = q.shape
+    ctx, num_kv_heads = kp.shape[0], kp.shape[1]
+    qpos = torch.arange(ctx - num_q, ctx, device=q.device)[:, None]
+    kpos = torch.arange(ctx, device=q.device)[None, :]
+    mask = kpos <= qpos
+    if window is not None:
+        mask &= kpos > qpos - window
+    qg = q.view(num_q, num_kv_heads, num_heads // num_kv_heads, head_dim).permute(1, 2, 0, 3)  # [KVH, G, S, D]
+    scores = _softcap(torch.matmul(qg, kp.permute(1, 2, 0).unsqueeze(1)).float() * scale, softcap)  # [KVH, G, S, C]
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
+    o = torch.matmul(probs, vp.transpose(0, 1).unsqueeze(1))  # [KVH, G, S, D]
+    return o.permute(2, 0, 1, 3).reshape(num_q, num_heads, head_dim)
+
+
+def _decode(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, window: int | None = None,
+            softcap: float | None = None) -> torch.Tensor:
     # q: [B, H, D]; one query per sequence, so plain batched matmuls beat the flash kernel here
     if meta.decode_table is not None:
         return _native_suffix(q, k_cache, v_cache, meta, scale)[0].to(q.dtype)
     num_seqs, num_heads, head_dim = q.shape
-    probs = torch.softmax(_suffix_scores(q, k_cache, meta, scale), dim=-1).to(q.dtype)  # [B, KVH, G, L]
+    scores = _suffix_scores(q, k_cache, meta, scale, window, softcap)
+    probs = torch.softmax(scores, dim=-1).to(q.dtype)  # [B, KVH, G, L]
     out = torch.matmul(probs, _gather(v_cache, meta.decode_slots))  # [B, KVH, G, D]
     return out.reshape(num_seqs, num_heads, head_dim)
 

@@ -1,7 +1,11 @@
-"""A Llama-family decoder in plain PyTorch: Llama 2/3, Mistral, SmolLM2, Qwen2/2.5 and Qwen3.
+"""The decoder in plain PyTorch: Llama 2/3, Mistral, SmolLM2, Qwen2/2.5, Qwen3, Gemma 2/3 and Phi-3.
 
-RMSNorm, rotate-half RoPE (with Llama 3 scaling), grouped-query attention over the paged KV pool,
-SwiGLU MLP and optionally tied embeddings; Qwen2 adds q/k/v bias and Qwen3 per-head q/k norms.
+Llama is the base: RMSNorm, rotate-half RoPE (with Llama 3 scaling), grouped-query attention over the
+paged KV pool, SwiGLU MLP and optionally tied embeddings. The other families are options of the same
+layers (`ModelConfig`), in the manner of llama.cpp's per-architecture graph builders: Qwen2 adds q/k/v
+bias, Qwen3 per-head q/k norms; Mistral and Phi-3 (whose fused q/k/v and gate/up the loader splits) a
+sliding window; Gemma 2/3 scaled embeddings, gelu-tanh, norms after attention and MLP too, soft-capped
+attention scores and logits, sliding-window layers and (Gemma 3) q/k norms with their own RoPE base.
 The forward takes a flattened varlen batch: token ids [T] and positions [T].
 """
 
@@ -27,7 +31,9 @@ class Attention(nn.Module):
         self.head_dim = cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale
+        self.window = cfg.layer_window(layer_idx)
+        self.softcap = cfg.attn_logit_softcap
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
@@ -46,7 +52,8 @@ class Attention(nn.Module):
                 qk = torch.cat([self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1)
             qk = apply_rotary(qk, *rope)  # q and k rotated together: one pass instead of two
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
-        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, written=written)
+        o = paged_attention(q, k, v, kv_cache[0], kv_cache[1], meta, self.scale, written=written,
+                            window=self.window, softcap=self.softcap)
         probe = meta.probe
         if probe is not None and self.layer_idx in probe.layers:
             for row, slots, out in zip(probe.rows, probe.slots, probe.results):
@@ -58,12 +65,14 @@ class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.intermediate_size = cfg.intermediate_size
+        self.gelu = cfg.hidden_act == "gelu_pytorch_tanh"
         self.gate_up_proj = Linear(cfg.hidden_size, 2 * cfg.intermediate_size)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        act = F.gelu(gate, approximate="tanh") if self.gelu else F.silu(gate)
+        return self.down_proj(act * up)
 
 
 class DecoderLayer(nn.Module):
@@ -73,10 +82,19 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
+        self.is_sliding = cfg.layer_window(layer_idx) is not None
+        # Gemma's sandwich: post_attention_layernorm normalizes the attention output, and the MLP has
+        # its own norms before and after; in Llama post_attention_layernorm is the MLP's input norm
+        sandwich = cfg.sandwich_norms
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if sandwich else None
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if sandwich else None
 
     def forward(self, x, rope, meta, kv_cache) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), rope, meta, kv_cache)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        if self.pre_feedforward_layernorm is None:
+            x = x + self.self_attn(self.input_layernorm(x), rope, meta, kv_cache)
+            return x + self.mlp(self.post_attention_layernorm(x))
+        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), rope, meta, kv_cache))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
 
 
 class LlamaForCausalLM(nn.Module):
@@ -95,23 +113,29 @@ class LlamaForCausalLM(nn.Module):
         self.q8_max_rows = 0
         self.packed = None  # every layer on the checkpoint's packed blocks, one native call per step (kernels.packed)
         self.packed_head = None  # the output projection as stored, on the same kernel: every row alike
-        self.rotary = RotaryEmbedding(
-            cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
-        )
+        self.packed_refusal = None  # why the native step cannot run this model (kernels.packed), or None
+        positions = max_positions or cfg.max_position_embeddings
+        self.rotary = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta, cfg.rope_scaling)
+        # Gemma 3's sliding layers rotate with a base of their own, unscaled
+        self.rotary_local = (RotaryEmbedding(cfg.head_dim, positions, cfg.rope_local_theta, None)
+                             if cfg.rope_local_theta is not None else None)
 
     @torch.inference_mode()
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
         """Args: input_ids, positions [T]. Returns the final hidden states [T, hidden]."""
         # the residual stream stays fp32; matmuls run in the weights' dtype
         x = self.embed_q8.rows(input_ids) if self.embed_q8 is not None else self.embed_tokens(input_ids).float()
+        if self.config.embedding_scale != 1.0:
+            x = x * self.config.embedding_scale
         if self.packed is not None:
             hidden, probed = self.packed.forward(x, positions, self.rotary.cos, self.rotary.sin, meta, kv_caches)
             if meta.probe is not None:
                 self._record_coverage(meta.probe, probed, kv_caches, meta.block_size)
             return hidden
         rope = self.rotary.tables(positions)
+        local = self.rotary_local.tables(positions) if self.rotary_local is not None else rope
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x = layer(x, rope, meta, kv_cache)
+            x = layer(x, local if layer.is_sliding else rope, meta, kv_cache)
         return self.norm(x)
 
     def _record_coverage(self, probe, probed: torch.Tensor, kv_caches, block_size: int) -> None:
@@ -128,8 +152,14 @@ class LlamaForCausalLM(nn.Module):
         """[N, hidden] -> fp32 logits [N, vocab]. fast: the int8 output projection, when one is attached.
 
         With the native step, every row uses the packed output projection; otherwise small batches use
-        the exact Q8_0 projection where one is attached, the rest the dense weight.
+        the exact Q8_0 projection where one is attached, the rest the dense weight. Soft-capped where
+        the model caps its logits (Gemma 2).
         """
+        logits = self._project(hidden, fast)
+        cap = self.config.final_logit_softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def _project(self, hidden: torch.Tensor, fast: bool) -> torch.Tensor:
         if fast and self.lm_head_int8 is not None:
             return self.lm_head_int8.matmul(hidden).float()
         if self.packed_head is not None:
@@ -148,7 +178,8 @@ class LlamaForCausalLM(nn.Module):
                 module.to(dtype)
 
     def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
-        """Load tensors named as in Hugging Face Llama checkpoints, fusing q/k/v and gate/up.
+        """Load tensors named as in Hugging Face Llama checkpoints (the loaders' common form: norm
+        weights as multipliers, q/k/v and gate/up separate), fusing q/k/v and gate/up.
 
         Raises:
             KeyError: a tensor the architecture needs is missing.
@@ -163,7 +194,9 @@ class LlamaForCausalLM(nn.Module):
             param = params[name]
             if tuple(param.shape) != tuple(tensor.shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
-            param.data.copy_(tensor)
+            # the loader's tensor itself, not a copy: the untouched empty parameter costs no memory, and
+            # a float32 tensor mapped from the file stays mapped (weights are only ever read)
+            param.data = tensor.to(param.dtype).contiguous()
 
         put("embed_tokens.weight", take("model.embed_tokens.weight"))
         put("norm.weight", take("model.norm.weight"))
@@ -184,5 +217,8 @@ class LlamaForCausalLM(nn.Module):
             mlp = p + "mlp."
             put(q + "mlp.gate_up_proj.weight", torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]))
             put(q + "mlp.down_proj.weight", take(mlp + "down_proj.weight"))
-            put(q + "input_layernorm.weight", take(p + "input_layernorm.weight"))
-            put(q + "post_attention_layernorm.weight", take(p + "post_attention_layernorm.weight"))
+            norms = ["input_layernorm", "post_attention_layernorm"]
+            if cfg.sandwich_norms:
+                norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+            for norm in norms:
+                put(q + norm + ".weight", take(p + norm + ".weight"))

@@ -11,24 +11,30 @@ import json
 import logging
 import os
 import shutil
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from stratum.models.config import ModelConfig
+from stratum.models.config import GEMMA, HF_FAMILIES, ModelConfig, UnsupportedModelError
 from stratum.models.tokenizer import TextTokenizer, tokenizer_from_file, tokenizer_from_gguf
 
 log = logging.getLogger("stratum.models")
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+# general.architecture values read (Mistral GGUFs are "llama": llama.cpp's converter writes them so)
+GGUF_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
+# Tensor types loaded: the K-quants dequantized by kernels.kquant, the rest by gguf-py; what the native
+# step runs as stored is kernels.packed.PACKED_QTYPES.
+GGUF_TENSOR_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 
-# GGUF tensor name (per block) -> Hugging Face name, from llama.cpp's gguf-py tensor map.
+# GGUF tensor name (per block) -> Hugging Face name, from llama.cpp's gguf-py tensor map. Gemma's
+# norms around attention and MLP have names of their own; elsewhere ffn_norm is Llama's pre-MLP norm.
 _GGUF_BLOCK_NAMES = {
     "attn_q": "self_attn.q_proj",
     "attn_k": "self_attn.k_proj",
     "attn_v": "self_attn.v_proj",
+    "attn_qkv": "self_attn.qkv_proj",
     "attn_output": "self_attn.o_proj",
     "attn_q_norm": "self_attn.q_norm",
     "attn_k_norm": "self_attn.k_norm",
@@ -37,6 +43,11 @@ _GGUF_BLOCK_NAMES = {
     "ffn_down": "mlp.down_proj",
     "attn_norm": "input_layernorm",
     "ffn_norm": "post_attention_layernorm",
+}
+_GGUF_GEMMA_NAMES = {
+    "post_attention_norm": "post_attention_layernorm",
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
 }
 _GGUF_TOP_NAMES = {
     "token_embd.weight": "model.embed_tokens.weight",
@@ -105,9 +116,9 @@ def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 # Parsing a GGUF's metadata in Python (49k vocabulary strings) and dequantizing it take seconds; the
 # first load converts the file into this cache, later loads map safetensors instead.
-# the output projection (or the tied embedding that serves as one), kept raw when it is Q8_0
+# the output projection (or the tied embedding that serves as one), kept raw for the kernels that read it as stored
 _HEAD_NAMES = ("lm_head.weight", "model.embed_tokens.weight")
-CACHE_VERSION = 2  # 2: Q8_0 output projections are kept raw too
+CACHE_VERSION = 3  # 2: Q8_0 output projections are kept raw too; 3: more families, K-quants kept raw
 
 
 def load_gguf(path: Path) -> Checkpoint:
@@ -170,18 +181,37 @@ def _load_cached(cache_dir: Path, path: Path) -> Checkpoint:
     meta = json.loads((cache_dir / "meta.json").read_text())
     cfg = meta["config"]
     cfg["eos_token_ids"] = tuple(cfg["eos_token_ids"])
+    cfg["sliding_layers"] = tuple(cfg["sliding_layers"])
     t = meta["tokenizer"]
     tokenizer = TextTokenizer(Tokenizer.from_str((cache_dir / "tokenizer.json").read_text()), t["bos_token"],
                               t["eos_token"], t["bos_token_id"], tuple(t["eos_token_ids"]))
     raw = load_file(str(cache_dir / "quantized.safetensors"))
     quantized = {k: QuantizedTensor(q["qtype"], raw[k].numpy(), tuple(q["shape"])) for k, q in meta["quantized"].items()}
-    weights = load_file(str(cache_dir / "weights.safetensors"))
+    # read, not mapped: each tensor its own buffer, so what the model drops (projections that run
+    # packed) is freed rather than holding the whole mapping resident
+    weights = load_file(str(cache_dir / "weights.safetensors"), backend="pread")
     return Checkpoint(ModelConfig(**cfg), weights, tokenizer, meta["chat_template"], path, quantized, cache_dir)
 
 
+def tensor_types(path: Path) -> dict[str, int]:
+    """How many tensors of each type (GGUF types, or safetensors dtypes) the checkpoint at `path` stores."""
+    from collections import Counter
+
+    if path.is_dir():
+        from safetensors import safe_open
+
+        counts: Counter = Counter()
+        for f in sorted(path.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as st:
+                counts.update(st.get_slice(k).get_dtype() for k in st.keys())
+        return dict(counts)
+    from gguf import GGUFReader
+
+    return dict(Counter(t.tensor_type.name for t in GGUFReader(str(path)).tensors))
+
+
 def _read_gguf(path: Path) -> Checkpoint:
-    from gguf import GGMLQuantizationType, GGUFReader
-    from gguf.quants import dequantize
+    from gguf import GGUFReader
 
     try:
         reader = GGUFReader(str(path))
@@ -189,30 +219,93 @@ def _read_gguf(path: Path) -> Checkpoint:
         raise ModelLoadError(f"{path.name}: not a readable GGUF file (corrupt or truncated?): {e}") from e
     meta = read_gguf_metadata(reader)
     arch = meta.get("general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(f"{path.name}: architecture {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
-
-    def m(key, default=None):
-        return meta.get(f"{arch}.{key}", default)
-
-    tensor_names = {t.name for t in reader.tensors}
-    num_heads = m("attention.head_count")
-    hidden = m("embedding_length")
-    head_dim = m("attention.key_length") or hidden // num_heads
-    rope_scaling = None
-    if m("rope.scaling.type") == "linear":
-        rope_scaling = {"rope_type": "linear", "factor": m("rope.scaling.factor")}
+    if arch not in GGUF_ARCHITECTURES:
+        raise ModelLoadError(f"{path.name}: architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHITECTURES)})")
     try:
         tokenizer = tokenizer_from_gguf(meta)
     except ValueError as e:
         raise ModelLoadError(f"{path.name}: {e}") from e
-    vocab_size = m("vocab_size") or len(meta["tokenizer.ggml.tokens"])
-    config = ModelConfig(
+    try:
+        config = _gguf_config(meta, arch, {t.name: t for t in reader.tensors}, tokenizer, path.stem)
+    except UnsupportedModelError as e:
+        raise ModelLoadError(f"{path.name}: {e}") from e
+    weights: dict[str, torch.Tensor] = {}
+    quantized: dict[str, QuantizedTensor] = {}
+    for t in reader.tensors:
+        if t.name == "rope_freqs.weight":  # read by _gguf_config
+            continue
+        name = _hf_name(t.name, arch)
+        qtype = t.tensor_type.name
+        if qtype not in GGUF_TENSOR_TYPES:
+            raise ModelLoadError(f"{path.name}: tensor {t.name} is {qtype}, a type this runtime does not load "
+                                 f"(supported: {', '.join(GGUF_TENSOR_TYPES)})")
+        logical = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims innermost first
+        weights[name] = _dense(t.data, qtype, logical)
+        if qtype not in ("F32", "F16", "BF16") and (name.endswith("proj.weight") or name in _HEAD_NAMES):
+            quantized[name] = QuantizedTensor(qtype, t.data, logical)  # a view of the mapped file
+    if arch == "llama":  # llama.cpp stores Q/K rows permuted for its interleaved RoPE
+        for key, heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):
+            for name in [n for n in weights if f".{key}." in n]:
+                weights[name] = _unpermute(weights[name], heads)
+                if name in quantized:
+                    quantized[name] = _unpermute_rows(quantized[name], heads)
+    if arch == "phi3":  # fused q/k/v and gate/up, split into the common names
+        _split_phi3(weights, quantized, config)
+    return Checkpoint(config, weights, tokenizer, meta.get("tokenizer.chat_template"), path, quantized)
+
+
+def _dense(data: np.ndarray, qtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """One GGUF tensor as fp32 [shape]: K-quants by kernels.kquant, the other block formats by gguf-py."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from stratum.kernels import kquant
+
+    if qtype == "F32":  # a view of the mapped file: a float32 model takes it as its parameter, uncopied
+        return kquant.mapped_tensor(data).view(torch.float32).reshape(shape)
+    if qtype in kquant.BLOCK_BYTES:
+        return kquant.dequantize(qtype, data, (int(np.prod(shape[:-1])), shape[-1])).reshape(shape)
+    array = data if qtype == "F16" else dequantize(data, GGMLQuantizationType[qtype])
+    return torch.from_numpy(np.asarray(array, dtype=np.float32).reshape(shape))
+
+
+def _gguf_config(meta: dict, arch: str, tensors: dict, tokenizer, stem: str) -> ModelConfig:
+    """ModelConfig from a GGUF's `{arch}.*` keys and tensor list, with llama.cpp's defaults where
+    the converter writes no key (llama-model.cpp, llm_load_hparams)."""
+
+    def m(key, default=None):
+        return meta.get(f"{arch}.{key}", default)
+
+    num_heads = m("attention.head_count")
+    hidden = m("embedding_length")
+    num_layers = m("block_count")
+    head_dim = m("attention.key_length") or hidden // num_heads
+    rope_scaling = None
+    if m("rope.scaling.type") not in (None, "none"):
+        rope_scaling = {"rope_type": m("rope.scaling.type"), "factor": m("rope.scaling.factor")}
+    if "rope_freqs.weight" in tensors:  # Llama 3.1+: the scaled-frequency divisors, instead of rope_scaling keys
+        rope_scaling = {"rope_type": "freq_factors",
+                        "factors": np.asarray(tensors["rope_freqs.weight"].data, dtype=np.float32).tolist()}
+    if "rope_factors_long.weight" in tensors:
+        raise UnsupportedModelError(f"{arch}: long-context RoPE factors (rope_factors_long, LongRoPE) are not supported")
+    window = m("attention.sliding_window") or None
+    sliding: tuple[bool, ...] = ()
+    if window:  # llama.cpp's swa patterns: every n-th layer (the last of each group) attends globally
+        pattern = m("attention.sliding_window_pattern", {"gemma2": 2, "gemma3": 6}.get(arch, 1))
+        if isinstance(pattern, list):
+            sliding = tuple(bool(x) for x in pattern)
+        else:
+            sliding = tuple(pattern == 1 or i % pattern < pattern - 1 for i in range(num_layers))
+    gemma = arch in GEMMA
+    # Gemma's attention scale is 1/sqrt(query_pre_attn_scalar): head_dim, except the 27B models'
+    # hidden / heads (llama.cpp picks it by model size: 46 layers for Gemma 2, 62 for Gemma 3)
+    scalar = hidden / num_heads if (arch, num_layers) in (("gemma2", 46), ("gemma3", 62)) else head_dim
+    return ModelConfig(
         architecture=arch,
-        vocab_size=vocab_size,
+        vocab_size=m("vocab_size") or len(meta["tokenizer.ggml.tokens"]),
         hidden_size=hidden,
         intermediate_size=m("feed_forward_length"),
-        num_layers=m("block_count"),
+        num_layers=num_layers,
         num_heads=num_heads,
         num_kv_heads=m("attention.head_count_kv", num_heads),
         head_dim=head_dim,
@@ -220,41 +313,42 @@ def _read_gguf(path: Path) -> Checkpoint:
         rope_theta=float(m("rope.freq_base", 10000.0)),
         rope_scaling=rope_scaling,
         max_position_embeddings=m("context_length", 2048),
-        tie_word_embeddings="output.weight" not in tensor_names,
-        attention_bias="blk.0.attn_q.bias" in tensor_names,
-        qk_norm="blk.0.attn_q_norm.weight" in tensor_names,
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_ids=tokenizer.eos_token_ids,
-        name=meta.get("general.name") or path.stem,
-    )
-    weights: dict[str, torch.Tensor] = {}
-    quantized: dict[str, QuantizedTensor] = {}
-    for t in reader.tensors:
-        if t.name == "rope_freqs.weight":
-            # Llama 3.1 files store the scaled-frequency divisors instead of rope_scaling metadata.
-            factors = torch.from_numpy(np.array(t.data, dtype=np.float32))
-            config = _with_rope_factors(config, factors)
-            continue
-        name = _hf_name(t.name)
-        qtype = GGMLQuantizationType(t.tensor_type)
-        logical = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims innermost first
-        if qtype in (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16):
-            array = np.array(dequantize(t.data, qtype) if qtype == GGMLQuantizationType.BF16 else t.data, dtype=np.float32)
-        else:
-            array = dequantize(t.data, qtype)
-            if name.endswith("proj.weight") or (qtype == GGMLQuantizationType.Q8_0 and name in _HEAD_NAMES):
-                quantized[name] = QuantizedTensor(qtype.name, np.array(t.data), logical)
-        tensor = torch.from_numpy(np.ascontiguousarray(array.reshape(logical)))
-        if arch == "llama" and name.endswith(("q_proj.weight", "q_proj.bias")):
-            tensor = _unpermute(tensor, config.num_heads)
-        elif arch == "llama" and name.endswith(("k_proj.weight", "k_proj.bias")):
-            tensor = _unpermute(tensor, config.num_kv_heads)
-        weights[name] = tensor
-    if arch == "llama":  # permuted rows: the packed blocks no longer match the logical weight
-        for key in [k for k in quantized if k.endswith(("q_proj.weight", "k_proj.weight"))]:
-            heads = config.num_heads if "q_proj" in key else config.num_kv_heads
-            quantized[key] = _unpermute_rows(quantized[key], heads)
-    return Checkpoint(config, weights, tokenizer, meta.get("tokenizer.chat_template"), path, quantized)
+        name=meta.get("general.name") or stem,
+        hidden_act="gelu_pytorch_tanh" if gemma else "silu",
+        embedding_scale=hidden**0.5 if gemma else 1.0,
+        sandwich_norms=gemma,
+        query_pre_attn_scalar=scalar if gemma else None,
+        attn_logit_softcap=m("attn_logit_softcapping") if arch == "gemma2" else None,
+        final_logit_softcap=m("final_logit_softcapping") if gemma else None,
+        sliding_window=window,
+        sliding_layers=sliding,
+        rope_local_theta=float(m("rope.freq_base_swa", 10000.0)) if arch == "gemma3" else None,
+    ).check()
+
+
+def _split_phi3(weights: dict, quantized: dict, config: ModelConfig) -> None:
+    """Phi-3's fused qkv_proj and gate_up_proj (rows [q; k; v] and [gate; up]) as separate tensors.
+    Splitting rows is exact for dense and block-quantized tensors alike."""
+    q, kv = config.num_heads * config.head_dim, config.num_kv_heads * config.head_dim
+    inter = config.intermediate_size
+    splits = {"self_attn.qkv_proj": (("self_attn.q_proj", q), ("self_attn.k_proj", kv), ("self_attn.v_proj", kv)),
+              "mlp.gate_up_proj": (("mlp.gate_proj", inter), ("mlp.up_proj", inter))}
+    for i in range(config.num_layers):
+        for fused, parts in splits.items():
+            name = f"model.layers.{i}.{fused}.weight"
+            dense, packed, row = weights.pop(name), quantized.pop(name, None), 0
+            for part, rows in parts:
+                target = f"model.layers.{i}.{part}.weight"
+                weights[target] = dense[row : row + rows]
+                if packed is not None:
+                    data = np.asarray(packed.data).reshape(packed.shape[0], -1)[row : row + rows]
+                    quantized[target] = QuantizedTensor(packed.qtype, data, (rows, packed.shape[1]))
+                row += rows
 
 
 def _unpermute_rows(qt: QuantizedTensor, num_heads: int) -> QuantizedTensor:
@@ -262,19 +356,16 @@ def _unpermute_rows(qt: QuantizedTensor, num_heads: int) -> QuantizedTensor:
     return QuantizedTensor(qt.qtype, _unpermute(rows, num_heads).numpy(), qt.shape)
 
 
-def _with_rope_factors(config: ModelConfig, factors: torch.Tensor) -> ModelConfig:
-    from dataclasses import replace
-
-    return replace(config, rope_scaling={"rope_type": "freq_factors", "factors": factors.tolist()})
-
-
-def _hf_name(gguf_name: str) -> str:
+def _hf_name(gguf_name: str, arch: str) -> str:
     if gguf_name in _GGUF_TOP_NAMES:
         return _GGUF_TOP_NAMES[gguf_name]
     parts = gguf_name.split(".")
-    if parts[0] != "blk" or parts[2] not in _GGUF_BLOCK_NAMES:
-        raise ModelLoadError(f"unexpected GGUF tensor {gguf_name!r}")
-    return f"model.layers.{parts[1]}.{_GGUF_BLOCK_NAMES[parts[2]]}.{parts[3]}"
+    names = {**_GGUF_BLOCK_NAMES, **_GGUF_GEMMA_NAMES} if arch in GEMMA else _GGUF_BLOCK_NAMES
+    if parts[0] != "blk" or len(parts) != 4 or parts[2] not in names:
+        raise ModelLoadError(f"unexpected GGUF tensor {gguf_name!r} for architecture {arch!r}")
+    if arch == "phi3" and parts[2] == "ffn_up":  # Phi-3's ffn_up holds gate and up
+        return f"model.layers.{parts[1]}.mlp.gate_up_proj.{parts[3]}"
+    return f"model.layers.{parts[1]}.{names[parts[2]]}.{parts[3]}"
 
 
 def load_hf_folder(path: Path) -> Checkpoint:
@@ -284,9 +375,9 @@ def load_hf_folder(path: Path) -> Checkpoint:
         cfg = json.loads((path / "config.json").read_text())
     except ValueError as e:
         raise ModelLoadError(f"{path / 'config.json'}: not valid JSON: {e}") from e
-    arch = cfg.get("model_type")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ModelLoadError(f"{path}: model_type {arch!r} is not supported (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+    model_type = cfg.get("model_type")
+    if model_type not in HF_FAMILIES:
+        raise ModelLoadError(f"{path}: model_type {model_type!r} is not supported (supported: {', '.join(HF_FAMILIES)})")
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors files")
@@ -307,16 +398,18 @@ def load_hf_folder(path: Path) -> Checkpoint:
         config = ModelConfig.from_hf_config(cfg, name=path.name)
     except KeyError as e:
         raise ModelLoadError(f"{path / 'config.json'}: missing required field {e}") from e
+    except UnsupportedModelError as e:
+        raise ModelLoadError(f"{path}: {e}") from e
+    if config.architecture in GEMMA:  # Gemma's RMSNorm scales by (1 + w): stored here as the multiplier
+        for name in [n for n in weights if n.endswith("norm.weight")]:
+            weights[name] = weights[name] + 1
+    if config.architecture == "phi3":
+        _split_phi3(weights, {}, config)
     eos_ids = set(config.eos_token_ids) | set(tokenizer.eos_token_ids)
     gen_eos = gen_cfg.get("eos_token_id")
     eos_ids |= set(gen_eos if isinstance(gen_eos, list) else [gen_eos] if gen_eos is not None else [])
-    if "lm_head.weight" not in weights:
-        from dataclasses import replace
-
-        config = replace(config, tie_word_embeddings=True)
-    from dataclasses import replace
-
-    config = replace(config, eos_token_ids=tuple(sorted(eos_ids)))
+    config = replace(config, eos_token_ids=tuple(sorted(eos_ids)),
+                     tie_word_embeddings=config.tie_word_embeddings or "lm_head.weight" not in weights)
     tokenizer.eos_token_ids = config.eos_token_ids
     template = tok_cfg.get("chat_template")
     if template is None and (path / "chat_template.jinja").exists():

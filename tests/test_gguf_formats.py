@@ -1,0 +1,214 @@
+"""GGUF tensor formats and what runs them: K-quant dequantization against gguf-py's reference, a
+Q4_K_M-style file against its float model, unsupported types and architectures refused by name, and
+the native step taken only by the families and formats it computes."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from stratum.engine import LLM
+from stratum.engine.request import CachePolicy
+from stratum.engine.sampling_params import SamplingParams
+from stratum.kernels import kquant, native
+from stratum.models.loader import ModelLoadError, load_checkpoint
+from tests.factories import make_family_dir, write_family_gguf
+from tests.kquants import quantize
+
+
+@pytest.fixture(scope="module", autouse=True)
+def stratum_home(tmp_path_factory):
+    home = tmp_path_factory.mktemp("stratum-home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("STRATUM_HOME", str(home))
+        yield home
+
+
+# ---- K-quant blocks ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_kquant_dequantize_is_bit_exact_with_gguf_reference(qtype):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    g = np.random.default_rng(7)
+    weights = (g.standard_normal((48, 512)) * g.uniform(0.01, 2.0, (48, 1))).astype(np.float32)
+    weights[3] = 0.0  # an all-zero block: zero scales
+    weights[5, :256] = np.abs(weights[5, :256])  # a block with no negative weight: zero mins
+    raw = quantize(weights, qtype)
+    ref = dequantize(raw, GGMLQuantizationType[qtype]).reshape(48, 512)
+    ours = kquant.dequantize(qtype, raw, (48, 512)).numpy()
+    assert np.array_equal(ours, ref)
+    # and random bytes, every bit pattern of scales and quants (fp16 d kept finite)
+    raw = g.integers(0, 256, raw.shape, dtype=np.uint8)
+    at = 208 if qtype == "Q6_K" else 0
+    blocks = raw.reshape(48, 2, -1)
+    blocks[..., at : at + 2] = np.frombuffer(np.float16(0.03).tobytes(), np.uint8)
+    if qtype != "Q6_K":
+        blocks[..., 2:4] = np.frombuffer(np.float16(-0.02).tobytes(), np.uint8)
+    ref = dequantize(raw, GGMLQuantizationType[qtype]).reshape(48, 512)
+    assert np.array_equal(kquant.dequantize(qtype, raw, (48, 512)).numpy(), ref)
+
+
+def test_kquant_unpack_gives_the_affine_sub_block_form():
+    raw = quantize(np.linspace(-1, 1, 2 * 256, dtype=np.float32).reshape(2, 256), "Q4_K")
+    q, scale, offset, group = kquant.unpack("Q4_K", raw, (2, 256))
+    assert (q.dtype, q.shape, scale.shape, offset.shape, group) == (torch.uint8, (2, 256), (2, 8), (2, 8), 32)
+    assert int(q.max()) <= 15
+    with pytest.raises(ValueError, match="Q4_0: not a K-quant"):
+        kquant.unpack("Q4_0", raw, (2, 256))
+    with pytest.raises(ValueError, match="do not hold"):
+        kquant.unpack("Q4_K", raw, (4, 256))
+
+
+# ---- a Q4_K_M-style file ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def qwen_dir(tmp_path_factory):
+    # K-quant rows need 256 inputs: hidden 256, every projection's input a multiple of 256
+    return make_family_dir(tmp_path_factory.mktemp("qwen-256"), "qwen2", hidden_size=256, intermediate_size=512,
+                           num_attention_heads=8, num_key_value_heads=4)
+
+
+def _logits(llm: LLM, ids: list[int]) -> torch.Tensor:
+    engine = llm.engine
+    seq = engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0, return_logits=True),
+                             cache_policy=CachePolicy.bypass())
+    while engine.has_unfinished():
+        engine.step()
+    return torch.stack([seq.logits[p] for p in range(len(ids))])
+
+
+def test_q4_k_m_file_loads_runs_and_stays_close_to_the_float_model(qwen_dir, tmp_path, caplog):
+    transformers = pytest.importorskip("transformers")
+    # llama.cpp's Q4_K_M: Q4_K, with Q6_K for the output projection and some ffn_down / attn_v tensors
+    path = write_family_gguf(qwen_dir, tmp_path / "q4km.gguf", qtype="Q4_K", head_qtype="Q6_K",
+                             qtypes={"blk.0.ffn_down": "Q6_K", "blk.0.attn_v": "Q6_K"})
+    assert {q.qtype for q in load_checkpoint(path).quantized.values()} == {"Q4_K", "Q6_K"}
+    with caplog.at_level(logging.WARNING, logger="stratum.engine"):
+        quant = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=32, int4_max_tokens=0, native_step=True)
+    assert quant.engine.kernel_choices["step"] == "pytorch"
+    refusal = quant.engine.kernel_choices["native_step_refused"]
+    assert "Q4_K" in refusal and "Q6_K" in refusal
+    assert any("native step does not run this model" in r.message and "Q4_K" in r.message for r in caplog.records)
+
+    ids = quant.engine.tokenizer.encode("The capital of Japan is Tokyo. def add(a, b):\n    return a + b")
+    ours = _logits(quant, ids)
+    # exactly the file's weights: transformers reads the same GGUF, dequantized by gguf-py
+    ref = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+    with torch.no_grad():
+        expected = ref(torch.tensor([ids])).logits[0].float()
+    assert (ours.log_softmax(-1) - expected.log_softmax(-1)).abs().max() <= 2e-4
+
+    # close to the float model: between Q8_0 and Q4_0 of the same weights
+    def error(llm: LLM) -> float:
+        return float((_logits(llm, ids) - dense).pow(2).mean().sqrt() / dense.std())
+
+    kw = dict(dtype="float32", device="cpu", num_kv_blocks=32, int4_max_tokens=0, native_step=False)
+    dense = _logits(LLM(str(qwen_dir), **kw), ids)
+    q8 = LLM(str(write_family_gguf(qwen_dir, tmp_path / "q8.gguf", qtype="Q8_0", head_qtype="Q8_0")), **kw)
+    q4 = LLM(str(write_family_gguf(qwen_dir, tmp_path / "q4.gguf", qtype="Q4_0", head_qtype="Q4_0")), **kw)
+    errors = {"Q8_0": error(q8), "Q4_K_M": error(quant), "Q4_0": error(q4)}
+    assert errors["Q8_0"] < errors["Q4_K_M"] < errors["Q4_0"], errors
+
+
+# ---- refused by name -------------------------------------------------------------------------------
+
+def test_unsupported_tensor_type_and_architecture_are_errors_naming_them(qwen_dir, tmp_path):
+    import gguf
+
+    # the F32 file rewritten with one tensor in Q2_K, a type gguf-py reads but this runtime does not load
+    src = gguf.GGUFReader(str(write_family_gguf(qwen_dir, tmp_path / "f32.gguf")))
+    writer = gguf.GGUFWriter(str(tmp_path / "q2k.gguf"), "qwen2")
+    for field in src.fields.values():
+        if field.name.startswith("GGUF.") or field.name == "general.architecture":
+            continue
+        value = field.contents()
+        writer.add_key_value(field.name, value, field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None)
+    for tensor in src.tensors:
+        array = np.array(tensor.data)
+        if tensor.name == "blk.1.ffn_up.weight":  # [512, 256] as Q2_K blocks (84 bytes per 256 weights)
+            raw = np.zeros((512, 84), np.uint8)
+            writer.add_tensor(tensor.name, raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType.Q2_K)
+        else:
+            writer.add_tensor(tensor.name, array.reshape([int(x) for x in reversed(tensor.shape)]))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="blk.1.ffn_up.weight is Q2_K, a type this runtime does not load"):
+        load_checkpoint(tmp_path / "q2k.gguf")
+
+    folder = make_family_dir(tmp_path / "falcon", "llama")
+    cfg = json.loads((folder / "config.json").read_text())
+    (folder / "config.json").write_text(json.dumps({**cfg, "model_type": "falcon"}))
+    with pytest.raises(ModelLoadError, match="model_type 'falcon' is not supported"):
+        load_checkpoint(folder)
+    (folder / "config.json").write_text(json.dumps({**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
+    with pytest.raises(ModelLoadError, match="RoPE scaling 'yarn' is not supported"):
+        load_checkpoint(folder)
+
+
+# ---- the native step: only where it computes the model -----------------------------------------------
+
+NATIVE_FAMILIES = ["qwen2", "qwen3", "mistral", "phi3"]
+
+
+@pytest.mark.skipif(not native.available(), reason="native kernels not built")
+@pytest.mark.parametrize("family", NATIVE_FAMILIES + ["gemma2", "gemma3", "phi3-window"])
+def test_native_step_runs_only_the_families_it_computes(family, tmp_path):
+    name = family.split("-")[0]
+    folder = make_family_dir(tmp_path / family, name, **({"sliding_window": None} if family == "phi3" else {}))
+    path = write_family_gguf(folder, tmp_path / f"{family}.gguf", qtype="Q4_0", head_qtype="Q8_0")
+    kw = dict(dtype="float32", device="cpu", num_kv_blocks=64, int4_max_tokens=0, enable_prefix_cache=False)
+    native_engine = LLM(str(path), native_step=True, **kw).engine
+    if family not in NATIVE_FAMILIES:
+        assert native_engine.kernel_choices["step"] == "pytorch"
+        assert native_engine.kernel_choices["native_step_refused"]
+        return
+    assert native_engine.kernel_choices["step"] == "native, packed blocks"
+    torch_engine = LLM(str(path), native_step=False, **kw).engine
+    ids = native_engine.tokenizer.encode("The capital of Japan is Tokyo. def add(a, b):")
+    outs = []
+    for engine in (torch_engine, native_engine):
+        seq = engine.add_request(ids, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, return_logits=True))
+        while engine.has_unfinished():
+            engine.step()
+        outs.append(seq)
+    a, b = outs
+    assert a.output_token_ids == b.output_token_ids
+    for p in a.logits:  # the int16 activations of the native step, as tests/test_packed_step.py bounds them
+        torch.testing.assert_close(b.logits[p], a.logits[p], rtol=1e-3, atol=1e-3 * float(a.logits[p].abs().max()))
+
+
+# ---- stratum info FILE ---------------------------------------------------------------------------------
+
+def test_info_tells_architecture_tensor_types_and_what_runs_packed(qwen_dir, tmp_path, capsys):
+    from stratum.cli import main
+
+    gemma = make_family_dir(tmp_path / "gemma2", "gemma2", hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                            num_key_value_heads=4, head_dim=32)
+    path = write_family_gguf(gemma, tmp_path / "gemma2-q4km.gguf", qtype="Q4_K", head_qtype="Q6_K")
+    assert main(["info", str(path), "--threads", "1"]) == 0
+    ck = json.loads(capsys.readouterr().out)["checkpoint"]
+    assert ck["architecture"] == "gemma2"
+    assert ck["features"]["attn_logit_softcap"] == 5.0 and ck["features"]["sliding_layers"] == [0]
+    assert ck["tensor_types"] == {"F32": 1 + 2 * 4, "Q4_K": 2 * 7, "Q6_K": 1}  # norms; projections; tied embedding
+    assert ck["step"] == "pytorch" and "not Llama-shaped" in ck["native_step_refused"]
+    assert ck["projections"] == {"dense float32 (dequantized from Q4_K)": 2 * 4, "output projection: dense float32": 1} \
+        or ck["projections"] == {"dense bfloat16 (dequantized from Q4_K)": 2 * 4, "output projection: dense bfloat16": 1}
+    assert "masked" in ck["attention"]
+
+    q4 = write_family_gguf(qwen_dir, tmp_path / "qwen-q4.gguf", qtype="Q4_0", head_qtype="Q8_0")
+    assert main(["info", str(q4), "--threads", "1"]) == 0
+    ck = json.loads(capsys.readouterr().out)["checkpoint"]
+    assert ck["tensor_types"]["Q4_0"] == 2 * 7 + 1 and ck["native_step_refused"] is None  # and the untied embedding
+
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 60)
+    assert main(["info", str(bad)]) == 1
+    assert "not a readable GGUF file" in capsys.readouterr().err
