@@ -110,6 +110,7 @@ class LLMEngine:
                 "low_latency_lm_head": "int8" if self.model.lm_head_int8 is not None else None,
                 "threads": plan.threads, "native_kernels": native.status() if self.device.type == "cpu" else "cpu only",
                 "step": "native, packed blocks" if self.model.packed is not None else "pytorch",
+                "step_simd": native.simd_path() if self.model.packed is not None else None,
                 "attention": ("native paged, every row" if self.model.packed is not None else
                               ("native paged decode" if native_attention else "paged gather") + " + cascade, torch sdpa prefill"),
                 "source": plan.source}
