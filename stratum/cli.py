@@ -54,7 +54,11 @@ def cmd_pull(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 1
     if not args.no_prepare:
-        prepare(args.name)
+        try:
+            prepare(args.name)
+        except Exception as e:  # the model is pulled; the first serve prepares it, and reports why if it cannot
+            print(f"{args.name}: pulled, not prepared ({type(e).__name__}: {e}); the first serve will prepare it",
+                  file=sys.stderr)
     return 0
 
 

@@ -98,7 +98,11 @@ def _load() -> bool:
     home = stratum_home()
     try:
         for lib in LIBRARIES:
-            build(lib, build_dir(home, lib))
+            directory = build_dir(home, lib)
+            if not (directory / f"{lib.name}.so").exists():
+                log.warning("compiling %s for this CPU (-march=%s), once: about half a minute (`stratum pull` does "
+                            "it ahead)", lib.name, march())
+            build(lib, directory)
     except Exception as exc:  # no compiler, no ninja, a failed build: the PyTorch paths remain
         _state["status"] = f"unavailable: {type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
         log.warning("native kernels %s", _state["status"])

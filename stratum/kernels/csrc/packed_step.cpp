@@ -84,7 +84,8 @@ inline void store(c10::BFloat16* p, float x) { *p = c10::BFloat16(x); }
 // (Cephes expf: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-7 polynomial, 2^n from the exponent
 // bits); within 2 ulp of expf. Below -87.3 it is 0 (no subnormal), above 88.7 clamped (finite).
 inline float exp_fp32(float x) {
-  x = std::min(x, 88.7f);
+  const bool under = x < -87.3f;
+  x = std::min(std::max(x, -87.3f), 88.7f);  // keeps n within int32 and 2^n normal
   const float t = x * 1.44269504088896341f + 12582912.f;  // round(x / ln2) in the low mantissa bits
   const float n = t - 12582912.f;
   float r = x - n * 0.693359375f;
@@ -101,7 +102,7 @@ inline float exp_fp32(float x) {
   bits += static_cast<int32_t>(n) << 23;
   float y;
   std::memcpy(&y, &bits, sizeof y);
-  return x < -87.3f ? 0.f : y;
+  return under ? 0.f : y;
 }
 
 // The name of the instruction set the projections were compiled for (`stratum info`, kernel choices).
