@@ -52,9 +52,9 @@ def march() -> str:
     return os.environ.get("STRATUM_MARCH", "").strip() or "native"
 
 
-def build_dir(home: Path, lib: Library = STEP, arch: str | None = None) -> Path:
-    """One folder per library source text, flags, torch version and CPU."""
-    arch = arch or march()
+def build_dir(home: Path, lib: Library = STEP) -> Path:
+    """One folder per library source text, flags, -march, torch version and CPU."""
+    arch = march()
     key = hashlib.sha256()
     for name in lib.sources:
         key.update((CSRC / name).read_bytes())
@@ -62,12 +62,12 @@ def build_dir(home: Path, lib: Library = STEP, arch: str | None = None) -> Path:
     return home / "kernels" / f"{lib.name}-{arch}-{key.hexdigest()[:16]}"
 
 
-def build(lib: Library, directory: Path, arch: str | None = None) -> None:
+def build(lib: Library, directory: Path) -> None:
     """Compile (or load the cached build of) `lib` into this process; raises when the build fails."""
     from torch.utils.cpp_extension import load
 
     directory.mkdir(parents=True, exist_ok=True)
-    flags = [*lib.cflags, f"-march={arch or march()}"]
+    flags = [*lib.cflags, f"-march={march()}"]
     load(name=lib.name, sources=[str(CSRC / s) for s in lib.sources], extra_cflags=flags, extra_ldflags=["-fopenmp"],
          build_directory=str(directory), is_python_module=False, verbose=False)
 
