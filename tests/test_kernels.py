@@ -227,3 +227,23 @@ def test_low_latency_requests_sample_from_the_int8_output_projection(tiny_model_
     assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.999
     for pos in range(last):  # positions that only record logits use the normal projection
         assert torch.equal(normal.logits[pos], fast.logits[pos])
+
+
+def test_pull_prepares_the_kernels_and_the_plan_that_serve_then_loads(tmp_path, monkeypatch, capsys):
+    """`stratum pull` builds the native kernels, measures the plan and repacks the weights, so the
+    first `serve` only loads them: a second preparation finds the plan cached."""
+    from stratum.cli import prepare
+    from stratum.kernels import native
+    from tests.factories import make_tiny_gguf
+
+    monkeypatch.setenv("STRATUM_PLAN_DIR", str(tmp_path / "plans"))
+    model = make_tiny_gguf(tmp_path / "tiny.gguf")
+    prepare(str(model))
+    first = capsys.readouterr().out
+    prepare(str(model))
+    second = capsys.readouterr().out
+    assert "kernel plan (measured)" in first and f"kernels {native.status()}" in first and "ready to serve" in first
+    plans = [json.loads(p.read_text()) for p in (tmp_path / "plans").glob("*.json")]  # one per thread count weighed
+    assert plans
+    if all(p["quiet"] for p in plans):  # a plan measured on a busy machine is measured again, by design
+        assert "kernel plan (cache)" in second, second

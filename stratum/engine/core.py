@@ -110,6 +110,7 @@ class LLMEngine:
                 "threads": plan.threads, "native_kernels": native.status() if self.device.type == "cpu" else "cpu only",
                 "step": "native, packed blocks" if self.model.packed is not None else "pytorch",
                 "native_step_refused": self.model.packed_refusal,
+                "step_simd": native.simd_path() if self.model.packed is not None else None,
                 "attention": self._attention_path(),
                 "source": plan.source}
 

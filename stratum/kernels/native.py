@@ -1,8 +1,17 @@
 """Native CPU kernels (csrc/), compiled for this machine on first use and cached under $STRATUM_HOME.
 
-The build runs once per machine, source and torch version (about half a minute; later starts load the
-cached library). Without a C++ compiler, or with STRATUM_NATIVE=0, `available()` is False and the
-layers keep their PyTorch paths, which compute the same thing.
+Two libraries: the native step (packed_step.cpp, the whole forward on the GGUF blocks) and the
+PyTorch path's kernels (paged attention, the Q8_0 projection, rotary). Each is built once per
+machine, source, flags and torch version (`stratum pull` builds them ahead; later starts load the
+cached copies). They are compiled for this CPU (-march=native, or $STRATUM_MARCH, e.g. "haswell" to
+build what an AVX2-only machine would run), and the native step picks its instructions from what
+the compiler was told the CPU has (`simd_path()`). Without a C++ compiler, or with STRATUM_NATIVE=0,
+`available()` is False and the layers keep their PyTorch paths, which compute the same thing.
+
+Flags: the PyTorch path's kernels use -ffast-math (a vector exp; each row's arithmetic is still the
+same whatever the batch, since a row's code path never depends on the rows beside it). The native
+step is compiled without it and with -ffp-contract=off, so its results do not depend on the
+instruction set either: see packed_step.cpp.
 """
 
 from __future__ import annotations
@@ -11,6 +20,7 @@ import hashlib
 import logging
 import os
 import platform
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -20,53 +30,82 @@ from stratum.kernels.cpu import cpu_flags, cpu_name
 
 log = logging.getLogger("stratum.native")
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention.cpp", "q8_linear.cpp", "rotary_cache.cpp", "packed_step.cpp")]
+CSRC = Path(__file__).parent / "csrc"
+
+
+@dataclass(frozen=True)
+class Library:
+    name: str
+    sources: tuple[str, ...]
+    cflags: tuple[str, ...]
+
+
+STEP = Library("stratum_step", ("packed_step.cpp",), ("-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"))
+KERNELS = Library("stratum_native", ("paged_attention.cpp", "q8_linear.cpp", "rotary_cache.cpp"),
+                  ("-O3", "-ffast-math", "-fopenmp"))
+LIBRARIES = (STEP, KERNELS)
 _state: dict[str, object] = {}
 
 
-def build_dir(home: Path) -> Path:
-    """One folder per source text, torch version and CPU: the library is built with -march=native."""
+def march() -> str:
+    """The -march the libraries are built for: $STRATUM_MARCH, else "native"."""
+    return os.environ.get("STRATUM_MARCH", "").strip() or "native"
+
+
+def build_dir(home: Path, lib: Library = STEP) -> Path:
+    """One folder per library source text, flags, -march, torch version and CPU."""
+    arch = march()
     key = hashlib.sha256()
-    for path in SOURCES:
-        key.update(path.read_bytes())
-    key.update(f"{torch.__version__}|{platform.machine()}|{cpu_name()}|{sorted(cpu_flags())}".encode())
-    return home / "kernels" / f"native-{key.hexdigest()[:16]}"
+    for name in lib.sources:
+        key.update((CSRC / name).read_bytes())
+    key.update(f"{lib.cflags}|{arch}|{torch.__version__}|{platform.machine()}|{cpu_name()}|{sorted(cpu_flags())}".encode())
+    return home / "kernels" / f"{lib.name}-{arch}-{key.hexdigest()[:16]}"
+
+
+def build(lib: Library, directory: Path) -> None:
+    """Compile (or load the cached build of) `lib` into this process; raises when the build fails."""
+    from torch.utils.cpp_extension import load
+
+    directory.mkdir(parents=True, exist_ok=True)
+    flags = [*lib.cflags, f"-march={march()}"]
+    load(name=lib.name, sources=[str(CSRC / s) for s in lib.sources], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+         build_directory=str(directory), is_python_module=False, verbose=False)
 
 
 def available() -> bool:
-    """Load (building if needed) the native library once per process."""
+    """Load (building if needed) the native libraries once per process."""
     if "ok" not in _state:
         _state["ok"] = _load()
     return bool(_state["ok"])
 
 
 def status() -> str:
-    """"loaded", "disabled", or why the build failed: for `stratum info` and the kernel choices."""
+    """"loaded (<simd path>)", "disabled", or why the build failed: for `stratum info` and the kernel choices."""
     available()
     return str(_state.get("status", "not loaded"))
+
+
+def simd_path() -> str | None:
+    """The instructions the native step's projections were compiled for ("avx512-vnni", "avx512bw",
+    "avx-vnni", "avx2", "neon", "portable"); None when the libraries are not loaded."""
+    return torch.ops.stratum.packed_simd() if available() else None
 
 
 def _load() -> bool:
     if os.environ.get("STRATUM_NATIVE", "1") == "0":
         _state["status"] = "disabled (STRATUM_NATIVE=0)"
         return False
-    from torch.utils.cpp_extension import load
-
-    directory = build_dir(stratum_home())
-    directory.mkdir(parents=True, exist_ok=True)
+    home = stratum_home()
     try:
-        load(
-            name="stratum_native",
-            sources=[str(p) for p in SOURCES],
-            extra_cflags=["-O3", "-march=native", "-ffast-math", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(directory),
-            is_python_module=False,
-            verbose=False,
-        )
+        for lib in LIBRARIES:
+            directory = build_dir(home, lib)
+            if not (directory / f"{lib.name}.so").exists():
+                log.warning("compiling %s for this CPU (-march=%s), once: about half a minute (`stratum pull` does "
+                            "it ahead)", lib.name, march())
+            build(lib, directory)
     except Exception as exc:  # no compiler, no ninja, a failed build: the PyTorch paths remain
         _state["status"] = f"unavailable: {type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
         log.warning("native kernels %s", _state["status"])
         return False
-    _state["status"] = "loaded"
+    _state["status"] = f"loaded ({torch.ops.stratum.packed_simd()}, -march={march()})"
     return True

@@ -237,8 +237,8 @@ def plan_dir(home: Path) -> Path:
 
 def plan_cache_path(home: Path, shapes: Shapes, threads: int, dtype: str, can_pack: bool) -> Path:
     """Keyed on everything that changes the answer: the CPU and its features, torch, the native
-    kernels, the threads, the model's shapes and what may be asked of the plan."""
-    key = json.dumps([PLAN_VERSION, cpu_name(), sorted(cpu_flags()), torch.__version__, native.available(),
+    kernels (and the instructions they were built for), the threads, the model's shapes and what may be asked of the plan."""
+    key = json.dumps([PLAN_VERSION, cpu_name(), sorted(cpu_flags()), torch.__version__, native.status(),
                       threads, shapes.key(), dtype, can_pack])
     return plan_dir(home) / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
 

@@ -11,8 +11,13 @@
 // uses int8, which here cost 1.5 points of top-1 agreement with the fp32 model), and a block's dot
 // product is an exact integer sum scaled once: for Q4_1,
 //     sum_j (q_j d + m) x_j = d dx sum_j q_j xq_j + m dx sum_j xq_j.
-// On AVX-512 VNNI sixteen outputs are computed side by side (one per int32 lane, vpdpwssd adds two
-// s16 x s16 products per lane), from weights repacked at load into tiles of 16 rows (kernels/packed.py).
+// Sixteen outputs are computed side by side, from weights repacked at load into tiles of 16 rows
+// (kernels/packed.py), each int32 lane adding two s16 x s16 products per instruction. The instruction
+// set is chosen when the library is compiled for the CPU (-march, kernels/native.py), by the
+// compiler's macros: AVX-512 VNNI vpdpwssd, AVX-512BW vpmaddwd + vpaddd, AVX-VNNI (256-bit vpdpwssd),
+// AVX2 vpmaddwd + vpaddd (two passes of 8 lanes per tile), NEON smull + addp (four passes of 4), or
+// plain C++. Integer sums are exact and every path scales and accumulates a lane's blocks by the same
+// fused multiply-adds in the same order, so every path gives the same bits (tests/test_simd_paths.py).
 //
 // The K pool is laid out transposed per block, [block][KV head][head_dim][block_size], so a block's
 // scores are 16 lanes of one vector (V stays [slot][KV head][head_dim]); a block still occupies the
@@ -23,6 +28,14 @@
 // fp32 accumulation runs over blocks in a fixed order per output lane, and attention walks each
 // row's blocks in order with its own online softmax. A token therefore gets the same logits alone,
 // in a batch of 64, or after a prefix-cache hit, and prefill writes the same KV a decode would.
+//
+// Floating point: this file is compiled without -ffast-math and with -ffp-contract=off (native.py),
+// so the compiler never reorders a sum or fuses a multiply-add on its own: a reduction's order is
+// the one written here (fixed lane partial sums; `omp simd` only where order cannot matter: a max,
+// elementwise work), fused multiply-adds
+// are written out (std::fma, the intrinsics), and exp is the polynomial below rather than a vector
+// math library's, whose results differ by instruction set. What is vectorized is then vectorized per
+// lane, and a row's result is the same whatever the batch, the threads or the SIMD width.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -31,11 +44,20 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <string>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define STRATUM_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define STRATUM_AVX2 1
+#elif defined(__aarch64__) && defined(__ARM_NEON)
+#define STRATUM_NEON 1
+#endif
+#if STRATUM_AVX512 || STRATUM_AVX2
 #include <immintrin.h>
-#define STRATUM_VNNI 1
+#elif STRATUM_NEON
+#include <arm_neon.h>
 #endif
 #if defined(__SSE__)
 #include <xmmintrin.h>
@@ -50,13 +72,53 @@ constexpr int64_t kQ8Bytes = kTile * kBlock;      // one tile-block of int8 valu
 constexpr float kNoScore = -1e30f;
 // Weights stream through once per step: the next tiles are fetched this many bytes ahead, since
 // one core's hardware prefetcher alone left the step at ~60% of the read bandwidth (measured).
-constexpr int64_t kPrefetch = 2048;  // finite: the library is built with -ffast-math
+constexpr int64_t kPrefetch = 2048;
 
 inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }  // the top half of an fp32
 inline void store(float* p, float x) { *p = x; }
 inline void store(c10::BFloat16* p, float x) { *p = c10::BFloat16(x); }
+
+// e^x in fp32 from plain operations, the same bits scalar or vectorized on any instruction set
+// (Cephes expf: x = n ln2 + r, |r| <= ln2 / 2, e^r by its degree-7 polynomial, 2^n from the exponent
+// bits); within 2 ulp of expf. Below -87.3 it is 0 (no subnormal), above 88.7 clamped (finite).
+inline float exp_fp32(float x) {
+  const bool under = x < -87.3f;
+  x = std::min(std::max(x, -87.3f), 88.7f);  // keeps n within int32 and 2^n normal
+  const float t = x * 1.44269504088896341f + 12582912.f;  // round(x / ln2) in the low mantissa bits
+  const float n = t - 12582912.f;
+  float r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.f;
+  int32_t bits;
+  std::memcpy(&bits, &p, sizeof bits);
+  bits += static_cast<int32_t>(n) << 23;
+  float y;
+  std::memcpy(&y, &bits, sizeof y);
+  return under ? 0.f : y;
+}
+
+// The name of the instruction set the projections were compiled for (`stratum info`, kernel choices).
+#if STRATUM_AVX512 && defined(__AVX512VNNI__)
+constexpr const char* kSimdPath = "avx512-vnni";
+#elif STRATUM_AVX512
+constexpr const char* kSimdPath = "avx512bw";
+#elif STRATUM_AVX2 && defined(__AVXVNNI__)
+constexpr const char* kSimdPath = "avx-vnni";
+#elif STRATUM_AVX2
+constexpr const char* kSimdPath = "avx2";
+#elif STRATUM_NEON
+constexpr const char* kSimdPath = "neon";
+#else
+constexpr const char* kSimdPath = "portable";
+#endif
 
 // Activations quantized per row and block: xq = round(x / dx), dx = max|x| / 32767, sx = dx * sum(xq).
 struct QuantRows {
@@ -85,11 +147,111 @@ struct QuantRows {
         }
         d[i] = dx;
         s[i] = dx * static_cast<float>(sum);
-
       }
     });
   }
 };
+
+// The instruction set's side of the projections: `kLanes` outputs per vector (a part of the tile).
+//   dot(acc, w, x): acc[i] += w[2i] x[0] + w[2i+1] x[1], w int16 pairs, x one pair of int16 (as int32)
+//   nibbles(p, out): a part's bytes of one 64-byte group of a 4-bit tile-block -> its four input pairs
+//   widen8(p): a part's int8 pairs of one 32-byte pair row of an 8-bit tile-block -> int16 pairs
+#if STRATUM_AVX512
+struct Simd {
+  static constexpr int kLanes = 16, kRegs = 32;
+  using F = __m512;
+  using I = __m512i;
+  static I zero() { return _mm512_setzero_si512(); }
+  static I dot(I acc, I w, int32_t x) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, w, _mm512_set1_epi32(x));
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(w, _mm512_set1_epi32(x)));
+#endif
+  }
+  static void nibbles(const uint8_t* p, I out[4]) {
+    const __m512i raw = _mm512_loadu_si512(p), low = _mm512_set1_epi8(0x0F), z = _mm512_setzero_si512();
+    const __m512i lo = _mm512_and_si512(raw, low), hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
+    out[0] = _mm512_unpacklo_epi8(lo, z), out[1] = _mm512_unpackhi_epi8(lo, z);
+    out[2] = _mm512_unpacklo_epi8(hi, z), out[3] = _mm512_unpackhi_epi8(hi, z);
+  }
+  static I widen8(const uint8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static F zerof() { return _mm512_setzero_ps(); }
+  static F set1(float x) { return _mm512_set1_ps(x); }
+  static F fp16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  static F to_f(I a, I b) { return _mm512_cvtepi32_ps(_mm512_add_epi32(a, b)); }
+  static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
+  static void store(float* out, F v, int64_t valid) {
+    _mm512_mask_storeu_ps(out, valid >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1), v);
+  }
+};
+#elif STRATUM_AVX2
+struct Simd {
+  static constexpr int kLanes = 8, kRegs = 16;
+  using F = __m256;
+  using I = __m256i;
+  static I zero() { return _mm256_setzero_si256(); }
+  static I dot(I acc, I w, int32_t x) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, w, _mm256_set1_epi32(x));
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(w, _mm256_set1_epi32(x)));
+#endif
+  }
+  static void nibbles(const uint8_t* p, I out[4]) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), low = _mm256_set1_epi8(0x0F);
+    const __m256i z = _mm256_setzero_si256();
+    const __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+    out[0] = _mm256_unpacklo_epi8(lo, z), out[1] = _mm256_unpackhi_epi8(lo, z);
+    out[2] = _mm256_unpacklo_epi8(hi, z), out[3] = _mm256_unpackhi_epi8(hi, z);
+  }
+  static I widen8(const uint8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static F zerof() { return _mm256_setzero_ps(); }
+  static F set1(float x) { return _mm256_set1_ps(x); }
+  static F fp16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  static F to_f(I a, I b) { return _mm256_cvtepi32_ps(_mm256_add_epi32(a, b)); }
+  static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
+  static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
+  static void store(float* out, F v, int64_t valid) {
+    if (valid >= 8) return _mm256_storeu_ps(out, v);
+    float tmp[8];
+    _mm256_storeu_ps(tmp, v);
+    for (int64_t i = 0; i < valid; ++i) out[i] = tmp[i];
+  }
+};
+#elif STRATUM_NEON
+struct Simd {
+  static constexpr int kLanes = 4, kRegs = 32;
+  using F = float32x4_t;
+  using I = int32x4_t;
+  static I zero() { return vdupq_n_s32(0); }
+  static I dot(I acc, I w, int32_t x) {  // w: four rows' int16 pairs; products widened, then pairs added
+    const int16x8_t wv = vreinterpretq_s16_s32(w), xv = vreinterpretq_s16_s32(vdupq_n_s32(x));
+    const int32x4_t lo = vmull_s16(vget_low_s16(wv), vget_low_s16(xv)), hi = vmull_high_s16(wv, xv);
+    return vaddq_s32(acc, vpaddq_s32(lo, hi));
+  }
+  static void nibbles(const uint8_t* p, I out[4]) {
+    const uint8x16_t raw = vld1q_u8(p);
+    const uint8x16_t lo = vandq_u8(raw, vdupq_n_u8(0x0F)), hi = vshrq_n_u8(raw, 4);
+    out[0] = vreinterpretq_s32_u16(vmovl_u8(vget_low_u8(lo))), out[1] = vreinterpretq_s32_u16(vmovl_high_u8(lo));
+    out[2] = vreinterpretq_s32_u16(vmovl_u8(vget_low_u8(hi))), out[3] = vreinterpretq_s32_u16(vmovl_high_u8(hi));
+  }
+  static I widen8(const uint8_t* p) { return vreinterpretq_s32_s16(vmovl_s8(vld1_s8(reinterpret_cast<const int8_t*>(p)))); }
+  static F zerof() { return vdupq_n_f32(0.f); }
+  static F set1(float x) { return vdupq_n_f32(x); }
+  static F fp16(const uint16_t* p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
+  static F to_f(I a, I b) { return vcvtq_f32_s32(vaddq_s32(a, b)); }
+  static F fma(F a, F b, F c) { return vfmaq_f32(c, a, b); }
+  static F mul(F a, F b) { return vmulq_f32(a, b); }
+  static void store(float* out, F v, int64_t valid) {
+    if (valid >= 4) return vst1q_f32(out, v);
+    float tmp[4];
+    vst1q_f32(tmp, v);
+    for (int64_t i = 0; i < valid; ++i) out[i] = tmp[i];
+  }
+};
+#endif
 
 // One tile of 16 outputs for MR rows. w: the tile's blocks; sc: fp16 scales, per block 16 d (and,
 // for Q4, 16 m); xq, xd, xs: the first row's quantized inputs, scales and scaled sums (rows `k`
@@ -97,62 +259,68 @@ struct QuantRows {
 template <int MR, bool kQ4>
 inline void tile_dot(const uint8_t* w, const uint16_t* sc, int64_t blocks, const int16_t* xq, const float* xd,
                      const float* xs, int64_t k, int64_t nb, float* out, int64_t ld, int64_t valid) {
-#if STRATUM_VNNI
-  __m512 f[MR];
-  for (int r = 0; r < MR; ++r) f[r] = _mm512_setzero_ps();
-  const __m512i low = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
-  for (int64_t b = 0; b < blocks; ++b) {
-    __m512i a0[MR], a1[MR];
-    for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm512_setzero_si512();
-    const int16_t* xb = xq + b * kBlock;
-    if constexpr (kQ4) {
-      const uint8_t* wb = w + b * kQ4Bytes;
-      _mm_prefetch(reinterpret_cast<const char*>(sc + b * 2 * kTile) + kPrefetch / 4, _MM_HINT_T0);
-      for (int g = 0; g < 4; ++g) {  // inputs 8g .. 8g+7 as four pairs, one pair per int32 lane and output
-        _mm_prefetch(reinterpret_cast<const char*>(wb + g * 64) + kPrefetch, _MM_HINT_T0);
-        const __m512i raw = _mm512_loadu_si512(wb + g * 64);
-        const __m512i lo = _mm512_and_si512(raw, low);
-        const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(raw, 4), low);
-        const __m512i p0 = _mm512_unpacklo_epi8(lo, zero), p1 = _mm512_unpackhi_epi8(lo, zero);
-        const __m512i p2 = _mm512_unpacklo_epi8(hi, zero), p3 = _mm512_unpackhi_epi8(hi, zero);
-        for (int r = 0; r < MR; ++r) {
-          const int32_t* xr = reinterpret_cast<const int32_t*>(xb + r * k + g * 8);  // pairs of int16
-          a0[r] = _mm512_dpwssd_epi32(a0[r], p0, _mm512_set1_epi32(xr[0]));
-          a1[r] = _mm512_dpwssd_epi32(a1[r], p1, _mm512_set1_epi32(xr[1]));
-          a0[r] = _mm512_dpwssd_epi32(a0[r], p2, _mm512_set1_epi32(xr[2]));
-          a1[r] = _mm512_dpwssd_epi32(a1[r], p3, _mm512_set1_epi32(xr[3]));
+#if STRATUM_AVX512 || STRATUM_AVX2 || STRATUM_NEON
+  using F = Simd::F;
+  using I = Simd::I;
+  constexpr int L = Simd::kLanes;
+  // two integer accumulators per row hide the latency of a dependent vpdpwssd, where registers allow
+  constexpr bool kTwo = Simd::kRegs >= 32 || MR <= 2;
+  for (int part = 0; part < kTile / L; ++part) {  // the tile's lanes part*L .. part*L + L - 1
+    F f[MR];
+    for (int r = 0; r < MR; ++r) f[r] = Simd::zerof();
+    for (int64_t b = 0; b < blocks; ++b) {
+      I a0[MR], a1[MR];
+      for (int r = 0; r < MR; ++r) a0[r] = a1[r] = Simd::zero();
+      const int16_t* xb = xq + b * kBlock;
+      if constexpr (kQ4) {
+        const uint8_t* wb = w + b * kQ4Bytes;
+        if (part == 0) __builtin_prefetch(reinterpret_cast<const char*>(sc + b * 2 * kTile) + kPrefetch / 4);
+        for (int g = 0; g < 4; ++g) {  // inputs 8g .. 8g+7 as four pairs, one pair per int32 lane and output
+          if (part == 0) __builtin_prefetch(reinterpret_cast<const char*>(wb + g * 64) + kPrefetch);
+          I p[4];
+          Simd::nibbles(wb + g * 64 + part * L * 4, p);
+          for (int r = 0; r < MR; ++r) {
+            const int32_t* xr = reinterpret_cast<const int32_t*>(xb + r * k + g * 8);  // pairs of int16
+            if constexpr (kTwo) {
+              a0[r] = Simd::dot(a0[r], p[0], xr[0]);
+              a1[r] = Simd::dot(a1[r], p[1], xr[1]);
+              a0[r] = Simd::dot(a0[r], p[2], xr[2]);
+              a1[r] = Simd::dot(a1[r], p[3], xr[3]);
+            } else {
+              a0[r] = Simd::dot(Simd::dot(Simd::dot(Simd::dot(a0[r], p[0], xr[0]), p[1], xr[1]), p[2], xr[2]), p[3], xr[3]);
+            }
+          }
         }
-      }
-      const uint16_t* sb = sc + b * 2 * kTile;
-      const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb)));
-      const __m512 mw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sb + kTile)));
-      for (int r = 0; r < MR; ++r) {
-        const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(a0[r], a1[r]));
-        f[r] = _mm512_fmadd_ps(sum, _mm512_mul_ps(dw, _mm512_set1_ps(xd[r * nb + b])), f[r]);
-        f[r] = _mm512_fmadd_ps(mw, _mm512_set1_ps(xs[r * nb + b]), f[r]);
-      }
-    } else {
-      const uint8_t* wb = w + b * kQ8Bytes;
-      _mm_prefetch(reinterpret_cast<const char*>(sc + b * kTile) + kPrefetch / 16, _MM_HINT_T0);
-      for (int p = 0; p < 16; p += 2) {  // inputs 2p, 2p+1: 32 bytes, sign-extended to one pair per lane
-        _mm_prefetch(reinterpret_cast<const char*>(wb + p * 32) + kPrefetch, _MM_HINT_T0);
-        const __m512i w0 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 32)));
-        const __m512i w1 = _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + p * 32 + 32)));
+        const uint16_t* sb = sc + b * 2 * kTile + part * L;
+        const F dw = Simd::fp16(sb), mw = Simd::fp16(sb + kTile);
         for (int r = 0; r < MR; ++r) {
-          const int32_t* xr = reinterpret_cast<const int32_t*>(xb + r * k + p * 2);
-          a0[r] = _mm512_dpwssd_epi32(a0[r], w0, _mm512_set1_epi32(xr[0]));
-          a1[r] = _mm512_dpwssd_epi32(a1[r], w1, _mm512_set1_epi32(xr[1]));
+          f[r] = Simd::fma(Simd::to_f(a0[r], a1[r]), Simd::mul(dw, Simd::set1(xd[r * nb + b])), f[r]);
+          f[r] = Simd::fma(mw, Simd::set1(xs[r * nb + b]), f[r]);
         }
-      }
-      const __m512 dw = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(sc + b * kTile)));
-      for (int r = 0; r < MR; ++r) {
-        const __m512 sum = _mm512_cvtepi32_ps(_mm512_add_epi32(a0[r], a1[r]));
-        f[r] = _mm512_fmadd_ps(sum, _mm512_mul_ps(dw, _mm512_set1_ps(xd[r * nb + b])), f[r]);
+      } else {
+        const uint8_t* wb = w + b * kQ8Bytes;
+        if (part == 0) __builtin_prefetch(reinterpret_cast<const char*>(sc + b * kTile) + kPrefetch / 16);
+        for (int p = 0; p < 16; p += 2) {  // inputs 2p .. 2p+3: pairs p and p+1, int8 sign-extended
+          if (part == 0) __builtin_prefetch(reinterpret_cast<const char*>(wb + p * 32) + kPrefetch);
+          const I w0 = Simd::widen8(wb + p * 32 + part * L * 2), w1 = Simd::widen8(wb + p * 32 + 32 + part * L * 2);
+          for (int r = 0; r < MR; ++r) {
+            const int32_t* xr = reinterpret_cast<const int32_t*>(xb + r * k + p * 2);
+            if constexpr (kTwo) {
+              a0[r] = Simd::dot(a0[r], w0, xr[0]);
+              a1[r] = Simd::dot(a1[r], w1, xr[1]);
+            } else {
+              a0[r] = Simd::dot(Simd::dot(a0[r], w0, xr[0]), w1, xr[1]);
+            }
+          }
+        }
+        const F dw = Simd::fp16(sc + b * kTile + part * L);
+        for (int r = 0; r < MR; ++r)
+          f[r] = Simd::fma(Simd::to_f(a0[r], a1[r]), Simd::mul(dw, Simd::set1(xd[r * nb + b])), f[r]);
       }
     }
+    if (valid > part * L)
+      for (int r = 0; r < MR; ++r) Simd::store(out + r * ld + part * L, f[r], valid - part * L);
   }
-  const __mmask16 mask = valid >= kTile ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << valid) - 1);
-  for (int r = 0; r < MR; ++r) _mm512_mask_storeu_ps(out + r * ld, mask, f[r]);
 #else
   // Portable form of the same arithmetic, lane by lane (layouts in kernels/packed.py).
   for (int r = 0; r < MR; ++r) {
@@ -249,10 +417,11 @@ void linear(const Packed& w, const QuantRows& x, int64_t rows, int64_t n_out, fl
 void rms_norm(const float* x, const float* weight, int64_t rows, int64_t dim, float eps, float* out) {
   for (int64_t r = 0; r < rows; ++r) {
     const float* xr = x + r * dim;
-    float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-    for (int64_t i = 0; i < dim; ++i) ss += xr[i] * xr[i];
-    const float inv = 1.f / std::sqrt(ss / static_cast<float>(dim) + eps);
+    float part[16] = {0.f};  // sixteen lane sums, then a fixed tree: the same order at any vector width
+    for (int64_t i = 0; i < dim; ++i) part[i % 16] += xr[i] * xr[i];
+    for (int w = 8; w > 0; w /= 2)
+      for (int j = 0; j < w; ++j) part[j] += part[j + w];
+    const float inv = 1.f / std::sqrt(part[0] / static_cast<float>(dim) + eps);
     for (int64_t i = 0; i < dim; ++i) out[r * dim + i] = weight[i] * (xr[i] * inv);
   }
 }
@@ -273,7 +442,7 @@ using ScoresFn = void (*)(const float*, int64_t, const T*, float, float*);
 template <typename T>
 using ValuesFn = void (*)(const float*, const T*, int64_t, int64_t, float*, int64_t);
 
-#if STRATUM_VNNI
+#if STRATUM_AVX512
 inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load16(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
   const __m256i bits = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
@@ -349,7 +518,7 @@ void attend(const Step& s, const float* q, const T* k_pool, const T* v_pool, flo
   const int64_t slot_stride = s.kv_heads * d;
   constexpr int64_t kRows = 16;
   const int64_t chunks = (s.tokens + kRows - 1) / kRows;
-#if STRATUM_VNNI
+#if STRATUM_AVX512
   const ScoresFn<T> scores_fn = scores_kernel<T>(bs, group);
   const ValuesFn<T> values_fn = values_kernel<T>(d, group);
 #else
@@ -381,14 +550,16 @@ void attend(const Step& s, const float* q, const T* k_pool, const T* v_pool, flo
           if (scores_fn != nullptr) {
             scores_fn(qr, d, kt, s.scale, sc.data());
           } else {
-            for (int64_t t = 0; t < n; ++t)
-              for (int64_t g = 0; g < group; ++g) {
-                const float* qg = qr + g * d;
-                float dot = 0.f;
-#pragma omp simd reduction(+ : dot)
-                for (int64_t i = 0; i < d; ++i) dot += qg[i] * to_float(kt[i * bs + t]);
-                sc[g * bs + t] = dot * s.scale;
+            for (int64_t g = 0; g < group; ++g) {  // block_scores' arithmetic, lane by lane
+              float* sg = &sc[g * bs];
+              for (int64_t t = 0; t < n; ++t) sg[t] = 0.f;
+              for (int64_t i = 0; i < d; ++i) {
+                const float qi = qr[g * d + i];
+                const T* kr = kt + i * bs;
+                for (int64_t t = 0; t < n; ++t) sg[t] = std::fma(qi, to_float(kr[t]), sg[t]);
               }
+              for (int64_t t = 0; t < n; ++t) sg[t] *= s.scale;
+            }
           }
           const int64_t rr = r - r0;
           for (int64_t g = 0; g < group; ++g) {
@@ -397,13 +568,11 @@ void attend(const Step& s, const float* q, const T* k_pool, const T* v_pool, flo
             float new_m = mg;
 #pragma omp simd reduction(max : new_m)
             for (int64_t t = 0; t < n; ++t) new_m = std::max(new_m, sg[t]);
+#pragma omp simd
+            for (int64_t t = 0; t < n; ++t) sg[t] = exp_fp32(sg[t] - new_m);
             float sum = 0.f;
-#pragma omp simd reduction(+ : sum)  // a vector exp: one call per block, not per score
-            for (int64_t t = 0; t < n; ++t) {
-              sg[t] = std::exp(sg[t] - new_m);
-              sum += sg[t];
-            }
-            const float rescale = std::exp(mg - new_m);
+            for (int64_t t = 0; t < n; ++t) sum += sg[t];
+            const float rescale = exp_fp32(mg - new_m);
             l[rr * group + g] = l[rr * group + g] * rescale + sum;
             mg = new_m;
             float* a = &acc[(rr * group + g) * d];
@@ -419,7 +588,7 @@ void attend(const Step& s, const float* q, const T* k_pool, const T* v_pool, flo
                 const float p = sc[g * bs + t];
                 float* a = &acc[(rr * group + g) * d];
 #pragma omp simd
-                for (int64_t i = 0; i < d; ++i) a[i] += p * to_float(vv[i]);
+                for (int64_t i = 0; i < d; ++i) a[i] = std::fma(p, to_float(vv[i]), a[i]);  // as block_values
               }
             }
           }
@@ -484,20 +653,30 @@ void check_pool_access(const Step& s, const at::Tensor& tables, int64_t num_slot
   }
 }
 
+// The step's weights by name, from the list PackedStack.weights passes in this order.
+struct StepWeights {
+  at::Tensor in_norm, post_norm, final_norm;  // [L, hidden], [L, hidden], [hidden] fp32
+  at::Tensor qkv, qkv_scales, o, o_scales, gate_up, gate_up_scales, down, down_scales;  // stacked [L, ...] packed
+  at::Tensor bias, q_norm, k_norm;  // qkv bias [L, n], q/k norms [L, D] fp32, or empty
+
+  static StepWeights of(at::TensorList w) {
+    TORCH_CHECK(w.size() == 14, "packed_forward: 14 weight tensors expected");
+    return {w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], w[8], w[9], w[10], w[11], w[12], w[13]};
+  }
+};
+
 // x [T, hidden] fp32 (the embedded tokens), returned as the final-normed hidden states.
-// weights: in_norm [L, hidden], post_norm [L, hidden], final_norm [hidden] fp32; then (data, scales)
-// of qkv, o, gate_up and down, each stacked [L, ...]; then qkv bias [L, n] (or empty), q_norm and
-// k_norm [L, D] (or empty). tables [S, max_blocks] int64, row_seq [T]: each row's sequence.
+// weights: StepWeights' fields in order. tables [S, max_blocks] int64, row_seq [T]: each row's sequence.
 // probe_layers / probe_rows: the rotated queries of these rows at these layers are returned too
 // ([len(layers), len(rows), H, D]), for the attention-coverage telemetry.
 std::tuple<at::Tensor, at::Tensor> packed_forward(const at::Tensor& x_in, const at::Tensor& positions, const at::Tensor& cos,
                                                   const at::Tensor& sin, const at::Tensor& slot_mapping, const at::Tensor& tables,
                                                   const at::Tensor& row_seq, at::TensorList k_caches, at::TensorList v_caches,
-                                                  at::TensorList weights, int64_t num_heads, int64_t num_kv_heads, double eps,
+                                                  at::TensorList weight_list, int64_t num_heads, int64_t num_kv_heads, double eps,
                                                   int64_t block_size, at::IntArrayRef probe_layers, const at::Tensor& probe_rows) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "packed_forward: x must be [T, hidden] fp32");
-  TORCH_CHECK(weights.size() == 14, "packed_forward: 14 weight tensors expected");
-  const int64_t layers = weights[0].size(0), tokens = x_in.size(0), hidden = x_in.size(1);
+  const StepWeights w = StepWeights::of(weight_list);
+  const int64_t layers = w.in_norm.size(0), tokens = x_in.size(0), hidden = x_in.size(1);
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == layers && static_cast<int64_t>(v_caches.size()) == layers,
               "packed_forward: one K and one V pool per layer");
   const int64_t head_dim = k_caches[0].size(2);
@@ -521,11 +700,9 @@ std::tuple<at::Tensor, at::Tensor> packed_forward(const at::Tensor& x_in, const 
   check_pool_access(s, tables, k_caches[0].size(0));
   for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(s.positions[t] < cos.size(0), "packed_forward: position beyond the rotary table");
 
-  const at::Tensor &in_norm = weights[0], &post_norm = weights[1], &final_norm = weights[2];
-  const at::Tensor &bias = weights[11], &q_norm = weights[12], &k_norm = weights[13];
   const int64_t q_size = num_heads * head_dim, qkv_size = (num_heads + 2 * num_kv_heads) * head_dim;
-  const int64_t inter2 = weights[7].size(1) * kTile;  // gate_up outputs (padded to the tile)
-  Packed gu0 = Packed::layer(weights[7], weights[8], 0), dn0 = Packed::layer(weights[9], weights[10], 0);
+  const int64_t inter2 = w.gate_up.size(1) * kTile;  // gate_up outputs (padded to the tile)
+  Packed gu0 = Packed::layer(w.gate_up, w.gate_up_scales, 0), dn0 = Packed::layer(w.down, w.down_scales, 0);
   const int64_t inter = dn0.in_features();
   TORCH_CHECK(inter2 >= 2 * inter && gu0.in_features() == hidden, "packed_forward: MLP shapes do not match");
 
@@ -539,12 +716,12 @@ std::tuple<at::Tensor, at::Tensor> packed_forward(const at::Tensor& x_in, const 
   QuantRows xq;
   float* xp = x.data_ptr<float>();
   for (int64_t l = 0; l < layers; ++l) {
-    rms_norm(xp, in_norm[l].data_ptr<float>(), tokens, hidden, s.eps, h.data_ptr<float>());
+    rms_norm(xp, w.in_norm[l].data_ptr<float>(), tokens, hidden, s.eps, h.data_ptr<float>());
     xq.quantize(h.data_ptr<float>(), tokens, hidden);
-    linear(Packed::layer(weights[3], weights[4], l), xq, tokens, qkv_size, qkv.data_ptr<float>());
-    if (bias.numel()) qkv.add_(bias[l]);
-    const float* qn = q_norm.numel() ? q_norm[l].data_ptr<float>() : nullptr;
-    const float* kn = k_norm.numel() ? k_norm[l].data_ptr<float>() : nullptr;
+    linear(Packed::layer(w.qkv, w.qkv_scales, l), xq, tokens, qkv_size, qkv.data_ptr<float>());
+    if (w.bias.numel()) qkv.add_(w.bias[l]);
+    const float* qn = w.q_norm.numel() ? w.q_norm[l].data_ptr<float>() : nullptr;
+    const float* kn = w.k_norm.numel() ? w.k_norm[l].data_ptr<float>() : nullptr;
     if (pool_type == at::kFloat) {
       rotate_and_store<float>(s, qkv.data_ptr<float>(), qn, kn, q.data_ptr<float>(), k_caches[l].data_ptr<float>(),
                               v_caches[l].data_ptr<float>());
@@ -559,24 +736,24 @@ std::tuple<at::Tensor, at::Tensor> packed_forward(const at::Tensor& x_in, const 
       if (probe_layers[p] == l)
         for (int64_t i = 0; i < probes; ++i) probe_q[p][i].view({-1}).copy_(q[probe_rows[i].item<int64_t>()]);
     xq.quantize(attn.data_ptr<float>(), tokens, q_size);
-    linear(Packed::layer(weights[5], weights[6], l), xq, tokens, hidden, proj.data_ptr<float>());
+    linear(Packed::layer(w.o, w.o_scales, l), xq, tokens, hidden, proj.data_ptr<float>());
     x.add_(proj);
-    rms_norm(xp, post_norm[l].data_ptr<float>(), tokens, hidden, s.eps, h.data_ptr<float>());
+    rms_norm(xp, w.post_norm[l].data_ptr<float>(), tokens, hidden, s.eps, h.data_ptr<float>());
     xq.quantize(h.data_ptr<float>(), tokens, hidden);
-    linear(Packed::layer(weights[7], weights[8], l), xq, tokens, 2 * inter, gu.data_ptr<float>());
+    linear(Packed::layer(w.gate_up, w.gate_up_scales, l), xq, tokens, 2 * inter, gu.data_ptr<float>());
     const float* g = gu.data_ptr<float>();
     float* a = act.data_ptr<float>();
     for (int64_t t = 0; t < tokens; ++t) {
       const float* gt = g + t * 2 * inter;
       float* at = a + t * inter;
 #pragma omp simd  // a vector exp: a scalar one per value cost more than the projections at 32 rows
-      for (int64_t i = 0; i < inter; ++i) at[i] = gt[i] / (1.f + std::exp(-gt[i])) * gt[inter + i];
+      for (int64_t i = 0; i < inter; ++i) at[i] = gt[i] / (1.f + exp_fp32(-gt[i])) * gt[inter + i];
     }
     xq.quantize(a, tokens, inter);
-    linear(Packed::layer(weights[9], weights[10], l), xq, tokens, hidden, proj.data_ptr<float>());
+    linear(Packed::layer(w.down, w.down_scales, l), xq, tokens, hidden, proj.data_ptr<float>());
     x.add_(proj);
   }
-  rms_norm(xp, final_norm.data_ptr<float>(), tokens, hidden, s.eps, h.data_ptr<float>());
+  rms_norm(xp, w.final_norm.data_ptr<float>(), tokens, hidden, s.eps, h.data_ptr<float>());
   return {h, probe_q};
 }
 
@@ -593,9 +770,12 @@ at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& data, const at::
   return out;
 }
 
+std::string packed_simd() { return kSimdPath; }
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(stratum, m) {
+  m.def("packed_simd() -> str", &packed_simd);
   m.def("packed_linear(Tensor x, Tensor data, Tensor scales, int n_out) -> Tensor");
   m.impl("packed_linear", c10::DispatchKey::CPU, TORCH_FN(packed_linear));
   m.def("packed_forward(Tensor x, Tensor positions, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor tables, "
