@@ -485,13 +485,6 @@ class RespMessage(_Loose):
     role: Literal["user", "assistant", "system", "developer"]
     content: str | list[RespInputText]
 
-    @model_validator(mode="before")
-    @classmethod
-    def _text_only(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            _refuse_media(data.get("content"), {"input_text", "output_text", "text"})
-        return data
-
 
 class RespFunctionCall(_Loose):
     type: Literal["function_call"]
@@ -504,13 +497,6 @@ class RespFunctionCallOutput(_Loose):
     type: Literal["function_call_output"]
     call_id: str
     output: str | list[RespInputText]
-
-    @model_validator(mode="before")
-    @classmethod
-    def _text_only(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            _refuse_media(data.get("output"), {"input_text", "output_text", "text"}, "output")
-        return data
 
 
 class RespReasoning(_Loose):
@@ -588,6 +574,16 @@ class ResponsesRequest(_Loose):
     conversation: Any = None
     background: bool | None = None
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # extension, as on chat completions
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        items = data.get("input") if isinstance(data, dict) else None
+        for i, item in enumerate(items if isinstance(items, list) else []):
+            if isinstance(item, dict):
+                field = "output" if item.get("type") == "function_call_output" else "content"
+                _refuse_media(item.get(field), {"input_text", "output_text", "text"}, f"input.{i}.{field}")
+        return data
 
     @model_validator(mode="after")
     def _rules(self):
