@@ -77,6 +77,14 @@ def _block_text(block) -> str:
     return _tool_response_text(json.dumps(block.content, ensure_ascii=False))
 
 
+def _append(messages: list[dict[str, Any]], role: str, text: str) -> None:
+    """Add a turn; consecutive turns of one role are merged, as the Messages API does."""
+    if messages and messages[-1]["role"] == role:
+        messages[-1]["content"] += "\n" + text
+    else:
+        messages.append({"role": role, "content": text})
+
+
 def _marks(blocks) -> list:
     return [b.cache_control for b in blocks if getattr(b, "cache_control", None)]
 
@@ -116,10 +124,7 @@ def anthropic_input(req: MessagesRequest | CountTokensRequest) -> ChatInput:
         text = m.content if isinstance(m.content, str) else "\n".join(t for t in map(_block_text, blocks) if t)
         if m.role == "system":
             system_texts.append(text)
-        if messages and messages[-1]["role"] == m.role:
-            messages[-1]["content"] += "\n" + text
-        else:
-            messages.append({"role": m.role, "content": text})
+        _append(messages, m.role, text)
         marks = _marks(blocks) + ([m.cache_control] if m.cache_control else [])
         if marks:
             pinned[len(messages) - 1] = marks[-1].ttl
@@ -137,10 +142,7 @@ def openai_input(req: ChatCompletionRequest) -> ChatInput:
             role, text = "user", _tool_response_text(text)
         for call in m.tool_calls or []:
             text += _tool_call_text(call.function.name, _args(call.function.arguments))
-        if messages and messages[-1]["role"] == role:
-            messages[-1]["content"] += "\n" + text
-        else:
-            messages.append({"role": role, "content": text})
+        _append(messages, role, text)
     choice = req.tool_choice
     tools = None
     if req.tools and choice != "none":
@@ -158,25 +160,18 @@ def responses_input(req: ResponsesRequest) -> ChatInput:
     messages as system ones, function calls and their outputs in the Hermes form, as chat completions'
     tool calls are."""
     messages: list[dict[str, Any]] = []
-
-    def add(role: str, text: str) -> None:
-        if messages and messages[-1]["role"] == role:
-            messages[-1]["content"] += "\n" + text
-        else:
-            messages.append({"role": role, "content": text})
-
     if req.instructions:
-        add("system", req.instructions)
+        _append(messages, "system", req.instructions)
     items = [RespMessage(role="user", content=req.input)] if isinstance(req.input, str) else req.input
     for item in items:
         if item.type == "message":
             text = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
-            add("system" if item.role == "developer" else item.role, text)
+            _append(messages, "system" if item.role == "developer" else item.role, text)
         elif item.type == "function_call":
-            add("assistant", _tool_call_text(item.name, _args(item.arguments)))
+            _append(messages, "assistant", _tool_call_text(item.name, _args(item.arguments)))
         elif item.type == "function_call_output":
             output = item.output if isinstance(item.output, str) else "".join(p.text for p in item.output)
-            add("user", _tool_response_text(output))
+            _append(messages, "user", _tool_response_text(output))
     choice = req.tool_choice
     tools = None
     if req.tools and choice != "none":
