@@ -211,7 +211,8 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
             top_p=req.top_p or settings.default_top_p, top_k=req.top_k or 0,
             stop=list(req.stop_sequences or []), seed=req.seed, ignore_eos=req.ignore_eos,
         )
-        job = pipeline.admit(rt, request, "/v1/messages", req.max_tokens, user_id)
+        # what max_tokens can cost is bounded by the context (`pipeline.fit_context` lowers it to fit)
+        job = pipeline.admit(rt, request, "/v1/messages", min(req.max_tokens, engine.config.max_model_len), user_id)
         stream, first = await _start(rt, job, request, chat, sampling, settings, fit_context=True)
         msg_id = "msg_" + uuid.uuid4().hex[:24]
         if req.stream:

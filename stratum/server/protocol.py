@@ -219,6 +219,12 @@ class Tool(_Strict):
     cache_control: CacheControl | None = None
     type: Literal["custom"] | None = None
     strict: bool | None = None  # the input always follows input_schema; strict also refuses what cannot be enforced
+    # Accepted and ignored: arguments always stream as generated, the tool is always offered, no
+    # server-side code calls it, and examples are not shown to the model.
+    eager_input_streaming: bool | None = None
+    defer_loading: bool | None = None
+    allowed_callers: list[str] | None = None
+    input_examples: list[dict[str, Any]] | None = None
 
     @field_validator("input_schema")
     @classmethod
