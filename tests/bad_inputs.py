@@ -328,6 +328,35 @@ def _completions_cases() -> list[BadRequest]:
         BadRequest("completions: unknown model", p, _with(base, model="davinci"), status=404, error_type=NOT_FOUND)]
 
 
+def _responses_cases() -> list[BadRequest]:
+    p = "/v1/responses"
+    base = {"model": "tiny", "input": "hi", "max_output_tokens": 4}
+    bodies = {
+        "input missing": _without(base, "input"),
+        "input empty list": _with(base, input=[]),
+        "input is a number": _with(base, input=5),
+        "message without role": _with(base, input=[{"type": "message", "content": "hi"}]),
+        "role tool": _with(base, input=[{"role": "tool", "content": "hi"}]),
+        "input_image": _with(base, input=[{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]),
+        "item_reference": _with(base, input=[{"type": "item_reference", "id": "msg_1"}]),
+        "function_call without call_id": _with(base, input=[{"type": "function_call", "name": "f", "arguments": "{}"}]),
+        "previous_response_id": _with(base, previous_response_id="resp_1"),
+        "background": _with(base, background=True),
+        "max_output_tokens 0": _with(base, max_output_tokens=0),
+        "max_output_tokens over the context": _with(base, max_output_tokens=5000),
+        "temperature 2.5": _with(base, temperature=2.5),
+        "tool without name": _with(base, tools=[{"type": "function", "parameters": {"type": "object"}}]),
+        "tool_choice names an unknown tool": _with(base, tools=[{"type": "function", "name": "f"}],
+                                                   tool_choice={"type": "function", "name": "g"}),
+        "json_schema format without schema": _with(base, text={"format": {"type": "json_schema", "name": "x"}}),
+        "json_schema not enforceable": _with(base, text={"format": {"type": "json_schema", "name": "x", "schema": {
+            "type": "object", "propertyNames": {"pattern": "a"}}}}),
+    }
+    return [BadRequest(f"responses: {name}", p, body=body) for name, body in bodies.items()] + [
+        BadRequest("responses: unknown model", p, _with(base, model="gpt-9"), status=404, error_type=NOT_FOUND),
+        BadRequest("responses: malformed json", p, raw=b"{", headers=JSON_HEADERS)]
+
+
 def _batch_cases() -> list[BadRequest]:
     p = "/v1/messages/batches"
     one = {"custom_id": "a", "params": MESSAGE}
@@ -400,6 +429,6 @@ def _guarded_cases() -> list[BadRequest]:
     return auth + size + keyed_but_bad
 
 
-CORPUS: list[BadRequest] = (_messages_cases() + _count_tokens_cases() + _chat_cases() + _completions_cases() + _batch_cases() + _route_cases()
-                             + _guarded_cases())
+CORPUS: list[BadRequest] = (_messages_cases() + _count_tokens_cases() + _chat_cases() + _completions_cases()
+                             + _responses_cases() + _batch_cases() + _route_cases() + _guarded_cases())
 assert len({c.name for c in CORPUS}) == len(CORPUS), "case names must be unique"

@@ -289,6 +289,7 @@ def test_responses_json_schema_format(oai):
     ({"previous_response_id": "resp_1"}, "previous_response_id"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x.example/a.png"}]}]}, "text-only"),
     ({"tool_choice": "required"}, "tool_choice requires tools"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "item_reference"),
     ({"temperature": 3}, "temperature"),
 ])
 def test_responses_errors_in_openai_shape(oai, body, says):

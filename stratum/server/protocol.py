@@ -511,6 +511,9 @@ class RespReasoning(_Loose):
     type: Literal["reasoning"]
 
 
+_RESP_ITEMS = ("message", "function_call", "function_call_output", "reasoning")
+
+
 def _input_item_kind(v: Any) -> str:
     return (v.get("type") or "message") if isinstance(v, dict) else "message"
 
@@ -587,7 +590,12 @@ class ResponsesRequest(_Loose):
         items = data.get("input") if isinstance(data, dict) else None
         for i, item in enumerate(items if isinstance(items, list) else []):
             if isinstance(item, dict):
-                field = "output" if item.get("type") == "function_call_output" else "content"
+                kind = item.get("type", "message")
+                if isinstance(kind, str) and kind not in _RESP_ITEMS:
+                    raise PydanticCustomError("unsupported_content", "input.{i}: input items of type {kind} are not "
+                                              "supported here (messages, function_call, function_call_output and "
+                                              "reasoning are)", {"i": i, "kind": repr(kind)})
+                field = "output" if kind == "function_call_output" else "content"
                 _refuse_media(item.get(field), {"input_text", "output_text", "text"}, f"input.{i}.{field}")
         return data
 
