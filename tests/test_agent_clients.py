@@ -163,14 +163,14 @@ def test_anthropic_defined_tools_are_not_offered(client):
 
 @pytest.mark.parametrize("block, says", [
     ({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}, "text-only"),
-    ({"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}}, "text documents"),
-    ({"type": "document", "source": {"type": "url", "url": "https://x.example/a.pdf"}}, "text documents"),
+    ({"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}}, "'base64'"),
+    ({"type": "document", "source": {"type": "url", "url": "https://x.example/a.pdf"}}, "'url'"),
 ])
 def test_media_this_model_cannot_read_is_a_clear_400(client, block, says):
     with pytest.raises(anthropic.BadRequestError) as info:
         client.messages.create(model="tiny", max_tokens=2, messages=[user([block, {"type": "text", "text": "Read this"}])])
     message = info.value.body["error"]["message"]
-    assert message.startswith("messages.0.content.0") and says in message
+    assert message.startswith("messages.0.content.0") and says in message and "text-only" in message
 
 
 def test_prompt_too_long_names_the_count_that_count_tokens_gives(client):

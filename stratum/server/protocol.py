@@ -191,7 +191,7 @@ def _refuse_media(blocks: Any, known: set[str], where: str = "content") -> None:
             if isinstance(source_type, str) and source_type not in ("text", "content"):
                 raise PydanticCustomError(
                     "unsupported_content", "{where}.{j}: documents with a source of type {kind} are not supported: "
-                    "this model reads text documents only (source type 'text' or 'content')",
+                    "this model is text-only (it reads documents with a 'text' or 'content' source)",
                     {"where": where, "j": j, "kind": repr(source_type)})
             if source_type == "content":
                 _refuse_media(source.get("content"), {"text"}, f"{where}.{j}.source.content")
@@ -456,11 +456,14 @@ class ChatCompletionRequest(_Sampled):
         return self
 
 
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]  # beyond any vocabulary; the engine checks its own size
+
+
 class CompletionRequest(_Sampled):
     """The legacy OpenAI completions endpoint: a prompt string (or token ids) continued as is."""
 
     model: str = Field(min_length=1, max_length=256)
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: int | None = Field(default=16, ge=0)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=5)
