@@ -137,6 +137,7 @@ def cmd_serve(args) -> int:
     keys += tuple(k.strip() for k in os.environ.get("STRATUM_API_KEYS", "").split(",") if k.strip())
     name = args.served_model_name or args.model
     settings = ServerSettings(model_name=name, aliases=(client.info.model_name,), api_keys=keys,
+                              model_patterns=tuple(p for p in (args.serve_models_matching or ["claude-*"]) if p),
                               max_body_bytes=args.max_body_bytes, share_prefix_cache=args.share_prefix_cache,
                               body_timeout_s=args.read_timeout_s, cors_origins=tuple(args.cors_origin or ()),
                               header_wait_s=args.header_wait_s, data_dir=Path(args.data_dir) if args.data_dir else None,
@@ -378,6 +379,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=8080)
     p.add_argument("--api-key", action="append", help="accepted API key (repeatable); also STRATUM_API_KEYS=k1,k2")
     p.add_argument("--served-model-name", default=None)
+    p.add_argument("--serve-models-matching", action="append", metavar="GLOB", default=None,
+                   help="other model names the loaded model answers to (repeatable; default 'claude-*', so "
+                        "Anthropic's clients work unchanged; '' to answer to the served name only)")
     p.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
     p.add_argument("--max-header-bytes", type=int, default=32 * 1024, help="larger request headers get 431")
     p.add_argument("--max-connections", type=int, default=1024, help="requests on connections beyond this get 529")

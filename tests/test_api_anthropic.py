@@ -282,18 +282,22 @@ def test_bad_request_error(client):
 
 
 def test_not_found_error_for_unknown_model(client):
+    """Any claude-* name is served by the loaded model (README: "Model names"); another name is not found."""
     with pytest.raises(anthropic.NotFoundError) as info:
-        client.messages.create(model="claude-nonexistent", max_tokens=4, messages=[user("hi")])
+        client.messages.create(model="gpt-nonexistent", max_tokens=4, messages=[user("hi")])
     assert _error_type(info.value) == "not_found_error"
     with pytest.raises(anthropic.NotFoundError):
-        client.messages.count_tokens(model="claude-nonexistent", messages=[user("hi")])
+        client.messages.count_tokens(model="gpt-nonexistent", messages=[user("hi")])
 
 
 def test_context_overflow_names_the_numbers(client):
+    """A prompt beyond the context names both counts, as Anthropic words it, and the count is
+    count_tokens' own (max_tokens beyond the context is lowered instead: tests/test_agent_clients.py)."""
+    messages = [user("the capital of Japan is Tokyo. " * 400)]
     with pytest.raises(anthropic.BadRequestError) as info:
-        client.messages.create(model="tiny", max_tokens=5000, messages=[user("hi")])
+        client.messages.create(model="tiny", max_tokens=5000, messages=messages)
     message = info.value.body["error"]["message"]
-    assert "5000" in message and "2048" in message
+    assert message == f"prompt is too long: {count(client, messages)} tokens > 2048 maximum"
 
 
 @pytest.fixture(scope="module")

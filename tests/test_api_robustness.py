@@ -68,14 +68,14 @@ def _openapi_with_bodies(url: str) -> dict:
     engine instead of stopping at 404 or spending seconds decoding.
     """
     from stratum.server.protocol import (BatchCreateRequest, ChatCompletionRequest, CompletionRequest, CountTokensRequest,
-                                         MessagesRequest)
+                                         MessagesRequest, ResponsesRequest)
 
     spec = httpx.get(url + "/openapi.json", timeout=10).json()
     components = spec.setdefault("components", {}).setdefault("schemas", {})
     small = {"type": "integer", "minimum": 0, "maximum": 32}
     for path, model in {"/v1/messages": MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest,
                         "/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
-                        "/v1/messages/batches": BatchCreateRequest}.items():
+                        "/v1/messages/batches": BatchCreateRequest, "/v1/responses": ResponsesRequest}.items():
         operation = spec["paths"][path]["post"]
         if "requestBody" in operation:
             continue
@@ -85,8 +85,9 @@ def _openapi_with_bodies(url: str) -> dict:
         if "max_tokens" in schema["properties"]:
             schema["properties"]["max_tokens"] = small
             schema["required"] = sorted(set(schema.get("required", [])) | {"max_tokens"})
-        if "max_completion_tokens" in schema["properties"]:
-            schema["properties"]["max_completion_tokens"] = small
+        for field in ("max_completion_tokens", "max_output_tokens"):
+            if field in schema["properties"]:
+                schema["properties"][field] = {**small, "minimum": 1} if field == "max_output_tokens" else small
         components[model.__name__] = schema
         operation["requestBody"] = {"required": True, "content": {"application/json": {
             "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
@@ -127,7 +128,7 @@ def test_schemathesis_finds_no_server_errors(fuzz_server, max_examples):
                 elif response.status_code >= 400:
                     data = response.json()
                     error = data.get("error") if isinstance(data.get("error"), dict) else {}
-                    if operation.path.startswith(("/v1/chat/completions", "/v1/completions")):
+                    if operation.path.startswith(("/v1/chat/completions", "/v1/completions", "/v1/responses")):
                         if "type" in data or not error.get("type") or not {"message", "param", "code"} <= set(error):
                             problem = "error body not in OpenAI's shape"
                     elif data.get("type") != "error" or not error.get("type"):

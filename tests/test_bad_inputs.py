@@ -48,7 +48,7 @@ def test_bad_request_gets_its_error(servers, case):
     request_id = r.headers.get("request-id")
     assert request_id and request_id.startswith("req_")
     body = r.json()
-    if case.path.startswith(("/v1/chat/completions", "/v1/completions")):  # OpenAI's shape: no top-level type, param and code
+    if case.path.startswith(("/v1/chat/completions", "/v1/completions", "/v1/responses")):  # OpenAI's shape: no top-level type, param and code
         assert "type" not in body and {"message", "type", "param", "code"} <= set(body["error"]), body
     else:
         assert body["type"] == "error"

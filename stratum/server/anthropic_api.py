@@ -25,9 +25,9 @@ def split_output(prompt: Prompt, text: str) -> tuple[str, list[tuple[str, dict]]
     return tool_fmt.parse_tool_calls(full, prompt.tool_names)
 
 
-def stop_reason(out: RequestOutput, has_calls: bool) -> tuple[str, str | None]:
+def stop_reason(job: pipeline.Job, out: RequestOutput, has_calls: bool) -> tuple[str, str | None]:
     if out.finish_reason == "length":  # a call cut short too: its input may be incomplete
-        return "max_tokens", None
+        return ("model_context_window_exceeded" if job.is_context_capped else "max_tokens"), None
     if has_calls:
         return "tool_use", None
     if isinstance(out.stop_reason, str) and out.stop_reason != tool_fmt.CLOSE:
@@ -42,7 +42,7 @@ def message_body(msg_id: str, model: str, job: pipeline.Job, out: RequestOutput)
         content.append({"type": "text", "text": text})
     for name, args in calls:
         content.append({"type": "tool_use", "id": tool_fmt.new_tool_id(), "name": name, "input": args})
-    reason, sequence = stop_reason(out, bool(calls))
+    reason, sequence = stop_reason(job, out, bool(calls))
     return {
         "id": msg_id, "type": "message", "role": "assistant", "model": model, "content": content,
         "stop_reason": reason, "stop_sequence": sequence, "usage": pipeline.usage_of(out, job.cache_breakpoint),
@@ -121,7 +121,7 @@ def event_stream(rt: pipeline.Runtime, job: pipeline.Job, stream: RequestStream,
                     yield event
             if kind is not None:
                 yield close()
-            reason, sequence = stop_reason(final, has_calls)
+            reason, sequence = stop_reason(job, final, has_calls)
             yield sse("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
                                         "usage": pipeline.usage_of(final, job.cache_breakpoint)})
             _, cost = pipeline.finish(rt, job, final)

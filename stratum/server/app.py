@@ -6,6 +6,7 @@ and `/health` and `/metrics` read the engine's published snapshot, never waiting
 from __future__ import annotations
 
 import asyncio
+import fnmatch
 import hashlib
 import hmac
 import json
@@ -28,14 +29,14 @@ from starlette.requests import ClientDisconnect
 from stratum.engine.client import EngineClient, ReplicaView, RequestGroup, RequestStream
 from stratum.engine.outputs import RequestOutput
 from stratum.engine.sampling_params import SamplingParams
-from stratum.server import anthropic_api, batches, openai_api, pipeline
-from stratum.server.chat import ChatInput, Prompt, anthropic_input, build_prompt, openai_input
+from stratum.server import anthropic_api, batches, openai_api, pipeline, responses_api
+from stratum.server.chat import ChatInput, Prompt, anthropic_input, build_prompt, openai_input, responses_input
 from stratum.server.errors import (APIError, AuthenticationFailed, BodyTimeout, ClientDisconnected, EngineUnavailable,
                                    InvalidRequest, MethodNotAllowed, NotFound, Overloaded, RequestTooLarge, as_api_error,
                                    error_response, new_request_id)
 from stratum.server.http import OVER_LIMIT
 from stratum.server.protocol import (BatchCreateRequest, ChatCompletionRequest, CompletionRequest, CountTokensRequest,
-                                     MessagesRequest)
+                                     MessagesRequest, ResponsesRequest)
 from stratum.telemetry.cost import ArticleFormula, PricingModel
 
 log = logging.getLogger("stratum.server")
@@ -59,6 +60,7 @@ EXPOSED_HEADERS = ["request-id", "x-stratum-cost", "x-stratum-trace", "x-stratum
 class ServerSettings:
     """Args:
         model_name: the id clients send in `model`; aliases are accepted too.
+        model_patterns: globs of other model names served by the loaded model (`_check_model`).
         api_keys: accepted keys; empty means no authentication. Only their SHA-256 digests are kept.
         max_body_bytes: request bodies above this get 413 before any parsing.
         header_wait_s: a stream waits this long for prefill before sending headers without its figures.
@@ -76,6 +78,7 @@ class ServerSettings:
 
     model_name: str
     aliases: tuple[str, ...] = ()
+    model_patterns: tuple[str, ...] = ("claude-*",)
     api_keys: tuple[str, ...] = ()
     max_body_bytes: int = 4 * 2**20
     ping_interval_s: float = 5.0
@@ -208,8 +211,9 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
             top_p=req.top_p or settings.default_top_p, top_k=req.top_k or 0,
             stop=list(req.stop_sequences or []), seed=req.seed, ignore_eos=req.ignore_eos,
         )
-        job = pipeline.admit(rt, request, "/v1/messages", req.max_tokens, user_id)
-        stream, first = await _start(rt, job, request, chat, sampling, settings)
+        # what max_tokens can cost is bounded by the context (`pipeline.fit_context` lowers it to fit)
+        job = pipeline.admit(rt, request, "/v1/messages", min(req.max_tokens, engine.config.max_model_len), user_id)
+        stream, first = await _start(rt, job, request, chat, sampling, settings, fit_context=True)
         msg_id = "msg_" + uuid.uuid4().hex[:24]
         if req.stream:
             return anthropic_api.event_stream(rt, job, stream, first, msg_id, req.model, settings.ping_interval_s)
@@ -256,6 +260,24 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         outs = await _collect(request, stream, first, rt, job)
         headers, _ = pipeline.finish(rt, job, pipeline.merge(outs, job.n))
         return JSONResponse(openai_api.text_body(cid, req.model, job, outs, echoes, engine.tokenizer), headers=headers)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        req = await _read_request(request, settings, ResponsesRequest)
+        _check_model(settings, req.model)
+        chat = responses_input(req)
+        sampling = SamplingParams(
+            max_tokens=req.max_output_tokens or DEFAULT_MAX_TOKENS,
+            temperature=settings.default_temperature if req.temperature is None else req.temperature,
+            top_p=req.top_p or settings.default_top_p, seed=req.seed)
+        job = pipeline.admit(rt, request, "/v1/responses", req.max_output_tokens, req.safety_identifier or req.user)
+        stream, first = await _start(rt, job, request, chat, sampling, settings, default_max=req.max_output_tokens is None)
+        shell = responses_api.ResponseShell(req, sampling.temperature, sampling.top_p)
+        if req.stream:
+            return responses_api.event_stream(rt, job, stream, first, shell, settings.ping_interval_s)
+        out, = await _collect(request, stream, first, rt, job)
+        headers, _ = pipeline.finish(rt, job, out)
+        return JSONResponse(responses_api.response_body(shell, job, out), headers=headers)
 
     return app
 
@@ -408,12 +430,14 @@ def _openai_sampling(req, settings: ServerSettings, max_tokens: int | None, logp
 
 async def _start(rt: pipeline.Runtime, job: pipeline.Job, request: Request, chat: ChatInput | None,
                  sampling: SamplingParams, settings: ServerSettings, default_max: bool = False, n: int = 1,
-                 raw: list[str | list[int]] | None = None) -> tuple[RequestStream | RequestGroup, RequestOutput | None]:
+                 raw: list[str | list[int]] | None = None,
+                 fit_context: bool = False) -> tuple[RequestStream | RequestGroup, RequestOutput | None]:
     """Controls, compression, prompt, engine: returns the stream and its first output (prefill done), if it
     came within header_wait_s. Admission errors raised by the engine surface here as 4xx, with the
-    tenant's budget window. `raw` is completions' prompts (texts or token ids) used as they are, without `chat`."""
+    tenant's budget window. `raw` is completions' prompts (texts or token ids) used as they are, without `chat`;
+    `fit_context` applies the Messages API's context rule (`pipeline.fit_context`)."""
     try:
-        return await _start_admitted(rt, job, request, chat, sampling, settings, default_max, n, raw)
+        return await _start_admitted(rt, job, request, chat, sampling, settings, default_max, n, raw, fit_context)
     except BaseException as e:
         pipeline.release(rt, job)
         if isinstance(e, APIError):
@@ -423,7 +447,7 @@ async def _start(rt: pipeline.Runtime, job: pipeline.Job, request: Request, chat
 
 async def _start_admitted(rt: pipeline.Runtime, job: pipeline.Job, request: Request, chat: ChatInput | None,
                           sampling: SamplingParams, settings: ServerSettings, default_max: bool, n: int,
-                          raw: list[str | list[int]] | None):
+                          raw: list[str | list[int]] | None, fit_context: bool):
     engine = rt.engine
     prompts = None
     if chat is None:
@@ -440,6 +464,8 @@ async def _start_admitted(rt: pipeline.Runtime, job: pipeline.Job, request: Requ
     every = prompts or [prompt.token_ids]
     if default_max:
         sampling.max_tokens = max(1, min(sampling.max_tokens, engine.config.max_model_len - max(map(len, every))))
+    if fit_context:
+        pipeline.fit_context(rt, job, len(prompt.token_ids), sampling)
     for ids in every:
         pipeline.check_request(rt, Prompt(ids, tool_names=prompt.tool_names), sampling)
     pipeline.reserve(rt, job, sum(map(len, every)), len(every) * n * sampling.max_tokens)
@@ -534,7 +560,11 @@ def _parse(model: type[BaseModel], data: dict[str, Any]):
 
 
 def _check_model(settings: ServerSettings, name: str) -> None:
-    if name != settings.model_name and name not in settings.aliases:
+    """The served name, an alias, or a name matching one of `model_patterns` (by default any Claude
+    model id, so Anthropic's clients, which name Claude models, run on the loaded model unchanged)."""
+    if name == settings.model_name or name in settings.aliases:
+        return
+    if not any(fnmatch.fnmatchcase(name, p) for p in settings.model_patterns):
         raise NotFound(f"model {name!r} not found; this server serves {settings.model_name!r}")
 
 

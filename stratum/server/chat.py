@@ -10,7 +10,8 @@ from stratum.models.chat_template import ChatTemplate, ChatTemplateError
 from stratum.server import structured
 from stratum.server import tools as tool_fmt
 from stratum.server.errors import InvalidRequest
-from stratum.server.protocol import ChatCompletionRequest, CountTokensRequest, MessagesRequest
+from stratum.server.protocol import (ChatCompletionRequest, CountTokensRequest, MessagesRequest, RespMessage,
+                                     ResponsesRequest)
 
 
 @dataclass
@@ -40,25 +41,63 @@ class Prompt:
     grammar: str | None = None  # what the answer must follow (`structured`), for the engine's sampler
 
 
-def _block_text(block) -> str:
-    if block.type in ("thinking", "redacted_thinking"):  # a recorded model's reasoning is not part of the prompt
-        return ""
-    if block.type == "text":
-        return block.text
-    if block.type == "tool_use":
-        return tool_fmt.OPEN + "\n" + json.dumps({"name": block.name, "arguments": block.input}, ensure_ascii=False) + "\n" + tool_fmt.CLOSE
-    content = block.content if isinstance(block.content, str) else "\n".join(b.text for b in block.content)
+def _tool_call_text(name: str, arguments: Any) -> str:
+    return tool_fmt.OPEN + "\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n" + tool_fmt.CLOSE
+
+
+def _tool_response_text(content: str) -> str:
     return "<tool_response>\n" + content + "\n</tool_response>"
 
 
+def _block_text(block) -> str:
+    """One content block as the model reads it. The rules (README, "Content blocks"): text as is;
+    documents and search results as their title, context and text; tool calls and results (Anthropic's
+    server tools' too) in the Hermes form the model is prompted with; thinking and container uploads
+    add nothing."""
+    kind = block.type
+    if kind in ("thinking", "redacted_thinking", "container_upload"):  # a recorded model's reasoning is not prompt
+        return ""
+    if kind == "text":
+        return block.text
+    if kind == "document":
+        source = block.source
+        body = source.data if source.type == "text" else (
+            source.content if isinstance(source.content, str) else "\n".join(b.text for b in source.content))
+        return "\n".join(t for t in (block.title, block.context, body) if t)
+    if kind == "search_result":
+        return "\n".join([block.title, block.source, *(b.text for b in block.content)])
+    if kind == "tool_reference":
+        return f"Tool: {block.tool_name}"
+    if kind in ("tool_use", "server_tool_use", "mcp_tool_use"):
+        return _tool_call_text(block.name, block.input)
+    if kind == "tool_result":
+        content = block.content if isinstance(block.content, str) else "\n".join(map(_block_text, block.content))
+        return _tool_response_text(content)
+    # a server tool's result (web search, code execution...): its content as JSON
+    return _tool_response_text(json.dumps(block.content, ensure_ascii=False))
+
+
+def _append(messages: list[dict[str, Any]], role: str, text: str) -> None:
+    """Add a turn; consecutive turns of one role are merged, as the Messages API does."""
+    if messages and messages[-1]["role"] == role:
+        messages[-1]["content"] += "\n" + text
+    else:
+        messages.append({"role": role, "content": text})
+
+
+def _marks(blocks) -> list:
+    return [b.cache_control for b in blocks if getattr(b, "cache_control", None)]
+
+
 def anthropic_input(req: MessagesRequest | CountTokensRequest) -> ChatInput:
-    """Anthropic body -> chat messages. Consecutive turns of one role are merged, as the Messages API does."""
+    """Anthropic body -> chat messages. Consecutive turns of one role are merged, as the Messages API
+    does; a system message inside `messages` stays a system turn at its place in the conversation."""
     messages: list[dict[str, Any]] = []
     pinned: dict[int, str | None] = {}
     system = req.system
     if isinstance(system, list):
         system_text = "\n".join(b.text for b in system)
-        marks = [b.cache_control for b in system if b.cache_control]
+        marks = _marks(system)
     else:
         system_text, marks = system or "", []
     if system_text:
@@ -79,18 +118,19 @@ def anthropic_input(req: MessagesRequest | CountTokensRequest) -> ChatInput:
         forced = True
     elif choice is not None and choice.type == "tool":
         forced = choice.name
+    system_texts = [system_text] if system_text else []
     for m in req.messages:
         blocks = [] if isinstance(m.content, str) else m.content
         text = m.content if isinstance(m.content, str) else "\n".join(t for t in map(_block_text, blocks) if t)
-        if messages and messages[-1]["role"] == m.role:
-            messages[-1]["content"] += "\n" + text
-        else:
-            messages.append({"role": m.role, "content": text})
-        marks = [b.cache_control for b in blocks if getattr(b, "cache_control", None)]
+        if m.role == "system":
+            system_texts.append(text)
+        _append(messages, m.role, text)
+        marks = _marks(blocks) + ([m.cache_control] if m.cache_control else [])
         if marks:
             pinned[len(messages) - 1] = marks[-1].ttl
-    schema = req.output_schema if isinstance(req, MessagesRequest) else None
-    return ChatInput(messages, tools, forced, system_text, pinned, output_schema=schema)
+    if req.cache_control is not None:  # automatic caching: a breakpoint after the last message
+        pinned[len(messages) - 1] = req.cache_control.ttl
+    return ChatInput(messages, tools, forced, "\n".join(system_texts), pinned, output_schema=req.output_schema)
 
 
 def openai_input(req: ChatCompletionRequest) -> ChatInput:
@@ -99,30 +139,60 @@ def openai_input(req: ChatCompletionRequest) -> ChatInput:
         role = "system" if m.role == "developer" else m.role
         text = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
         if role == "tool":
-            role, text = "user", "<tool_response>\n" + text + "\n</tool_response>"
+            role, text = "user", _tool_response_text(text)
         for call in m.tool_calls or []:
-            text += tool_fmt.OPEN + "\n" + json.dumps({"name": call.function.name, "arguments": _args(call.function.arguments)}) + "\n" + tool_fmt.CLOSE
-        if messages and messages[-1]["role"] == role:
-            messages[-1]["content"] += "\n" + text
-        else:
-            messages.append({"role": role, "content": text})
+            text += _tool_call_text(call.function.name, _args(call.function.arguments))
+        _append(messages, role, text)
     choice = req.tool_choice
     tools = None
     if req.tools and choice != "none":
         tools = [{"name": t.function.name, "description": t.function.description or "", "parameters": t.function.parameters,
                   "strict": bool(t.function.strict)} for t in req.tools]
-    forced: bool | str = False
-    if choice == "required":
-        forced = True
-    elif choice is not None and not isinstance(choice, str):  # {"type": "function", "function": {"name": ...}}
-        forced = choice.function.name
-        if forced not in {t["name"] for t in tools or []}:
-            raise InvalidRequest(f"tool_choice names {forced!r}, which is not in tools")
-    if forced is not False and not tools:
-        raise InvalidRequest("tool_choice requires tools")
+    named = choice.function.name if choice is not None and not isinstance(choice, str) else None
+    forced = _forced_function(choice, named, tools)
     system_text = "\n".join(m["content"] for m in messages if m["role"] == "system")
     schema = req.response_format.schema if req.response_format else None
     return ChatInput(messages, tools, forced, system_text, output_schema=schema)
+
+
+def responses_input(req: ResponsesRequest) -> ChatInput:
+    """A Responses API request as chat messages: `instructions` first as a system message, developer
+    messages as system ones, function calls and their outputs in the Hermes form, as chat completions'
+    tool calls are."""
+    messages: list[dict[str, Any]] = []
+    if req.instructions:
+        _append(messages, "system", req.instructions)
+    items = [RespMessage(role="user", content=req.input)] if isinstance(req.input, str) else req.input
+    for item in items:
+        if item.type == "message":
+            text = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
+            _append(messages, "system" if item.role == "developer" else item.role, text)
+        elif item.type == "function_call":
+            _append(messages, "assistant", _tool_call_text(item.name, _args(item.arguments)))
+        elif item.type == "function_call_output":
+            output = item.output if isinstance(item.output, str) else "".join(p.text for p in item.output)
+            _append(messages, "user", _tool_response_text(output))
+    choice = req.tool_choice
+    tools = None
+    if req.tools and choice != "none":
+        tools = [{"name": t.name, "description": t.description or "",
+                  "parameters": t.parameters or {"type": "object", "properties": {}}, "strict": bool(t.strict)}
+                 for t in req.tools]
+    forced = _forced_function(choice, choice.name if choice is not None and not isinstance(choice, str) else None, tools)
+    if not messages:
+        raise InvalidRequest("input holds no message to answer")
+    system_text = "\n".join(m["content"] for m in messages if m["role"] == "system")
+    return ChatInput(messages, tools, forced, system_text, output_schema=req.output_schema)
+
+
+def _forced_function(choice, named: str | None, tools: list[dict[str, Any]] | None) -> bool | str:
+    """OpenAI's tool_choice ("required", or a named function) as `ChatInput.forced_tool`."""
+    forced: bool | str = True if choice == "required" else named if named is not None else False
+    if isinstance(forced, str) and forced not in {t["name"] for t in tools or []}:
+        raise InvalidRequest(f"tool_choice names {forced!r}, which is not in tools")
+    if forced is not False and not tools:
+        raise InvalidRequest("tool_choice requires tools")
+    return forced
 
 
 def _args(arguments: str):

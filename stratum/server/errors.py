@@ -2,8 +2,9 @@
 
 Anthropic routes answer in Anthropic's shape,
     {"type": "error", "error": {"type": ..., "message": ...}, "request_id": ...}
-and OpenAI routes (`/v1/chat/completions`, `/v1/completions`) in OpenAI's,
+and OpenAI routes (`/v1/chat/completions`, `/v1/completions`, `/v1/responses`) in OpenAI's,
     {"error": {"message": ..., "type": ..., "param": null, "code": ...}, "request_id": ...}
+(a Responses stream that fails after its 200 ends with the Responses API's own `error` event).
 both with the request id, which every response also carries as the `request-id` header.
 """
 
@@ -15,7 +16,8 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions")
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+RESPONSES_PATH = "/v1/responses"
 # OpenAI names server-side failures "server_error"; the other types read the same in both APIs.
 _OPENAI_TYPES = {"api_error": "server_error"}
 
@@ -122,8 +124,13 @@ def error_response(e: APIError, request_id: str, path: str) -> JSONResponse:
     return JSONResponse(error_body(e, request_id, path), status_code=e.status, headers={**e.headers, "request-id": request_id})
 
 
-def sse_error(e: APIError, request_id: str, path: str) -> bytes:
-    """The one event that ends a stream that fails after its 200: Anthropic's `event: error`, or an
-    OpenAI `data:` chunk holding the error object."""
+def sse_error(e: APIError, request_id: str, path: str, sequence_number: int = 0) -> bytes:
+    """The one event that ends a stream that fails after its 200: Anthropic's `event: error`, an
+    OpenAI `data:` chunk holding the error object, or the Responses API's `error` event."""
+    if path.startswith(RESPONSES_PATH):
+        error = error_body(e, request_id, path)["error"]
+        body = json.dumps({"type": "error", "code": error["code"] or error["type"], "message": e.message, "param": None,
+                           "sequence_number": sequence_number}, ensure_ascii=False)
+        return f"event: error\ndata: {body}\n\n".encode()
     body = json.dumps(error_body(e, request_id, path), ensure_ascii=False)
     return f"data: {body}\n\n".encode() if is_openai(path) else f"event: error\ndata: {body}\n\n".encode()

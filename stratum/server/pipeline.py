@@ -89,6 +89,7 @@ class Job:
     n: int = 1  # samples per prompt
     prompt_ids: list[list[int]] = field(default_factory=list)  # the prompts queued (several on /v1/completions)
     cancelled: APIError | None = None  # ended by the server (a drain that ran out of time) before submission
+    is_context_capped: bool = False  # max_tokens was lowered to the room the context leaves (`fit_context`)
     cpu0: float = field(default_factory=time.process_time)
     wall0: float = field(default_factory=time.perf_counter)
 
@@ -250,6 +251,26 @@ def check_request(rt: Runtime, prompt: Prompt, sampling: SamplingParams) -> None
         rt.engine.check_request(len(prompt.token_ids), sampling)
     except InvalidRequestError as e:
         raise InvalidRequest(str(e)) from None
+
+
+def fit_context(rt: Runtime, job: Job, num_prompt_tokens: int, sampling: SamplingParams) -> None:
+    """The Messages API's rule: a prompt longer than the context is a 400 naming both counts, in
+    Anthropic's words; a max_tokens beyond what the context leaves is lowered to it, and an answer
+    that fills the context ends with stop_reason model_context_window_exceeded (`is_context_capped`).
+
+    Raises:
+        InvalidRequest: the prompt leaves no room in the context.
+    """
+    limit = rt.engine.config.max_model_len
+    if num_prompt_tokens > limit:
+        raise InvalidRequest(f"prompt is too long: {num_prompt_tokens} tokens > {limit} maximum")
+    room = limit - num_prompt_tokens
+    if sampling.max_tokens > room:
+        if room == 0:
+            raise InvalidRequest(f"prompt is too long: {num_prompt_tokens} tokens leave no room for output in the "
+                                 f"{limit}-token context")
+        sampling.max_tokens = room
+        job.is_context_capped = True
 
 
 async def compress(rt: Runtime, job: Job, messages: list[dict[str, Any]], request_id: str) -> list[dict[str, Any]]:
