@@ -111,6 +111,30 @@ def test_system_message_is_a_system_turn_in_place(client, tiny_template):
     assert count(client, blocks, system="Be brief.") == len(expected)
 
 
+# A template that takes a system turn only first, as Gemma's and Mistral's do.
+SYSTEM_FIRST_ONLY = ("{% for m in messages %}{% if m.role == 'system' and not loop.first %}"
+                     "{{ raise_exception('System role is only allowed first') }}{% endif %}"
+                     "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+                     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_late_system_message_is_folded_into_the_user_turn_where_the_template_refuses_it(tiny_template):
+    from stratum.models.chat_template import ChatTemplate
+    from stratum.server.chat import ChatInput, build_prompt
+    from stratum.server.errors import InvalidRequest
+
+    template = ChatTemplate(SYSTEM_FIRST_ONLY, tiny_template.tokenizer)
+    chat = ChatInput([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"},
+                      {"role": "system", "content": "Answer with a number."}], pinned={2: None})
+    prompt = build_prompt(template, chat)
+    assert prompt.token_ids == template.encode([{"role": "system", "content": "Be brief."},
+                                                {"role": "user", "content": "What is 2+2?\n\nAnswer with a number."}])
+    assert chat.pinned == {1: None}  # the cache_control mark moved with its text
+    refusing = ChatTemplate("{{ raise_exception('no chat here') }}", tiny_template.tokenizer)
+    with pytest.raises(InvalidRequest, match="no chat here"):
+        build_prompt(refusing, ChatInput([{"role": "user", "content": "Hi"}, {"role": "system", "content": "Be brief."}]))
+
+
 @pytest.mark.parametrize("block, as_text", [
     ({"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "Tokyo is big."},
       "title": "Cities", "context": "An atlas", "citations": {"enabled": True}}, "Cities\nAn atlas\nTokyo is big."),

@@ -25,6 +25,25 @@ class ChatInput:
     pinned: dict[int, str | None] = field(default_factory=dict)  # message index -> cache_control ttl
     output_schema: dict[str, Any] | None = None  # structured outputs: the answer is JSON matching it
 
+    def fold_late_system(self) -> bool:
+        """Folds each system turn after the first message into the user turn before it (or makes it a
+        user turn where none is), for templates that take a system turn only first (Gemma's,
+        Mistral's); a cache_control mark moves with its text. False when there is none to fold."""
+        if not any(m["role"] == "system" for m in self.messages[1:]):
+            return False
+        folded, where = self.messages[:1], {0: 0}
+        for i, m in enumerate(self.messages[1:], 1):
+            if m["role"] != "system":
+                folded.append(m)
+            elif folded[-1]["role"] == "user":
+                folded[-1] = {**folded[-1], "content": folded[-1]["content"] + "\n\n" + m["content"]}
+            else:
+                folded.append({"role": "user", "content": m["content"]})
+            where[i] = len(folded) - 1
+        self.messages = folded
+        self.pinned = {where[i]: ttl for i, ttl in self.pinned.items()}
+        return True
+
     @property
     def text(self) -> str:
         return "\n".join(m["content"] for m in self.messages)
@@ -232,7 +251,9 @@ def build_prompt(template: ChatTemplate, chat: ChatInput) -> Prompt:
     try:
         ids = template.encode(messages, tools=template_tools, continue_final=is_continuation)
     except ChatTemplateError as e:
-        raise InvalidRequest(str(e)) from None
+        if not chat.fold_late_system():
+            raise InvalidRequest(str(e)) from None
+        return build_prompt(template, chat)  # a template that allows a system turn only first
     prompt = Prompt(ids, prefill, {t["name"] for t in tools or []}, forced_tool is not False, template_tools,
                     forced_tool if isinstance(forced_tool, str) else None)
     prompt.grammar = structured.answer_grammar(chat, prompt)
