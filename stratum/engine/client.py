@@ -328,7 +328,7 @@ class Transport:
     through `client.deliver` (from any thread) or `client.receive` (on the client's event loop).
 
     This base reaches one engine loop, which publishes its own snapshots. `ThreadTransport` (below)
-    and `ProcessTransport` (`stratum.engine.process`) are one loop each; the cluster's transport
+    and `EngineProcess` (`stratum.engine.process`) are one loop each; the cluster's transport
     (`stratum.cluster.client`) reaches a set of replicas and overrides `snapshot` and `replicas`.
     """
 

@@ -1,7 +1,7 @@
 """Radix tree over full KV blocks: the prefix cache shared by every request.
 
 Each edge holds a run of blocks; a key is the chained SHA-256 of a block and everything before
-it (see `sequence.hash_block`), so equal keys mean equal prefixes, salt included. Children are
+it (see `request.hash_block`), so equal keys mean equal prefixes, salt included. Children are
 indexed by the key of their first block. Blocks are protected from eviction by the reference
 counts the block manager keeps: `lock` takes one reference on every block from the root to a
 node, `unlock` drops them. A node is evictable when it is a leaf, all its blocks are

@@ -27,7 +27,7 @@ class KernelPlan:
     remeasured: int = 0  # starts that measured a busy plan again
 
     @property
-    def decision(self) -> tuple[str, int, int]:
+    def decision(self) -> tuple[str, int, int, bool]:
         """What the plan decides (dtype, packed int4 rows, Q8_0 head rows, native step), without its figures."""
         return (self.dtype, self.int4_max_tokens, self.q8_max_rows, self.packed_step)
 

@@ -137,8 +137,10 @@ def native_step_refusal(config, quantized: dict) -> str | None:
     if config.architecture not in NATIVE_ARCHITECTURES:
         return (f"architecture {config.architecture} is not Llama-shaped "
                 f"(the native step computes {', '.join(NATIVE_ARCHITECTURES)})")
-    if config.has_masked_attention:
+    if any(config.sliding_layers):
         return "sliding-window attention, which the native attention kernel does not mask"
+    if config.attn_logit_softcap is not None:
+        return "soft-capped attention scores, which the native attention kernel does not compute"
     for parts in FUSED.values():
         kinds = {getattr(quantized.get(f"model.layers.{i}.{p}.weight"), "qtype", "dense")
                  for i in range(config.num_layers) for p in parts}

@@ -195,7 +195,7 @@ class LlamaForCausalLM(nn.Module):
             if tuple(param.shape) != tuple(tensor.shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
             # the loader's tensor itself, not a copy: the untouched empty parameter costs no memory, and
-            # a float32 tensor mapped from the file stays mapped (weights are only ever read)
+            # a float32 tensor mapped from the file (a first, uncached load) stays mapped: weights are only read
             param.data = tensor.to(param.dtype).contiguous()
 
         put("embed_tokens.weight", take("model.embed_tokens.weight"))

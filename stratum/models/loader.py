@@ -115,7 +115,8 @@ def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 
 
 # Parsing a GGUF's metadata in Python (49k vocabulary strings) and dequantizing it take seconds; the
-# first load converts the file into this cache, later loads map safetensors instead.
+# first load converts the file into this cache, later loads read its safetensors instead (tensor by
+# tensor, so what the native step replaces is freed).
 # the output projection (or the tied embedding that serves as one), kept raw for the kernels that read it as stored
 _HEAD_NAMES = ("lm_head.weight", "model.embed_tokens.weight")
 CACHE_VERSION = 3  # 2: Q8_0 output projections are kept raw too; 3: more families, K-quants kept raw

@@ -252,7 +252,8 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         stream, first = await _start(rt, job, request, None, sampling, settings, default_max=req.max_tokens is None,
                                      n=req.n, raw=prompts)
         cid = "cmpl-" + uuid.uuid4().hex[:24]
-        echoes = [(p if isinstance(p, str) else engine.tokenizer.decode(p)) if req.echo else "" for p in prompts]
+        echoes = [(p if isinstance(p, str) else await asyncio.to_thread(engine.tokenizer.decode, p)) if req.echo else ""
+                  for p in prompts]
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return openai_api.text_stream(rt, job, stream, first, cid, req.model, include_usage, settings.ping_interval_s,

@@ -286,11 +286,14 @@ async def compress(rt: Runtime, job: Job, messages: list[dict[str, Any]], reques
     target = max(users, key=lambda i: len(messages[i]["content"]))
     ids = await asyncio.to_thread(tokenizer.encode, messages[target]["content"])
     size = rt.compress_chunk_tokens
-    chunks = [tokenizer.decode(ids[i : i + size]) for i in range(0, len(ids), size)]
-    prompts = [template.encode([
-        {"role": "system", "content": "Summarize the user's text in two or three sentences. Keep names, numbers and facts."},
-        {"role": "user", "content": chunk},
-    ]) for chunk in chunks]
+
+    def summary_prompts() -> list[list[int]]:  # tokenizer work, off the event loop like the rest
+        return [template.encode([
+            {"role": "system", "content": "Summarize the user's text in two or three sentences. Keep names, numbers and facts."},
+            {"role": "user", "content": tokenizer.decode(ids[i : i + size])},
+        ]) for i in range(0, len(ids), size)]
+
+    prompts = await asyncio.to_thread(summary_prompts)
     params = SamplingParams(max_tokens=rt.compress_summary_tokens, temperature=0.0)
     reserve(rt, job, sum(len(p) for p in prompts), len(prompts) * params.max_tokens, "its compression")
 
@@ -315,7 +318,7 @@ async def compress(rt: Runtime, job: Job, messages: list[dict[str, Any]], reques
         f"{i + 1}. {s}" for i, s in enumerate(summaries))
     after = len(await asyncio.to_thread(template.encode, compressed))
     job.compression = {"applied": True, "original_prompt_tokens": original, "compressed_prompt_tokens": after,
-                       "ratio": round(after / original, 4), "chunks": len(chunks)}
+                       "ratio": round(after / original, 4), "chunks": len(prompts)}
     return compressed
 
 
