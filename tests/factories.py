@@ -105,6 +105,24 @@ def rereads(n: int, output_tokens: int, block_size: int = 16) -> int:
     return n - 1 if computed >= ((n - 1) // block_size + 1) * block_size else (n - 1) // block_size * block_size
 
 
+def add_tiny_tokenizer(writer, tok: dict) -> None:
+    """The tiny byte-level BPE tokenizer (its tokenizer.json as `tok`) and the ChatML template, written
+    into a GGUF the way llama.cpp's converter writes a "gpt2" vocabulary."""
+    import gguf
+
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    assert [i for _, i in vocab] == list(range(len(vocab)))
+    tokens = [t for t, _ in vocab]
+    writer.add_tokenizer_model("gpt2")
+    writer.add_tokenizer_pre("gpt-2")
+    writer.add_token_list(tokens)
+    writer.add_token_types([gguf.TokenType.CONTROL if t in SPECIAL else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_chat_template(CHATML)
+
+
 def make_tiny_gguf(path: Path, qtype: str = "Q4_1", head_qtype: str = "Q8_0", num_layers: int = 2, hidden: int = 64,
                    seed: int = 0) -> Path:
     """The tiny model of `make_tiny_model_dir` as a GGUF file (architecture "llama", so Q and K rows are
@@ -289,16 +307,7 @@ def write_family_gguf(folder: Path, out: Path, qtype: str | None = None, head_qt
         w.add_sliding_window(cfg["sliding_window"])
     if family == "phi3":
         w.add_rope_dimension_count(head_dim)
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    tokens = [t for t, _ in vocab]
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("gpt-2")
-    w.add_token_list(tokens)
-    w.add_token_types([gguf.TokenType.CONTROL if t in SPECIAL else gguf.TokenType.NORMAL for t in tokens])
-    w.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_chat_template(CHATML)
+    add_tiny_tokenizer(w, tok)
 
     if scaling and scaling["rope_type"] == "llama3":  # convert_hf_to_gguf LlamaModel.generate_extra_tensors
         base = float(cfg.get("rope_theta") or rope["rope_theta"])

@@ -21,7 +21,7 @@ from stratum.models.config import ModelConfig
 from stratum.models.loader import ModelLoadError, _unpermute, load_checkpoint
 from stratum.engine.sampling_params import SamplingParams
 from stratum.engine.request import CachePolicy
-from tests.factories import CHATML, SPECIAL, make_tiny_model_dir, random_llama_weights
+from tests.factories import CHATML, add_tiny_tokenizer, make_tiny_model_dir, random_llama_weights
 
 PROMPT = "The capital of Japan is Tokyo. def add(a, b):\n    return a + b"
 
@@ -322,17 +322,7 @@ def write_tiny_gguf(folder: Path, out: Path, quantize_projections: bool = False)
     writer.add_rope_freq_base(cfg["rope_theta"])
     writer.add_layer_norm_rms_eps(cfg["rms_norm_eps"])
     writer.add_vocab_size(cfg["vocab_size"])
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    assert [i for _, i in vocab] == list(range(len(vocab)))
-    tokens = [t for t, _ in vocab]
-    writer.add_tokenizer_model("gpt2")
-    writer.add_tokenizer_pre("gpt-2")
-    writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL if t in SPECIAL else gguf.TokenType.NORMAL for t in tokens])
-    writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
-    writer.add_bos_token_id(1)
-    writer.add_eos_token_id(2)
-    writer.add_chat_template(CHATML)
+    add_tiny_tokenizer(writer, tok)
     names = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
              "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
              "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
