@@ -30,6 +30,16 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(scope="module")
+def module_stratum_home(tmp_path_factory):
+    """A $STRATUM_HOME of the module's own (its converted-checkpoint caches and plans), for modules
+    that ask for it with `pytestmark = pytest.mark.usefixtures("module_stratum_home")`."""
+    home = tmp_path_factory.mktemp("stratum-home")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("STRATUM_HOME", str(home))
+        yield home
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
     return make_tiny_model_dir(tmp_path_factory.mktemp("tiny-llama"))

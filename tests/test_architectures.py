@@ -30,12 +30,7 @@ PROMPTS = [
 MAX_TOKENS = 8
 
 
-@pytest.fixture(scope="module", autouse=True)
-def stratum_home(tmp_path_factory):
-    home = tmp_path_factory.mktemp("stratum-home")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("STRATUM_HOME", str(home))
-        yield home
+pytestmark = pytest.mark.usefixtures("module_stratum_home")  # checkpoint caches of its own
 
 
 @pytest.fixture(scope="module")

@@ -20,12 +20,7 @@ from tests.factories import make_family_dir, write_family_gguf
 from tests.kquants import quantize
 
 
-@pytest.fixture(scope="module", autouse=True)
-def stratum_home(tmp_path_factory):
-    home = tmp_path_factory.mktemp("stratum-home")
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("STRATUM_HOME", str(home))
-        yield home
+pytestmark = pytest.mark.usefixtures("module_stratum_home")  # checkpoint caches of its own
 
 
 # ---- K-quant blocks ----------------------------------------------------------------------------------
