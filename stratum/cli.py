@@ -271,6 +271,8 @@ def _checkpoint_info(checkpoint, resolved) -> dict:
     from dataclasses import fields
 
     from stratum.engine import builder
+    from stratum.engine.core import attention_path
+    from stratum.kernels import native
     from stratum.layers.linear import Linear
     from stratum.models.config import rope_type
     from stratum.models.loader import tensor_types
@@ -305,7 +307,6 @@ def _checkpoint_info(checkpoint, resolved) -> dict:
         runs[f"{head}: Q8_0 as stored up to {model.q8_max_rows} rows, else dense {resolved.dtype}"] += 1
     else:
         runs[f"{head}: dense {resolved.dtype}"] += 1
-    masked = cfg.has_masked_attention
     return {
         "architecture": cfg.architecture, "name": cfg.name, "layers": cfg.num_layers, "hidden": cfg.hidden_size,
         "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "vocab": cfg.vocab_size,
@@ -314,8 +315,7 @@ def _checkpoint_info(checkpoint, resolved) -> dict:
         "step": "native (packed blocks)" if model.packed is not None else "pytorch",
         "native_step_refused": model.packed_refusal,
         "projections": dict(runs),
-        "attention": ("pytorch, masked (sliding window / soft-capped scores): the native attention kernel does not "
-                      "mask them" if masked else "native paged" if model.packed is not None else "paged (native decode kernel where built)"),
+        "attention": attention_path(model, resolved.device == "cpu" and native.available()),
     }
 
 

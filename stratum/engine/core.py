@@ -63,6 +63,16 @@ class _Request:
     stop_ids: set[int]
 
 
+def attention_path(model, native_decode: bool) -> str:
+    """How attention runs for `model` (for `kernel_choices` and `stratum info`); `native_decode`: the
+    native decode kernel is built (a runner on the CPU with the native kernels loaded)."""
+    if model.packed is not None:
+        return "native paged, every row"
+    if model.config.has_masked_attention:  # layers.attention: sliding windows and soft-caps on PyTorch
+        return "pytorch paged gather, masked (sliding window / soft-cap), no cascade"
+    return ("native paged decode" if native_decode else "paged gather") + " + cascade, torch sdpa prefill"
+
+
 class LLMEngine:
     """Owns the model, the KV pool, the scheduler and the tokenizer of one process.
 
@@ -111,15 +121,8 @@ class LLMEngine:
                 "step": "native, packed blocks" if self.model.packed is not None else "pytorch",
                 "native_step_refused": self.model.packed_refusal,
                 "step_simd": native.simd_path() if self.model.packed is not None else None,
-                "attention": self._attention_path(),
+                "attention": attention_path(self.model, self.runner.native),
                 "source": plan.source}
-
-    def _attention_path(self) -> str:
-        if self.model.packed is not None:
-            return "native paged, every row"
-        if self.runner.masked_attention:  # layers.attention: sliding windows and soft-caps on PyTorch
-            return "pytorch paged gather, masked (sliding window / soft-cap), no cascade"
-        return ("native paged decode" if self.runner.native else "paged gather") + " + cascade, torch sdpa prefill"
 
     # ---- requests ------------------------------------------------------------------------------
     def check_request(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
