@@ -150,11 +150,12 @@ def test_a_plan_measured_on_a_busy_machine_is_measured_again(tmp_path, plan_dir,
     if plan.quiet:
         quiet = kernels.measure_plan(SMOLLM2, 1, can_pack=True)
         if quiet.quiet:
-            # Each choice is one the quiet figures make at a margin within 5 points of ours: two quiet
-            # measurements differ by noise only where a candidate is within that of the margin (seen
-            # here: the Q8_0 head's 1 or 2 rows), while busy runs skewing the merge move far more.
+            # Each choice is one the quiet figures make at a margin within 15 points of ours: two quiet
+            # measurements differ by noise only where a candidate is within that of the margin (seen:
+            # the Q8_0 head's 1 or 2 rows, apart by more than 5 points on a CI machine), while busy
+            # runs skewing the merge move figures by 2x and more.
             choices = [set() for _ in plan.decision]
-            for margin in np.linspace(kernels.MARGIN - 0.05, min(kernels.MARGIN + 0.05, 1.0), 11):
+            for margin in np.linspace(kernels.MARGIN - 0.15, min(kernels.MARGIN + 0.15, 1.0), 21):
                 monkeypatch.setattr(kernels, "MARGIN", float(margin))
                 for chosen, value in zip(choices, kernels.decide(quiet.timings_us)):
                     chosen.add(value)

@@ -11,6 +11,7 @@ import json
 import logging
 import os
 import shutil
+import tempfile
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -152,12 +153,30 @@ def _cache_dir(path: Path) -> Path | None:
 
 
 def _save_cached(cache_dir: Path, ck: Checkpoint) -> None:
+    # a directory of this writer's own, renamed into place whole: two processes converting the same
+    # file at once (the test suite's SIMD-path runs, two servers) never write into each other's files
+    cache_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=cache_dir.name + ".", suffix=".tmp", dir=cache_dir.parent))
+    try:
+        _write_cache(tmp, ck)
+        if (cache_dir / "meta.json").exists():  # another process finished the same conversion first
+            return
+        if cache_dir.exists():  # an unreadable leftover
+            shutil.rmtree(cache_dir, ignore_errors=True)
+        try:
+            os.replace(tmp, cache_dir)
+        except OSError:
+            if not (cache_dir / "meta.json").exists():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _write_cache(tmp: Path, ck: Checkpoint) -> None:
     from dataclasses import asdict
 
     from safetensors.torch import save_file
 
-    tmp = cache_dir.with_name(cache_dir.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in ck.weights.items()}, str(tmp / "weights.safetensors"))
     save_file({k: torch.from_numpy(np.ascontiguousarray(q.data)) for k, q in ck.quantized.items()}, str(tmp / "quantized.safetensors"))
     tok = ck.tokenizer
@@ -170,9 +189,6 @@ def _save_cached(cache_dir: Path, ck: Checkpoint) -> None:
     }
     (tmp / "tokenizer.json").write_text(tok.backend.to_str())
     (tmp / "meta.json").write_text(json.dumps(meta))
-    if cache_dir.exists():
-        shutil.rmtree(cache_dir)
-    os.replace(tmp, cache_dir)
 
 
 def _load_cached(cache_dir: Path, path: Path) -> Checkpoint:
