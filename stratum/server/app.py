@@ -13,8 +13,7 @@ import json
 import logging
 import re
 import time
-import uuid
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -26,15 +25,14 @@ from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from stratum.engine.client import EngineClient, ReplicaView, RequestGroup, RequestStream
-from stratum.engine.outputs import RequestOutput
+from stratum.engine.client import EngineClient, ReplicaView
 from stratum.engine.sampling_params import SamplingParams
 from stratum.server import anthropic_api, batches, openai_api, pipeline, responses_api
-from stratum.server.chat import ChatInput, Prompt, anthropic_input, build_prompt, openai_input, responses_input
-from stratum.server.errors import (APIError, AuthenticationFailed, BodyTimeout, ClientDisconnected, EngineUnavailable,
-                                   InvalidRequest, MethodNotAllowed, NotFound, Overloaded, RequestTooLarge, as_api_error,
-                                   error_response, new_request_id)
+from stratum.server.chat import anthropic_input, build_prompt, openai_input, responses_input
+from stratum.server.errors import (APIError, AuthenticationFailed, BodyTimeout, ClientDisconnected, InvalidRequest,
+                                   MethodNotAllowed, NotFound, Overloaded, RequestTooLarge, error_response, new_request_id)
 from stratum.server.http import OVER_LIMIT
+from stratum.server.lifecycle import RequestLifecycle
 from stratum.server.protocol import (BatchCreateRequest, ChatCompletionRequest, CompletionRequest, CountTokensRequest,
                                      MessagesRequest, ResponsesRequest)
 from stratum.telemetry.cost import ArticleFormula, PricingModel
@@ -42,7 +40,6 @@ from stratum.telemetry.cost import ArticleFormula, PricingModel
 log = logging.getLogger("stratum.server")
 
 OPEN_PATHS = ("/health", "/metrics", "/docs", "/openapi.json", "/console")  # /console/stats checks keys itself
-_DISCONNECT_CHECK_S = 0.5
 NEGOTIATION_VERSION = "v1"
 # What an OpenAI request without max_tokens may generate, at most (less when the context ends sooner).
 DEFAULT_MAX_TOKENS = 1024
@@ -113,7 +110,8 @@ class ServerSettings:
 def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="Stratum", version="0.1.0", docs_url="/docs", redoc_url=None)
     rt = pipeline.make_runtime(engine, settings.model_name, settings.pricing, settings.tenant_budget_tokens,
-                               settings.budget_window_s, settings.pollution_policy, settings.isolate_tenants)
+                               settings.budget_window_s, settings.pollution_policy, settings.isolate_tenants,
+                               settings.header_wait_s, settings.ping_interval_s)
     app.state.runtime = rt
     digests = settings.key_digests
 
@@ -204,22 +202,19 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         req = await _read_request(request, settings, MessagesRequest)
         _check_model(settings, req.model)
         chat = anthropic_input(req)
-        user_id = req.metadata.user_id if req.metadata else None
         sampling = SamplingParams(
             max_tokens=req.max_tokens,
             temperature=settings.default_temperature if req.temperature is None else req.temperature,
             top_p=req.top_p or settings.default_top_p, top_k=req.top_k or 0,
             stop=list(req.stop_sequences or []), seed=req.seed, ignore_eos=req.ignore_eos,
         )
-        # what max_tokens can cost is bounded by the context (`pipeline.fit_context` lowers it to fit)
-        job = pipeline.admit(rt, request, "/v1/messages", min(req.max_tokens, engine.config.max_model_len), user_id)
-        stream, first = await _start(rt, job, request, chat, sampling, settings, fit_context=True)
-        msg_id = "msg_" + uuid.uuid4().hex[:24]
-        if req.stream:
-            return anthropic_api.event_stream(rt, job, stream, first, msg_id, req.model, settings.ping_interval_s)
-        out, = await _collect(request, stream, first, rt, job)
-        headers, _ = pipeline.finish(rt, job, out)
-        return JSONResponse(anthropic_api.message_body(msg_id, req.model, job, out), headers=headers)
+        user_id = req.metadata.user_id if req.metadata else None
+        # what max_tokens can cost is bounded by the context (`_fit_context` lowers it to fit)
+        async with RequestLifecycle.admit(rt, request, "/v1/messages", min(req.max_tokens, engine.config.max_model_len),
+                                          user_id) as lc:
+            await lc.prepare(chat, sampling, fit_context=True)
+            await lc.submit()
+            return await lc.respond(anthropic_api.Messages(lc, req.model), req.stream)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -228,15 +223,11 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         chat = openai_input(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         sampling = _openai_sampling(req, settings, max_tokens, req.top_logprobs or 0 if req.logprobs else None)
-        job = pipeline.admit(rt, request, "/v1/chat/completions", max_tokens, req.user)
-        stream, first = await _start(rt, job, request, chat, sampling, settings, default_max=max_tokens is None, n=req.n)
-        cid = "chatcmpl-" + uuid.uuid4().hex[:24]
-        if req.stream:
+        async with RequestLifecycle.admit(rt, request, "/v1/chat/completions", max_tokens, req.user) as lc:
+            await lc.prepare(chat, sampling, default_max=max_tokens is None, n=req.n)
+            await lc.submit()
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return openai_api.chunk_stream(rt, job, stream, first, cid, req.model, include_usage, settings.ping_interval_s)
-        outs = await _collect(request, stream, first, rt, job)
-        headers, _ = pipeline.finish(rt, job, pipeline.merge(outs, job.n))
-        return JSONResponse(openai_api.completion_body(cid, req.model, job, outs, engine.tokenizer), headers=headers)
+            return await lc.respond(openai_api.Chat(lc, req.model, include_usage, engine.tokenizer), req.stream)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -248,19 +239,13 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         sampling = _openai_sampling(req, settings, req.max_tokens, req.logprobs)
         if req.echo and req.logprobs is not None:  # score the prompt too (what evaluation harnesses ask)
             sampling.prompt_logprobs = req.logprobs
-        job = pipeline.admit(rt, request, "/v1/completions", req.max_tokens, req.user)
-        stream, first = await _start(rt, job, request, None, sampling, settings, default_max=req.max_tokens is None,
-                                     n=req.n, raw=prompts)
-        cid = "cmpl-" + uuid.uuid4().hex[:24]
-        echoes = [(p if isinstance(p, str) else await asyncio.to_thread(engine.tokenizer.decode, p)) if req.echo else ""
-                  for p in prompts]
-        if req.stream:
+        async with RequestLifecycle.admit(rt, request, "/v1/completions", req.max_tokens, req.user) as lc:
+            await lc.prepare(None, sampling, default_max=req.max_tokens is None, n=req.n, raw=prompts)
+            await lc.submit()
+            echoes = [(p if isinstance(p, str) else await asyncio.to_thread(engine.tokenizer.decode, p))
+                      if req.echo else "" for p in prompts]
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return openai_api.text_stream(rt, job, stream, first, cid, req.model, include_usage, settings.ping_interval_s,
-                                          echoes)
-        outs = await _collect(request, stream, first, rt, job)
-        headers, _ = pipeline.finish(rt, job, pipeline.merge(outs, job.n))
-        return JSONResponse(openai_api.text_body(cid, req.model, job, outs, echoes, engine.tokenizer), headers=headers)
+            return await lc.respond(openai_api.Text(lc, req.model, include_usage, engine.tokenizer, echoes), req.stream)
 
     @app.post("/v1/responses")
     async def responses(request: Request):
@@ -271,14 +256,12 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
             max_tokens=req.max_output_tokens or DEFAULT_MAX_TOKENS,
             temperature=settings.default_temperature if req.temperature is None else req.temperature,
             top_p=req.top_p or settings.default_top_p, seed=req.seed)
-        job = pipeline.admit(rt, request, "/v1/responses", req.max_output_tokens, req.safety_identifier or req.user)
-        stream, first = await _start(rt, job, request, chat, sampling, settings, default_max=req.max_output_tokens is None)
-        shell = responses_api.ResponseShell(req, sampling.temperature, sampling.top_p)
-        if req.stream:
-            return responses_api.event_stream(rt, job, stream, first, shell, settings.ping_interval_s)
-        out, = await _collect(request, stream, first, rt, job)
-        headers, _ = pipeline.finish(rt, job, out)
-        return JSONResponse(responses_api.response_body(shell, job, out), headers=headers)
+        async with RequestLifecycle.admit(rt, request, "/v1/responses", req.max_output_tokens,
+                                          req.safety_identifier or req.user) as lc:
+            await lc.prepare(chat, sampling, default_max=req.max_output_tokens is None)
+            await lc.submit()
+            shell = responses_api.ResponseShell(req, sampling.temperature, sampling.top_p)
+            return await lc.respond(responses_api.Responses(lc, shell), req.stream)
 
     return app
 
@@ -429,63 +412,6 @@ def _openai_sampling(req, settings: ServerSettings, max_tokens: int | None, logp
     )
 
 
-async def _start(rt: pipeline.Runtime, job: pipeline.Job, request: Request, chat: ChatInput | None,
-                 sampling: SamplingParams, settings: ServerSettings, default_max: bool = False, n: int = 1,
-                 raw: list[str | list[int]] | None = None,
-                 fit_context: bool = False) -> tuple[RequestStream | RequestGroup, RequestOutput | None]:
-    """Controls, compression, prompt, engine: returns the stream and its first output (prefill done), if it
-    came within header_wait_s. Admission errors raised by the engine surface here as 4xx, with the
-    tenant's budget window. `raw` is completions' prompts (texts or token ids) used as they are, without `chat`;
-    `fit_context` applies the Messages API's context rule (`pipeline.fit_context`)."""
-    try:
-        return await _start_admitted(rt, job, request, chat, sampling, settings, default_max, n, raw, fit_context)
-    except BaseException as e:
-        pipeline.release(rt, job)
-        if isinstance(e, APIError):
-            e.headers = {**pipeline.ratelimit_headers(rt, job), **e.headers}
-        raise
-
-
-async def _start_admitted(rt: pipeline.Runtime, job: pipeline.Job, request: Request, chat: ChatInput | None,
-                          sampling: SamplingParams, settings: ServerSettings, default_max: bool, n: int,
-                          raw: list[str | list[int]] | None, fit_context: bool):
-    engine = rt.engine
-    prompts = None
-    if chat is None:
-        pipeline.apply_controls(job, request, "")
-        prompts = [list(p) if isinstance(p, list) else await asyncio.to_thread(engine.tokenizer.encode, p) for p in raw]
-        prompt, job.prompt_text = Prompt(prompts[0]), "\n".join(p for p in raw if isinstance(p, str))
-    else:
-        pipeline.apply_controls(job, request, chat.system_text)
-        if request.headers.get("x-stratum-context-mode", "").strip().lower() == "compressive":
-            chat = replace(chat, messages=await pipeline.compress(rt, job, chat.messages, request.state.request_id))
-        prompt = await asyncio.to_thread(build_prompt, engine.chat_template, chat)
-        job.prompt_text = chat.text
-    sampling.grammar = prompt.grammar
-    every = prompts or [prompt.token_ids]
-    if default_max:
-        sampling.max_tokens = max(1, min(sampling.max_tokens, engine.config.max_model_len - max(map(len, every))))
-    if fit_context:
-        pipeline.fit_context(rt, job, len(prompt.token_ids), sampling)
-    for ids in every:
-        pipeline.check_request(rt, Prompt(ids, tool_names=prompt.tool_names), sampling)
-    pipeline.reserve(rt, job, sum(map(len, every)), len(every) * n * sampling.max_tokens)
-    pins = None
-    if chat is not None and chat.pinned:
-        pins = await asyncio.to_thread(pipeline.pins_for, engine.chat_template, chat.messages, chat.pinned,
-                                       prompt.template_tools)
-        job.cache_breakpoint = max(length for length, _ in pins)
-    stream = pipeline.start(rt, job, prompt, sampling, pins, n, prompts)
-    try:
-        first = await _next(stream, settings.header_wait_s)
-    except StopAsyncIteration:
-        first = None
-    except BaseException:
-        await stream.close()
-        raise
-    return stream, first
-
-
 # ---- request checks ----------------------------------------------------------------------------
 def _authenticate(request: Request, digests: tuple[bytes, ...]) -> None:
     key = request.headers.get("x-api-key")
@@ -579,47 +505,3 @@ def replica_health(v: ReplicaView) -> dict[str, Any]:
 
 def _model_card(settings: ServerSettings) -> dict[str, Any]:
     return {"type": "model", "id": settings.model_name, "display_name": settings.model_name, "created_at": settings.created_at}
-
-
-# ---- running a request ---------------------------------------------------------------------------
-async def _next(stream: RequestStream, timeout: float | None = None):
-    try:
-        return await stream.next(timeout)
-    except StopAsyncIteration:
-        raise
-    except Exception as e:
-        raise as_api_error(e) from None
-
-
-async def _collect(request: Request, stream: RequestStream | RequestGroup, first: RequestOutput | None,
-                   rt: pipeline.Runtime, job: pipeline.Job) -> list[RequestOutput]:
-    """Run a non-streaming request to the end; a client disconnect aborts it (and gives back its charge).
-
-    Returns:
-        the finished output of each choice, in choice order (one unless n > 1).
-    """
-    try:
-        finals: dict[int, RequestOutput] = {}
-        out = first
-        next_check = time.monotonic() + _DISCONNECT_CHECK_S
-        while len(finals) < len(job.choices):
-            if out is not None and out.finished:
-                if out.finish_reason == "error":
-                    raise APIError(out.error or "generation failed")
-                finals[job.choices[out.request_id]] = out
-                if len(finals) == len(job.choices):
-                    break
-            out = await _next(stream, timeout=_DISCONNECT_CHECK_S)
-            if time.monotonic() >= next_check:  # checked while tokens flow too, not only in pauses
-                next_check = time.monotonic() + _DISCONNECT_CHECK_S
-                if await request.is_disconnected():
-                    raise EngineUnavailable("client disconnected")
-        return [finals[i] for i in range(len(finals))]
-    except StopAsyncIteration:
-        pipeline.release(rt, job)
-        raise APIError("the request ended without a result") from None
-    except BaseException:
-        pipeline.release(rt, job)
-        raise
-    finally:
-        await stream.close()

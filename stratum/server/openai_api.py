@@ -7,21 +7,16 @@ distribution each token was sampled from (`stratum.engine.sampler`).
 from __future__ import annotations
 
 import json
-import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, Iterable
 
-from fastapi.responses import StreamingResponse
-
-from stratum.engine.client import RequestGroup, RequestStream
 from stratum.engine.outputs import RequestOutput
-from stratum.server import pipeline
 from stratum.server import tools as tool_fmt
 from stratum.server.anthropic_api import split_output
-from stratum.server.errors import APIError, as_api_error, sse_error
-
-log = logging.getLogger("stratum.server")
+from stratum.server.errors import APIError, sse_error
+from stratum.server.lifecycle import RequestLifecycle
+from stratum.server.pipeline import merge, stream_meta
 
 
 def finish_reason(out: RequestOutput, has_calls: bool) -> str:
@@ -83,11 +78,11 @@ def text_logprobs(tokenizer, token_ids: list[int], entries: list | None, offset:
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _echo_logprobs(tokenizer, job: pipeline.Job, choice: int, out: RequestOutput) -> dict[str, Any] | None:
+def _echo_logprobs(tokenizer, lc: RequestLifecycle, choice: int, out: RequestOutput) -> dict[str, Any] | None:
     """The scored prompt of an echoed choice, as completions' `logprobs` from offset 0."""
     if out.prompt_logprobs is None:
         return None
-    return text_logprobs(tokenizer, job.prompt_ids[choice // job.n], out.prompt_logprobs, 0)
+    return text_logprobs(tokenizer, lc.prompt_ids[choice // lc.n], out.prompt_logprobs, 0)
 
 
 def _joined(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -96,151 +91,161 @@ def _joined(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any
     return {k: a[k] + b[k] for k in a}
 
 
+# ---- both ---------------------------------------------------------------------------------------------
+class _Chunks:
+    """What chat and text completions share: one SSE chunk per choice payload, a finish chunk for each
+    choice that ends before the last (n > 1), and the last choice's finish with the cost, then usage
+    if asked and [DONE]."""
+
+    ping = b": ping\n\n"
+    kind = ""  # the chunk's object type
+    _empty: dict[str, Any] = {}  # a choice's payload with nothing in it
+
+    def __init__(self, lc: RequestLifecycle, model: str, include_usage: bool, tokenizer, prefix: str):
+        self.lc, self.model, self.include_usage, self.tokenizer = lc, model, include_usage, tokenizer
+        self.id = prefix + uuid.uuid4().hex[:24]
+        self.created = int(time.time())
+        self.num_finished = 0
+        self.last: tuple[int, RequestOutput] | None = None  # the choice that finished last, and its output
+
+    def _chunk(self, index: int | None, payload: dict[str, Any], finish: str | None = None, logprobs=None,
+               extra: dict[str, Any] | None = None, use: dict[str, Any] | None = None) -> bytes:
+        """One chunk: one choice's payload (a delta or text), or none with only usage (index None)."""
+        body: dict[str, Any] = {"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
+                                "choices": [] if index is None else
+                                [{"index": index, **payload, "finish_reason": finish, "logprobs": logprobs}]}
+        if use is not None:
+            body["usage"] = use
+        if extra:
+            body.update(extra)
+        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
+
+    def _finished(self, choice: int, out: RequestOutput) -> Iterable[bytes]:
+        """A choice's end: its finish chunk now, unless it is the last to end (`end` sends that one)."""
+        self.num_finished += 1
+        self.last = choice, out
+        if self.num_finished < len(self.lc.choices):
+            yield self._chunk(choice, self._empty, finish=self._finish_reason(choice, out))
+
+    def _finish_reason(self, choice: int, out: RequestOutput) -> str:
+        raise NotImplementedError
+
+    def end(self, final: RequestOutput, cost: dict[str, Any]) -> Iterable[bytes]:
+        choice, out = self.last
+        yield self._chunk(choice, self._empty, finish=self._finish_reason(choice, out), extra={"stratum_cost": cost})
+        if self.include_usage:
+            yield self._chunk(None, self._empty, use=usage(final))
+        yield b"data: [DONE]\n\n"
+
+    def error(self, e: APIError) -> bytes:
+        return sse_error(e, self.lc.request_id, self.lc.endpoint)
+
+
 # ---- chat completions ------------------------------------------------------------------------------
-def completion_body(cid: str, model: str, job: pipeline.Job, outs: list[RequestOutput], tokenizer) -> dict[str, Any]:
-    choices = []
-    for i, out in enumerate(outs):
-        text, calls = split_output(job.prompt, out.text)
-        message: dict[str, Any] = {"role": "assistant", "content": text if (text or not calls) else None}
-        if calls:
-            message["tool_calls"] = tool_calls(calls)
-        choices.append({"index": i, "message": message, "finish_reason": finish_reason(out, bool(calls)),
-                        "logprobs": chat_logprobs(tokenizer, out.token_ids, out.logprobs)})
-    return {"id": cid, "object": "chat.completion", "created": int(time.time()), "model": model, "choices": choices,
-            "usage": usage(pipeline.merge(outs, job.n))}
+class Chat(_Chunks):
+    """A `lifecycle.Renderer` for chat completions: the body, or one chunk per output per choice:
+    content deltas, tool-call deltas (the name first, then argument fragments as they are generated),
+    the finish reason, the cost, then usage if asked and [DONE]."""
 
+    kind = "chat.completion.chunk"
+    _empty: dict[str, Any] = {"delta": {}}
 
-def _chunk(cid: str, kind: str, created: int, model: str, index: int | None, payload: dict[str, Any],
-           finish: str | None, logprobs, extra: dict[str, Any] | None, use: dict[str, Any] | None) -> bytes:
-    """One SSE chunk: one choice's payload (a delta or text), or none with only usage (index None)."""
-    body: dict[str, Any] = {"id": cid, "object": kind, "created": created, "model": model, "choices": [] if index is None
-                            else [{"index": index, **payload, "finish_reason": finish, "logprobs": logprobs}]}
-    if use is not None:
-        body["usage"] = use
-    if extra:
-        body.update(extra)
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
-
-
-def chunk_stream(rt: pipeline.Runtime, job: pipeline.Job, stream: RequestStream | RequestGroup,
-                 first: RequestOutput | None, cid: str, model: str, include_usage: bool,
-                 ping_interval_s: float) -> StreamingResponse:
-    """One chunk per output per choice: content deltas, tool-call deltas (the name first, then argument
-    fragments as they are generated), the finish reason, the cost, then usage if asked and [DONE]."""
-    prompt = job.prompt
-    tokenizer = rt.engine.tokenizer
-    created = int(time.time())
-
-    def chunk(index: int | None, delta: dict[str, Any], finish: str | None = None, logprobs=None, extra=None,
-              use=None) -> bytes:
-        return _chunk(cid, "chat.completion.chunk", created, model, index, {"delta": delta}, finish, logprobs, extra, use)
-
-    async def events():
+    def __init__(self, lc: RequestLifecycle, model: str, include_usage: bool, tokenizer):
+        super().__init__(lc, model, include_usage, tokenizer, "chatcmpl-")
+        prompt = lc.prompt
         prefill = prompt.prefill if prompt.is_forced_tool else ""
-        splitters = {i: tool_fmt.AnswerSplitter(prompt.tool_names, prefill) for i in job.choices.values()}
-        calls = {i: -1 for i in job.choices.values()}  # the index of each choice's current tool call
-        finals: dict[int, RequestOutput] = {}
-        try:
-            for i in splitters:
-                yield chunk(i, {"role": "assistant", "content": ""})
-            async for out in pipeline.paced(stream, first, ping_interval_s):
-                if out is None:
-                    yield b": ping\n\n"
-                    continue
-                i = job.choices[out.request_id]
-                pieces = splitters[i].feed(out.delta_text) if out.delta_text else []
-                if out.finished:
-                    pieces += splitters[i].flush()
-                logprobs = chat_logprobs(tokenizer, out.delta_token_ids, out.delta_logprobs)
-                meta = {"stratum_meta": pipeline.stream_meta(out)}
-                for what, value in pieces:
-                    if what == "text":
-                        yield chunk(i, {"content": value}, logprobs=logprobs, extra=meta)
-                        logprobs = None
-                    elif what == "name":
-                        calls[i] += 1
-                        yield chunk(i, {"tool_calls": [{"index": calls[i], "id": new_call_id(), "type": "function",
-                                                        "function": {"name": value, "arguments": ""}}]}, extra=meta)
-                    elif what == "args":
-                        yield chunk(i, {"tool_calls": [{"index": calls[i], "function": {"arguments": value}}]},
-                                    logprobs=logprobs, extra=meta)
-                        logprobs = None
-                if logprobs is not None and logprobs["content"]:  # tokens whose text is held back or markup
-                    yield chunk(i, {}, logprobs=logprobs)
-                if out.finished:
-                    finals[i] = out
-                    if len(finals) < len(job.choices):
-                        yield chunk(i, {}, finish=finish_reason(out, calls[i] >= 0))
-            merged = pipeline.merge([finals[i] for i in range(len(finals))], job.n)
-            _, cost = pipeline.finish(rt, job, merged)
-            yield chunk(i, {}, finish=finish_reason(finals[i], calls[i] >= 0), extra={"stratum_cost": cost})
-            if include_usage:
-                yield chunk(None, {}, use=usage(merged))
-            yield b"data: [DONE]\n\n"
-        except Exception as e:  # after the 200 a failure becomes one error chunk, then the stream ends
-            if not isinstance(e, APIError):
-                log.exception("stream failed")
-            yield sse_error(as_api_error(e), job.request_id, job.endpoint)
+        self.splitters = {i: tool_fmt.AnswerSplitter(prompt.tool_names, prefill) for i in lc.choices.values()}
+        self.calls = {i: -1 for i in lc.choices.values()}  # the index of each choice's current tool call
 
-    return pipeline.event_response(events(), rt, job, pipeline.early_headers(rt, first, job))
+    def _finish_reason(self, choice: int, out: RequestOutput) -> str:
+        return finish_reason(out, self.calls[choice] >= 0)
+
+    def body(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        choices = []
+        for i, out in enumerate(outs):
+            text, calls = split_output(self.lc.prompt, out.text)
+            message: dict[str, Any] = {"role": "assistant", "content": text if (text or not calls) else None}
+            if calls:
+                message["tool_calls"] = tool_calls(calls)
+            choices.append({"index": i, "message": message, "finish_reason": finish_reason(out, bool(calls)),
+                            "logprobs": chat_logprobs(self.tokenizer, out.token_ids, out.logprobs)})
+        return {"id": self.id, "object": "chat.completion", "created": int(time.time()), "model": self.model,
+                "choices": choices, "usage": usage(merge(outs, self.lc.n))}
+
+    def start(self, first: RequestOutput | None) -> Iterable[bytes]:
+        for i in self.splitters:
+            yield self._delta(i, {"role": "assistant", "content": ""})
+
+    def _delta(self, index: int, delta: dict[str, Any], logprobs=None, extra=None) -> bytes:
+        return self._chunk(index, {"delta": delta}, logprobs=logprobs, extra=extra)
+
+    def output(self, out: RequestOutput, choice: int) -> Iterable[bytes]:
+        i = choice
+        pieces = self.splitters[i].feed(out.delta_text) if out.delta_text else []
+        if out.finished:
+            pieces += self.splitters[i].flush()
+        logprobs = chat_logprobs(self.tokenizer, out.delta_token_ids, out.delta_logprobs)
+        meta = {"stratum_meta": stream_meta(out)}
+        for what, value in pieces:
+            if what == "text":
+                yield self._delta(i, {"content": value}, logprobs=logprobs, extra=meta)
+                logprobs = None
+            elif what == "name":
+                self.calls[i] += 1
+                yield self._delta(i, {"tool_calls": [{"index": self.calls[i], "id": new_call_id(), "type": "function",
+                                                      "function": {"name": value, "arguments": ""}}]}, extra=meta)
+            elif what == "args":
+                yield self._delta(i, {"tool_calls": [{"index": self.calls[i], "function": {"arguments": value}}]},
+                                  logprobs=logprobs, extra=meta)
+                logprobs = None
+        if logprobs is not None and logprobs["content"]:  # tokens whose text is held back or markup
+            yield self._delta(i, {}, logprobs=logprobs)
+        if out.finished:
+            yield from self._finished(i, out)
 
 
 # ---- completions -----------------------------------------------------------------------------------
-def text_body(cid: str, model: str, job: pipeline.Job, outs: list[RequestOutput], echoes: list[str],
-              tokenizer) -> dict[str, Any]:
-    choices = []
-    for i, out in enumerate(outs):
-        echo = echoes[i // job.n]
-        logprobs = text_logprobs(tokenizer, out.token_ids, out.logprobs, len(echo))
-        if echo:
-            logprobs = _joined(_echo_logprobs(tokenizer, job, i, out), logprobs)
-        choices.append({"index": i, "text": echo + out.text, "finish_reason": finish_reason(out, False),
-                        "logprobs": logprobs})
-    return {"id": cid, "object": "text_completion", "created": int(time.time()), "model": model, "choices": choices,
-            "usage": usage(pipeline.merge(outs, job.n))}
+class Text(_Chunks):
+    """A `lifecycle.Renderer` for (legacy) completions: the body, or text chunks per choice; an echoed
+    prompt (with its scores) comes first, with the choice's first output."""
 
+    kind = "text_completion"
+    _empty: dict[str, Any] = {"text": ""}
 
-def text_stream(rt: pipeline.Runtime, job: pipeline.Job, stream: RequestStream | RequestGroup,
-                first: RequestOutput | None, cid: str, model: str, include_usage: bool, ping_interval_s: float,
-                echoes: list[str]) -> StreamingResponse:
-    """Text chunks per choice; an echoed prompt (with its scores) comes first, with the choice's first output."""
-    tokenizer = rt.engine.tokenizer
-    created = int(time.time())
+    def __init__(self, lc: RequestLifecycle, model: str, include_usage: bool, tokenizer, echoes: list[str]):
+        super().__init__(lc, model, include_usage, tokenizer, "cmpl-")
+        self.echoes = echoes
+        self.offsets = {i: len(echoes[i // lc.n]) for i in lc.choices.values()}
+        self.started: set[int] = set()
 
-    def chunk(index: int | None, text: str, finish: str | None = None, logprobs=None, extra=None, use=None) -> bytes:
-        return _chunk(cid, "text_completion", created, model, index, {"text": text}, finish, logprobs, extra, use)
+    def _finish_reason(self, choice: int, out: RequestOutput) -> str:
+        return finish_reason(out, False)
 
-    async def events():
-        offsets = {i: len(echoes[i // job.n]) for i in job.choices.values()}
-        started: set[int] = set()
-        finals: dict[int, RequestOutput] = {}
-        try:
-            async for out in pipeline.paced(stream, first, ping_interval_s):
-                if out is None:
-                    yield b": ping\n\n"
-                    continue
-                i = job.choices[out.request_id]
-                echo = echoes[i // job.n]
-                if echo and i not in started:
-                    yield chunk(i, echo, logprobs=_echo_logprobs(tokenizer, job, i, out))
-                started.add(i)
-                logprobs = text_logprobs(tokenizer, out.delta_token_ids, out.delta_logprobs, offsets[i])
-                offsets[i] += len(out.delta_text)
-                if out.finished:
-                    finals[i] = out
-                if out.delta_text or (logprobs and logprobs["tokens"]):
-                    yield chunk(i, out.delta_text, logprobs=logprobs, extra={"stratum_meta": pipeline.stream_meta(out)})
-                if out.finished and len(finals) < len(job.choices):
-                    yield chunk(i, "", finish=finish_reason(out, False))
-            merged = pipeline.merge([finals[i] for i in range(len(finals))], job.n)
-            _, cost = pipeline.finish(rt, job, merged)
-            yield chunk(i, "", finish=finish_reason(finals[i], False), extra={"stratum_cost": cost})
-            if include_usage:
-                yield chunk(None, "", use=usage(merged))
-            yield b"data: [DONE]\n\n"
-        except Exception as e:
-            if not isinstance(e, APIError):
-                log.exception("stream failed")
-            yield sse_error(as_api_error(e), job.request_id, job.endpoint)
+    def body(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        lc, tokenizer = self.lc, self.tokenizer
+        choices = []
+        for i, out in enumerate(outs):
+            echo = self.echoes[i // lc.n]
+            logprobs = text_logprobs(tokenizer, out.token_ids, out.logprobs, len(echo))
+            if echo:
+                logprobs = _joined(_echo_logprobs(tokenizer, lc, i, out), logprobs)
+            choices.append({"index": i, "text": echo + out.text, "finish_reason": finish_reason(out, False),
+                            "logprobs": logprobs})
+        return {"id": self.id, "object": "text_completion", "created": int(time.time()), "model": self.model,
+                "choices": choices, "usage": usage(merge(outs, lc.n))}
 
-    return pipeline.event_response(events(), rt, job, pipeline.early_headers(rt, first, job))
+    def start(self, first: RequestOutput | None) -> Iterable[bytes]:
+        return ()
+
+    def output(self, out: RequestOutput, choice: int) -> Iterable[bytes]:
+        i = choice
+        echo = self.echoes[i // self.lc.n]
+        if echo and i not in self.started:
+            yield self._chunk(i, {"text": echo}, logprobs=_echo_logprobs(self.tokenizer, self.lc, i, out))
+        self.started.add(i)
+        logprobs = text_logprobs(self.tokenizer, out.delta_token_ids, out.delta_logprobs, self.offsets[i])
+        self.offsets[i] += len(out.delta_text)
+        if out.delta_text or (logprobs and logprobs["tokens"]):
+            yield self._chunk(i, {"text": out.delta_text}, logprobs=logprobs, extra={"stratum_meta": stream_meta(out)})
+        if out.finished:
+            yield from self._finished(i, out)

@@ -17,23 +17,17 @@ item per tool call (arguments as a JSON string, with a `call_id` the client answ
 from __future__ import annotations
 
 import json
-import logging
 import time
 import uuid
-from typing import Any
+from typing import Any, Iterable
 
-from fastapi.responses import StreamingResponse
-
-from stratum.engine.client import RequestStream
 from stratum.engine.outputs import RequestOutput
-from stratum.server import pipeline
 from stratum.server import tools as tool_fmt
 from stratum.server.anthropic_api import split_output
-from stratum.server.errors import APIError, as_api_error, sse_error
+from stratum.server.errors import APIError, sse_error
+from stratum.server.lifecycle import RequestLifecycle
 from stratum.server.openai_api import new_call_id
 from stratum.server.protocol import ResponsesRequest
-
-log = logging.getLogger("stratum.server")
 
 
 def new_response_id() -> str:
@@ -96,109 +90,101 @@ def _status(out: RequestOutput) -> str:
     return "incomplete" if out.finish_reason == "length" else "completed"
 
 
-def response_body(shell: ResponseShell, job: pipeline.Job, out: RequestOutput) -> dict[str, Any]:
-    text, calls = split_output(job.prompt, out.text)
-    output = []
-    if text or not calls:
-        output.append(_message_item(_item_id("msg"), text, "completed"))
-    for name, args in calls:
-        output.append(_call_item(_item_id("fc"), new_call_id(), name, json.dumps(args, ensure_ascii=False), "completed"))
-    return shell.body(_status(out), output, out)
+class Responses:
+    """A `lifecycle.Renderer`: the response object, or the documented event sequence (module
+    docstring), every event numbered; a keep-alive comment while waiting."""
 
+    ping = b": ping\n\n"
 
-def event_stream(rt: pipeline.Runtime, job: pipeline.Job, stream: RequestStream, first: RequestOutput | None,
-                 shell: ResponseShell, ping_interval_s: float) -> StreamingResponse:
-    """The documented event sequence (module docstring); a keep-alive comment while waiting."""
-    prompt = job.prompt
-    sequence = 0
+    def __init__(self, lc: RequestLifecycle, shell: ResponseShell):
+        self.lc, self.shell = lc, shell
+        prompt = lc.prompt
+        self.splitter = tool_fmt.AnswerSplitter(prompt.tool_names, prompt.prefill if prompt.is_forced_tool else "")
+        self.sequence = 0
+        self.output_items: list[dict[str, Any]] = []
+        self.item: dict[str, Any] | None = None  # the open output item
+        self.text = ""  # the open message's text so far
 
-    def event(kind: str, **data: Any) -> bytes:
-        nonlocal sequence
-        body = json.dumps({"type": kind, "sequence_number": sequence, **data}, ensure_ascii=False)
-        sequence += 1
+    def body(self, outs: list[RequestOutput]) -> dict[str, Any]:
+        out, = outs
+        text, calls = split_output(self.lc.prompt, out.text)
+        output = []
+        if text or not calls:
+            output.append(_message_item(_item_id("msg"), text, "completed"))
+        for name, args in calls:
+            output.append(_call_item(_item_id("fc"), new_call_id(), name, json.dumps(args, ensure_ascii=False),
+                                     "completed"))
+        return self.shell.body(_status(out), output, out)
+
+    def start(self, first: RequestOutput | None) -> Iterable[bytes]:
+        yield self._event("response.created", response=self.shell.body("in_progress", [], None))
+        yield self._event("response.in_progress", response=self.shell.body("in_progress", [], None))
+
+    def output(self, out: RequestOutput, choice: int) -> Iterable[bytes]:
+        if out.delta_text:
+            yield from self._pieces(self.splitter.feed(out.delta_text))
+
+    def end(self, final: RequestOutput, cost: dict[str, Any]) -> Iterable[bytes]:
+        yield from self._pieces(self.splitter.flush())
+        yield from self._close_item()
+        if not self.output_items:  # an empty answer is still one (empty) message, as the body has
+            yield from self._open_item(_message_item(_item_id("msg"), "", "in_progress"))
+            yield from self._close_item()
+        status = _status(final)
+        yield self._event(f"response.{status}", response=self.shell.body(status, self.output_items, final),
+                          stratum_cost=cost)
+
+    def error(self, e: APIError) -> bytes:
+        return sse_error(e, self.lc.request_id, self.lc.endpoint, self.sequence)
+
+    def _event(self, kind: str, **data: Any) -> bytes:
+        body = json.dumps({"type": kind, "sequence_number": self.sequence, **data}, ensure_ascii=False)
+        self.sequence += 1
         return f"event: {kind}\ndata: {body}\n\n".encode()
 
-    async def events():
-        output: list[dict[str, Any]] = []
-        item: dict[str, Any] | None = None  # the open output item
-        text = ""  # the open message's text so far
+    def _open_item(self, new: dict[str, Any]) -> Iterable[bytes]:
+        self.item = new
+        index = len(self.output_items)
+        yield self._event("response.output_item.added", output_index=index, item=new)
+        if new["type"] == "message":
+            yield self._event("response.content_part.added", item_id=new["id"], output_index=index,
+                              content_index=0, part={"type": "output_text", "text": "", "annotations": []})
 
-        def open_item(new: dict[str, Any]):
-            nonlocal item
-            item = new
-            yield event("response.output_item.added", output_index=len(output), item=new)
-            if new["type"] == "message":
-                yield event("response.content_part.added", item_id=new["id"], output_index=len(output),
-                            content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+    def _close_item(self) -> Iterable[bytes]:
+        if self.item is None:
+            return
+        index, done = len(self.output_items), self.item
+        if done["type"] == "message":
+            text = self.text
+            part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+            yield self._event("response.output_text.done", item_id=done["id"], output_index=index, content_index=0,
+                              text=text, logprobs=[])
+            yield self._event("response.content_part.done", item_id=done["id"], output_index=index, content_index=0,
+                              part=part)
+            done, self.text = _message_item(done["id"], text, "completed"), ""
+        else:
+            yield self._event("response.function_call_arguments.done", item_id=done["id"], output_index=index,
+                              name=done["name"], arguments=done["arguments"])
+            done = {**done, "status": "completed"}
+        yield self._event("response.output_item.done", output_index=index, item=done)
+        self.output_items.append(done)
+        self.item = None
 
-        def close_item():
-            nonlocal item, text
-            if item is None:
-                return
-            index, done = len(output), item
-            if done["type"] == "message":
-                part = {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
-                yield event("response.output_text.done", item_id=done["id"], output_index=index, content_index=0,
-                            text=text, logprobs=[])
-                yield event("response.content_part.done", item_id=done["id"], output_index=index, content_index=0,
-                            part=part)
-                done, text = _message_item(done["id"], text, "completed"), ""
-            else:
-                yield event("response.function_call_arguments.done", item_id=done["id"], output_index=index,
-                            name=done["name"], arguments=done["arguments"])
-                done = {**done, "status": "completed"}
-            yield event("response.output_item.done", output_index=index, item=done)
-            output.append(done)
-            item = None
-
-        def pieces_to_events(pieces):
-            nonlocal text
-            for what, value in pieces:
-                if what == "text":
-                    if item is None or item["type"] != "message":
-                        yield from close_item()
-                        yield from open_item(_message_item(_item_id("msg"), "", "in_progress"))
-                    text += value
-                    yield event("response.output_text.delta", item_id=item["id"], output_index=len(output),
-                                content_index=0, delta=value, logprobs=[])
-                elif what == "name":
-                    yield from close_item()
-                    yield from open_item(_call_item(_item_id("fc"), new_call_id(), value, "", "in_progress"))
-                elif what == "args":
-                    item["arguments"] += value
-                    yield event("response.function_call_arguments.delta", item_id=item["id"], output_index=len(output),
-                                delta=value)
-                else:  # the end of a call
-                    yield from close_item()
-
-        try:
-            yield event("response.created", response=shell.body("in_progress", [], None))
-            yield event("response.in_progress", response=shell.body("in_progress", [], None))
-            splitter = tool_fmt.AnswerSplitter(prompt.tool_names, prompt.prefill if prompt.is_forced_tool else "")
-            final = None
-            async for out in pipeline.paced(stream, first, ping_interval_s):
-                if out is None:
-                    yield b": ping\n\n"
-                    continue
-                final = out
-                if out.delta_text:
-                    for chunk in pieces_to_events(splitter.feed(out.delta_text)):
-                        yield chunk
-            for chunk in pieces_to_events(splitter.flush()):
-                yield chunk
-            for chunk in close_item():
-                yield chunk
-            if not output:  # an empty answer is still one (empty) message, as the body has
-                for chunk in open_item(_message_item(_item_id("msg"), "", "in_progress")):
-                    yield chunk
-                for chunk in close_item():
-                    yield chunk
-            _, cost = pipeline.finish(rt, job, final)
-            status = _status(final)
-            yield event(f"response.{status}", response=shell.body(status, output, final), stratum_cost=cost)
-        except Exception as e:  # after the 200 a failure becomes one error event, then the stream ends
-            if not isinstance(e, APIError):
-                log.exception("stream failed")
-            yield sse_error(as_api_error(e), job.request_id, job.endpoint, sequence)
-
-    return pipeline.event_response(events(), rt, job, pipeline.early_headers(rt, first, job))
+    def _pieces(self, pieces) -> Iterable[bytes]:
+        for what, value in pieces:
+            if what == "text":
+                if self.item is None or self.item["type"] != "message":
+                    yield from self._close_item()
+                    yield from self._open_item(_message_item(_item_id("msg"), "", "in_progress"))
+                self.text += value
+                yield self._event("response.output_text.delta", item_id=self.item["id"],
+                                  output_index=len(self.output_items), content_index=0, delta=value, logprobs=[])
+            elif what == "name":
+                yield from self._close_item()
+                yield from self._open_item(_call_item(_item_id("fc"), new_call_id(), value, "", "in_progress"))
+            elif what == "args":
+                self.item["arguments"] += value
+                yield self._event("response.function_call_arguments.delta", item_id=self.item["id"],
+                                  output_index=len(self.output_items), delta=value)
+            else:  # the end of a call
+                yield from self._close_item()

@@ -22,11 +22,13 @@ _RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
 class Metrics:
-    def __init__(self, snapshot_source=None, replica_source=None):
+    def __init__(self, snapshot_source=None, replica_source=None, in_flight_source=None):
         """Args:
             snapshot_source: a zero-argument callable returning the engine's latest EngineSnapshot
                 (the replicas' summed, when the engine is several).
             replica_source: a zero-argument callable returning each replica's ReplicaView (or none).
+            in_flight_source: a zero-argument callable returning how many requests the server admitted
+                and has not yet released (`lifecycle.RequestLifecycle`).
         """
         r = self.registry = CollectorRegistry()
         self.requests = Counter("stratum_request_count", "Requests answered, by endpoint and outcome", ["endpoint", "status"], registry=r)
@@ -51,6 +53,9 @@ class Metrics:
             self._engine_gauges(snapshot_source)
         if replica_source is not None:
             r.register(_ReplicaCollector(replica_source))
+        if in_flight_source is not None:
+            Gauge("stratum_num_requests_in_flight", "Requests admitted by the server and not yet released",
+                  registry=r).set_function(in_flight_source)
 
     def _engine_gauges(self, snapshot_source) -> None:
         r = self.registry
