@@ -197,6 +197,15 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         prompt = await asyncio.to_thread(build_prompt, engine.chat_template, anthropic_input(req))
         return {"input_tokens": len(prompt.token_ids)}
 
+    _generation_routes(app, rt, settings)
+    return app
+
+
+def _generation_routes(app: FastAPI, rt: pipeline.Runtime, settings: ServerSettings) -> None:
+    """The routes that run a request on the engine: each reads and checks its body, then runs it as a
+    `RequestLifecycle` and answers through its API's renderer."""
+    engine = rt.engine
+
     @app.post("/v1/messages")
     async def messages(request: Request):
         req = await _read_request(request, settings, MessagesRequest)
@@ -262,8 +271,6 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
             await lc.submit()
             shell = responses_api.ResponseShell(req, sampling.temperature, sampling.top_p)
             return await lc.respond(responses_api.Responses(lc, shell), req.stream)
-
-    return app
 
 
 CONSOLE_FILES = {"console.css": "text/css", "console.js": "text/javascript"}

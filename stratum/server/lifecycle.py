@@ -70,11 +70,11 @@ class RequestLifecycle:
 
     rt: Runtime
     request: Request
+    request_id: str
     endpoint: str
     tenant: str
-    session: str
+    session: str  # X-Stratum-Session-Id, else the user id, else the tenant: what pollution is judged over
     is_batch: bool  # a Message Batches request: runs below every interactive one
-    request_id: str = ""
     cache_salt: str | None = None
     advise: bool = False  # the session pollutes the cache: answers carry advice
     controls: Controls = Controls()
@@ -122,8 +122,9 @@ class RequestLifecycle:
             raise EngineUnavailable(f"the engine is not running ({rt.engine.snapshot.error or 'stopped'})")
         check_control_headers(request)
         tenant = tenant_of(request, user_id)
-        lc = cls(rt, request, endpoint, tenant, session=request.headers.get("x-stratum-session-id") or user_id or tenant,
-                 is_batch=bool(getattr(request.state, "batch_tenant", None)), request_id=request.state.request_id,
+        lc = cls(rt, request, request.state.request_id, endpoint, tenant,
+                 session=request.headers.get("x-stratum-session-id") or user_id or tenant,
+                 is_batch=bool(getattr(request.state, "batch_tenant", None)),
                  cache_salt=tenant if rt.isolate_tenants else None)
         if rt.pollution.is_polluted(lc.session):
             if rt.pollution.policy == "reject":
