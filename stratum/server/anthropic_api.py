@@ -14,11 +14,22 @@ from stratum.server.lifecycle import RequestLifecycle
 from stratum.server.pipeline import stream_meta, usage_of
 
 
+def _forced(prompt: Prompt) -> str:
+    """What the prompt itself began of the answer: a forced tool call's opening (tool_choice any / tool)."""
+    return prompt.prefill if prompt.is_forced_tool else ""
+
+
 def split_output(prompt: Prompt, text: str) -> tuple[str, list[tuple[str, dict]]]:
-    full = (prompt.prefill if prompt.is_forced_tool else "") + text
+    """A whole answer: its text and its tool calls."""
+    full = _forced(prompt) + text
     if not prompt.tool_names:
         return full, []
     return tool_fmt.parse_tool_calls(full, prompt.tool_names)
+
+
+def answer_splitter(prompt: Prompt) -> tool_fmt.AnswerSplitter:
+    """An answer as it streams: its text and its tool calls' pieces."""
+    return tool_fmt.AnswerSplitter(prompt.tool_names, _forced(prompt))
 
 
 def stop_reason(lc: RequestLifecycle, out: RequestOutput, has_calls: bool) -> tuple[str, str | None]:
@@ -45,8 +56,7 @@ class Messages:
 
     def __init__(self, lc: RequestLifecycle, model: str):
         self.lc, self.model, self.id = lc, model, "msg_" + uuid.uuid4().hex[:24]
-        prompt = lc.prompt
-        self.splitter = tool_fmt.AnswerSplitter(prompt.tool_names, prompt.prefill if prompt.is_forced_tool else "")
+        self.splitter = answer_splitter(lc.prompt)
         self.index = -1
         self.kind: str | None = None  # the open block's type
         self.has_calls = False

@@ -12,8 +12,7 @@ import uuid
 from typing import Any, Iterable
 
 from stratum.engine.outputs import RequestOutput
-from stratum.server import tools as tool_fmt
-from stratum.server.anthropic_api import split_output
+from stratum.server.anthropic_api import answer_splitter, split_output
 from stratum.server.errors import APIError, sse_error
 from stratum.server.lifecycle import RequestLifecycle
 from stratum.server.pipeline import merge, stream_meta
@@ -152,9 +151,7 @@ class Chat(_Chunks):
 
     def __init__(self, lc: RequestLifecycle, model: str, include_usage: bool, tokenizer):
         super().__init__(lc, model, include_usage, tokenizer, "chatcmpl-")
-        prompt = lc.prompt
-        prefill = prompt.prefill if prompt.is_forced_tool else ""
-        self.splitters = {i: tool_fmt.AnswerSplitter(prompt.tool_names, prefill) for i in lc.choices.values()}
+        self.splitters = {i: answer_splitter(lc.prompt) for i in lc.choices.values()}
         self.calls = {i: -1 for i in lc.choices.values()}  # the index of each choice's current tool call
 
     def _finish_reason(self, choice: int, out: RequestOutput) -> str:

@@ -22,8 +22,7 @@ import uuid
 from typing import Any, Iterable
 
 from stratum.engine.outputs import RequestOutput
-from stratum.server import tools as tool_fmt
-from stratum.server.anthropic_api import split_output
+from stratum.server.anthropic_api import answer_splitter, split_output
 from stratum.server.errors import APIError, sse_error
 from stratum.server.lifecycle import RequestLifecycle
 from stratum.server.openai_api import new_call_id
@@ -98,8 +97,7 @@ class Responses:
 
     def __init__(self, lc: RequestLifecycle, shell: ResponseShell):
         self.lc, self.shell = lc, shell
-        prompt = lc.prompt
-        self.splitter = tool_fmt.AnswerSplitter(prompt.tool_names, prompt.prefill if prompt.is_forced_tool else "")
+        self.splitter = answer_splitter(lc.prompt)
         self.sequence = 0
         self.output_items: list[dict[str, Any]] = []
         self.item: dict[str, Any] | None = None  # the open output item
