@@ -123,6 +123,57 @@ def add_tiny_tokenizer(writer, tok: dict) -> None:
     writer.add_chat_template(CHATML)
 
 
+def make_sentencepiece_model(vocab_size: int = 400) -> bytes:
+    """A tiny SentencePiece BPE model trained here, set up as Llama 2's is: byte fallback, digits split,
+    no normalization, spaces kept as written, a dummy prefix; <unk> <s> </s> are ids 0-2, and the
+    ChatML markers are control pieces. Returns the serialized model (a tokenizer.model file's bytes)."""
+    import io
+
+    import sentencepiece
+
+    out = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter([line for text in _CORPUS for line in text.splitlines() if line.strip()]),
+        model_writer=out, model_type="bpe", vocab_size=vocab_size, byte_fallback=True, split_digits=True,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=True,
+        allow_whitespace_only_pieces=True, character_coverage=0.99, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        control_symbols=SPECIAL[1:], minloglevel=2)
+    return out.getvalue()
+
+
+def add_sentencepiece_vocab(writer, model: bytes, vocab_size: int, chat_template: str = CHATML) -> None:
+    """A SentencePiece model's vocabulary written into a GGUF as llama.cpp's convert_hf_to_gguf writes it
+    (TextModel._set_vocab_sentencepiece): model "llama", every piece with its score and type, rows past
+    the model's pieces as [PADn] unused tokens, bos/eos/unk ids, add_bos_token, add_space_prefix."""
+    import gguf
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(model_proto=model)
+    tokens, scores, types = [], [], []
+    for i in range(sp.vocab_size()):
+        tokens.append(sp.id_to_piece(i))
+        scores.append(sp.get_score(i))
+        types.append(gguf.TokenType.UNKNOWN if sp.is_unknown(i) else gguf.TokenType.CONTROL if sp.is_control(i)
+                     else gguf.TokenType.UNUSED if sp.is_unused(i) else gguf.TokenType.BYTE if sp.is_byte(i)
+                     else gguf.TokenType.NORMAL)
+    for i in range(1, vocab_size - len(tokens) + 1):
+        tokens.append(f"[PAD{i}]")
+        scores.append(-1000.0)
+        types.append(gguf.TokenType.UNUSED)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(sp.bos_id())
+    writer.add_eos_token_id(sp.eos_id())
+    writer.add_unk_token_id(sp.unk_id())
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    writer.add_add_space_prefix(True)
+    writer.add_chat_template(chat_template)
+
+
 def make_tiny_gguf(path: Path, qtype: str = "Q4_1", head_qtype: str = "Q8_0", num_layers: int = 2, hidden: int = 64,
                    seed: int = 0) -> Path:
     """The tiny model of `make_tiny_model_dir` as a GGUF file (architecture "llama", so Q and K rows are
@@ -259,7 +310,7 @@ def make_family_dir(path: Path, family: str, seed: int = 0, **overrides) -> Path
 
 
 def write_family_gguf(folder: Path, out: Path, qtype: str | None = None, head_qtype: str | None = None,
-                      qtypes: dict[str, str] | None = None) -> Path:
+                      qtypes: dict[str, str] | None = None, sentencepiece: bytes | None = None) -> Path:
     """Convert a `make_family_dir` folder to GGUF the way llama.cpp's convert_hf_to_gguf.py writes it:
     tensor names from gguf-py's TensorNameMap, Llama/Mistral Q and K rows permuted for interleaved RoPE,
     Gemma norms stored as (1 + w), Llama 3 RoPE scaling as a rope_freqs tensor, and each family's keys.
@@ -267,6 +318,8 @@ def write_family_gguf(folder: Path, out: Path, qtype: str | None = None, head_qt
     Matrices are F32 unless qtype names a gguf type (Q8_0, Q4_0, Q4_1 by gguf-py; Q4_K, Q5_K, Q6_K by
     tests/kquants.py); head_qtype is the output projection's (or the tied embedding's); qtypes maps a
     GGUF tensor-name fragment ("ffn_down") to a type of its own, as llama.cpp's Q4_K_M mixes do.
+    sentencepiece, a SentencePiece model (`make_sentencepiece_model`), is written as the vocabulary
+    instead of the folder's byte-level one.
     """
     import math
 
@@ -276,7 +329,6 @@ def write_family_gguf(folder: Path, out: Path, qtype: str | None = None, head_qt
     from tests.kquants import quantize as quantize_tensor
 
     cfg = json.loads((folder / "config.json").read_text())
-    tok = json.loads((folder / "tokenizer.json").read_text())
     family = {"gemma3_text": "gemma3"}.get(cfg["model_type"], cfg["model_type"])
     arch = GGUF_ARCH[family]
     num_layers, heads, kv_heads = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -307,7 +359,10 @@ def write_family_gguf(folder: Path, out: Path, qtype: str | None = None, head_qt
         w.add_sliding_window(cfg["sliding_window"])
     if family == "phi3":
         w.add_rope_dimension_count(head_dim)
-    add_tiny_tokenizer(w, tok)
+    if sentencepiece is not None:
+        add_sentencepiece_vocab(w, sentencepiece, cfg["vocab_size"])
+    else:
+        add_tiny_tokenizer(w, json.loads((folder / "tokenizer.json").read_text()))
 
     if scaling and scaling["rope_type"] == "llama3":  # convert_hf_to_gguf LlamaModel.generate_extra_tensors
         base = float(cfg.get("rope_theta") or rope["rope_theta"])

@@ -1,9 +1,9 @@
 """Chat templates: the model's own Jinja template rendered with Hugging Face semantics.
 
 Message text is never spliced into the template's output as a string to be re-tokenized with
-special tokens on. Each piece of user-supplied text is rendered as a unique placeholder; the
-rendered prompt is then cut at the placeholders, template parts are encoded with special tokens
-and user parts as plain text.
+special tokens on. Each piece of user-supplied text is rendered as a unique placeholder; special
+tokens are then read from the template's own text only, and the text between them is encoded as
+plain text.
 """
 
 from __future__ import annotations
@@ -90,15 +90,23 @@ class ChatTemplate:
                            add_generation_prompt=add_generation_prompt and not continue_final)
         if tail_key is not None:
             text = text[: text.rindex(tail_key) + len(tail_key)]
+        # Special tokens are read from the template's text only. The text between two of them (template
+        # text and user text alike) is encoded as one run, as tokenizing the whole rendered prompt would:
+        # cut at the placeholders instead, a SentencePiece vocabulary would begin each piece with a
+        # dummy-prefix space, and any vocabulary could lose a merge across the cut.
         ids: list[int] = []
+        run = ""
         for part in re.split(f"(@@{marker}\\d+@@)", text):
-            if not part:
-                continue
             if part in pieces:
-                ids += self.tokenizer.encode(pieces[part], allow_special=False)
-            else:
-                ids += self.tokenizer.encode(part, allow_special=True)
-        return ids
+                run += pieces[part]
+                continue
+            for before, special_id in self.tokenizer.split_special(part):
+                run += before
+                if special_id is not None:
+                    ids += self.tokenizer.encode(run)
+                    ids.append(special_id)
+                    run = ""
+        return ids + self.tokenizer.encode(run)
 
 
 def _hide_strings(value: Any, hide) -> Any:
