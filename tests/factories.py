@@ -105,7 +105,7 @@ def rereads(n: int, output_tokens: int, block_size: int = 16) -> int:
     return n - 1 if computed >= ((n - 1) // block_size + 1) * block_size else (n - 1) // block_size * block_size
 
 
-def add_tiny_tokenizer(writer, tok: dict) -> None:
+def add_tiny_tokenizer(writer, tok: dict, chat_template: str = CHATML) -> None:
     """The tiny byte-level BPE tokenizer (its tokenizer.json as `tok`) and the ChatML template, written
     into a GGUF the way llama.cpp's converter writes a "gpt2" vocabulary."""
     import gguf
@@ -120,7 +120,7 @@ def add_tiny_tokenizer(writer, tok: dict) -> None:
     writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
-    writer.add_chat_template(CHATML)
+    writer.add_chat_template(chat_template)
 
 
 def make_sentencepiece_model(vocab_size: int = 400) -> bytes:
@@ -310,7 +310,8 @@ def make_family_dir(path: Path, family: str, seed: int = 0, **overrides) -> Path
 
 
 def write_family_gguf(folder: Path, out: Path, qtype: str | None = None, head_qtype: str | None = None,
-                      qtypes: dict[str, str] | None = None, sentencepiece: bytes | None = None) -> Path:
+                      qtypes: dict[str, str] | None = None, sentencepiece: bytes | None = None,
+                      chat_template: str = CHATML) -> Path:
     """Convert a `make_family_dir` folder to GGUF the way llama.cpp's convert_hf_to_gguf.py writes it:
     tensor names from gguf-py's TensorNameMap, Llama/Mistral Q and K rows permuted for interleaved RoPE,
     Gemma norms stored as (1 + w), Llama 3 RoPE scaling as a rope_freqs tensor, and each family's keys.
@@ -319,7 +320,7 @@ def write_family_gguf(folder: Path, out: Path, qtype: str | None = None, head_qt
     tests/kquants.py); head_qtype is the output projection's (or the tied embedding's); qtypes maps a
     GGUF tensor-name fragment ("ffn_down") to a type of its own, as llama.cpp's Q4_K_M mixes do.
     sentencepiece, a SentencePiece model (`make_sentencepiece_model`), is written as the vocabulary
-    instead of the folder's byte-level one.
+    instead of the folder's byte-level one; chat_template is the file's tokenizer.chat_template.
     """
     import math
 
@@ -360,9 +361,9 @@ def write_family_gguf(folder: Path, out: Path, qtype: str | None = None, head_qt
     if family == "phi3":
         w.add_rope_dimension_count(head_dim)
     if sentencepiece is not None:
-        add_sentencepiece_vocab(w, sentencepiece, cfg["vocab_size"])
+        add_sentencepiece_vocab(w, sentencepiece, cfg["vocab_size"], chat_template)
     else:
-        add_tiny_tokenizer(w, json.loads((folder / "tokenizer.json").read_text()))
+        add_tiny_tokenizer(w, json.loads((folder / "tokenizer.json").read_text()), chat_template)
 
     if scaling and scaling["rope_type"] == "llama3":  # convert_hf_to_gguf LlamaModel.generate_extra_tensors
         base = float(cfg.get("rope_theta") or rope["rope_theta"])

@@ -67,12 +67,15 @@ class ChatTemplate:
         tools: list[dict] | None = None,
         add_generation_prompt: bool = True,
         continue_final: bool = False,
+        suffix: str = "",
     ) -> list[int]:
         """Render and tokenize, treating every message string as plain text.
 
         Args:
             continue_final: the last message is an assistant prefill; the prompt stops right after
                 its text instead of closing the turn.
+            suffix: the server's own text to end the prompt with (a forced tool call's opening),
+                tokenized as template text: its special tokens are read.
         """
         marker = uuid.uuid4().hex
         pieces: dict[str, str] = {}
@@ -90,6 +93,7 @@ class ChatTemplate:
                            add_generation_prompt=add_generation_prompt and not continue_final)
         if tail_key is not None:
             text = text[: text.rindex(tail_key) + len(tail_key)]
+        text += suffix
         # Special tokens are read from the template's text only. The text between two of them (template
         # text and user text alike) is encoded as one run, as tokenizing the whole rendered prompt would:
         # cut at the placeholders instead, a SentencePiece vocabulary would begin each piece with a

@@ -22,7 +22,7 @@ def split_output(prompt: Prompt, text: str) -> tuple[str, list[tuple[str, dict]]
     full = (prompt.prefill if prompt.is_forced_tool else "") + text
     if not prompt.tool_names:
         return full, []
-    return tool_fmt.parse_tool_calls(full, prompt.tool_names)
+    return tool_fmt.parse_tool_calls(full, prompt.tool_names, prompt.tool_format)
 
 
 def stop_reason(job: pipeline.Job, out: RequestOutput, has_calls: bool) -> tuple[str, str | None]:
@@ -63,7 +63,7 @@ def event_stream(rt: pipeline.Runtime, job: pipeline.Job, stream: RequestStream,
     async def events():
         index = -1
         kind = None  # the open block's type
-        splitter = tool_fmt.AnswerSplitter(prompt.tool_names, prompt.prefill if prompt.is_forced_tool else "")
+        splitter = tool_fmt.AnswerSplitter(prompt.tool_names, prompt.prefill if prompt.is_forced_tool else "", prompt.tool_format)
         has_calls = False
         final = None
         call_meta = None  # the meta of the output where a tool call began, for its block's first delta

@@ -137,7 +137,7 @@ def chunk_stream(rt: pipeline.Runtime, job: pipeline.Job, stream: RequestStream 
 
     async def events():
         prefill = prompt.prefill if prompt.is_forced_tool else ""
-        splitters = {i: tool_fmt.AnswerSplitter(prompt.tool_names, prefill) for i in job.choices.values()}
+        splitters = {i: tool_fmt.AnswerSplitter(prompt.tool_names, prefill, prompt.tool_format) for i in job.choices.values()}
         calls = {i: -1 for i in job.choices.values()}  # the index of each choice's current tool call
         finals: dict[int, RequestOutput] = {}
         try:

@@ -24,7 +24,6 @@ from stratum.engine.client import EngineClient, QueueFull, RequestGroup, Request
 from stratum.engine.outputs import EngineDeadError, RequestOutput, RequestStats
 from stratum.engine.request import CachePolicy
 from stratum.engine.sampling_params import InvalidRequestError, SamplingParams
-from stratum.server import tools as tool_fmt
 from stratum.server.batches import BATCH_PRIORITY
 from stratum.server.chat import Prompt
 from stratum.server.errors import (APIError, CachePollution, EngineUnavailable, InvalidRequest, Overloaded, RateLimited,
@@ -245,8 +244,9 @@ def apply_controls(job: Job, request: Request, system_text: str) -> None:
 
 def check_request(rt: Runtime, prompt: Prompt, sampling: SamplingParams) -> None:
     """Validate against the context length; a prompt with tools also stops at the end of a tool call."""
-    if prompt.tool_names and tool_fmt.CLOSE not in sampling.stop:
-        sampling.stop.append(tool_fmt.CLOSE)
+    stop = prompt.tool_format.stop
+    if prompt.tool_names and stop is not None and stop not in sampling.stop:
+        sampling.stop.append(stop)
     try:
         rt.engine.check_request(len(prompt.token_ids), sampling)
     except InvalidRequestError as e:
@@ -347,7 +347,7 @@ def start(rt: Runtime, job: Job, prompt: Prompt, sampling: SamplingParams,
         job.cache_breakpoint = len(prompt.token_ids)
     marker = None
     if prompt.tool_names:
-        marker = "" if prompt.is_forced_tool else tool_fmt.OPEN
+        marker = "" if prompt.is_forced_tool else prompt.tool_format.marker
     if job.cancelled is not None:
         raise job.cancelled
     kwargs = dict(priority=job.priority, cache_policy=policy, cache_salt=job.cache_salt, tool_marker=marker,

@@ -174,7 +174,7 @@ def event_stream(rt: pipeline.Runtime, job: pipeline.Job, stream: RequestStream,
         try:
             yield event("response.created", response=shell.body("in_progress", [], None))
             yield event("response.in_progress", response=shell.body("in_progress", [], None))
-            splitter = tool_fmt.AnswerSplitter(prompt.tool_names, prompt.prefill if prompt.is_forced_tool else "")
+            splitter = tool_fmt.AnswerSplitter(prompt.tool_names, prompt.prefill if prompt.is_forced_tool else "", prompt.tool_format)
             final = None
             async for out in pipeline.paced(stream, first, ping_interval_s):
                 if out is None:
