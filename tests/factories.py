@@ -19,6 +19,9 @@ CHATML = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Mistral v3's control tokens (mistralai/Mistral-7B-Instruct-v0.3 tokenizer_config.json, ids 3-9 there)
+MISTRAL_CONTROLS = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+                    "[/TOOL_RESULTS]"]
 _CORPUS = [
     "The capital of Japan is Tokyo. The capital of Germany is Berlin. Hello world!",
     "def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(i)\n",
@@ -126,7 +129,8 @@ def add_tiny_tokenizer(writer, tok: dict, chat_template: str = CHATML) -> None:
 def make_sentencepiece_model(vocab_size: int = 400) -> bytes:
     """A tiny SentencePiece BPE model trained here, set up as Llama 2's is: byte fallback, digits split,
     no normalization, spaces kept as written, a dummy prefix; <unk> <s> </s> are ids 0-2, and the
-    ChatML markers are control pieces. Returns the serialized model (a tokenizer.model file's bytes)."""
+    ChatML markers and Mistral v3's are control pieces. Returns the serialized model (a tokenizer.model
+    file's bytes)."""
     import io
 
     import sentencepiece
@@ -137,7 +141,7 @@ def make_sentencepiece_model(vocab_size: int = 400) -> bytes:
         model_writer=out, model_type="bpe", vocab_size=vocab_size, byte_fallback=True, split_digits=True,
         normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=True,
         allow_whitespace_only_pieces=True, character_coverage=0.99, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
-        control_symbols=SPECIAL[1:], minloglevel=2)
+        control_symbols=SPECIAL[1:] + MISTRAL_CONTROLS, minloglevel=2)
     return out.getvalue()
 
 

@@ -175,8 +175,7 @@ def family_server(request, tmp_path_factory):
         model = str(write_family_gguf(folder, root / "m.gguf", sentencepiece=make_sentencepiece_model(),
                                       chat_template=source))
         shutil.rmtree(folder)
-    server = ServerProcess(model, "--served-model-name", "tiny", "--kv-cache-mb", "8",
-                           env={"STRATUM_HOME": str(root / "home")}).wait_ready()
+    server = ServerProcess(model, "--served-model-name", "tiny", "--kv-cache-mb", "8").wait_ready()
     yield family, server
     server.stop()
 
@@ -248,3 +247,26 @@ def test_auto_choice_answers_text_or_a_valid_call(family_server):
                 jsonschema.validate(block.input, SCHEMAS[block.name])
             else:
                 assert block.type == "text"
+
+
+def test_special_token_markers_are_tokens_in_the_grammar(tmp_path):
+    """With a vocabulary that holds [TOOL_CALLS] as a control token (Mistral's), the auto-mode grammar
+    takes the call opened by that token, as the model writes it, and the answer parses."""
+    from stratum.engine.grammar import GrammarCompiler
+    from stratum.models.tokenizer import tokenizer_from_sentencepiece
+    from stratum.server.structured import tool_grammar
+
+    path = tmp_path / "tokenizer.model"
+    path.write_bytes(make_sentencepiece_model())
+    tok = tokenizer_from_sentencepiece(str(path), ["</s>"], "<s>")
+    fmt = tools.MISTRAL.for_vocabulary(tok)
+    marker = tok.special_token_id("[TOOL_CALLS]")
+    assert marker is not None and fmt.special_tokens == (("[TOOL_CALLS]", marker),)
+    answer = ' [{"name": "get_time", "arguments": {"tz": "CET"}}]'
+    ids = [marker] + tok.encode(answer[1:])  # after the marker the model writes "▁[": the dummy prefix is the space
+    matcher = GrammarCompiler(tok, tok.vocab_size).matcher(tool_grammar(TOOL_DEFS, False, fmt=fmt))
+    assert matcher.consume_tokens(ids) and matcher.is_accepting()
+    text = tok.decode(ids)  # the detokenizer leaves the control token out
+    assert tools.parse_tool_calls(text, KNOWN, fmt) == ("", [("get_time", {"tz": "CET"})])
+    spelled = GrammarCompiler(tok, tok.vocab_size).matcher(tool_grammar(TOOL_DEFS, False, fmt=fmt))
+    assert not spelled.consume_tokens(tok.encode("[TOOL_CALLS]" + answer))  # as text it is not the marker

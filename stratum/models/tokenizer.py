@@ -110,6 +110,13 @@ class TextTokenizer:
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
 
+    def special_token_id(self, token: str) -> int | None:
+        """The id of `token` if it is a special token (read in templates, never in user text), else None."""
+        for token_id, added in self.backend.get_added_tokens_decoder().items():
+            if added.special and added.content == token:
+                return token_id
+        return None
+
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a byte-level BPE token may hold part of a UTF-8 character)."""
         piece = self.backend.id_to_token(token_id)

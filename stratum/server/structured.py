@@ -28,6 +28,13 @@ def _lit(text: str) -> str:
     return json.dumps(text)  # a Lark string literal is a JSON string
 
 
+def _seq(text: str, fmt: tool_fmt.ToolFormat) -> str:
+    """text as a Lark sequence: the format's special-token markers as tokens (<[id]>), the rest as literals."""
+    tokens = dict(fmt.special_tokens)
+    parts = re.split("(" + "|".join(map(re.escape, tokens)) + ")", text) if tokens else [text]
+    return " ".join(f"<[{tokens[p]}]>" if p in tokens else _lit(p) for p in parts if p)
+
+
 def _regex(text: str) -> str:
     """text as a literal inside a Lark /regex/ (Rust regex syntax, with / as the delimiter)."""
     return re.sub(r"([\\.^$|?*+()\[\]{}/])", r"\\\1", text)
@@ -112,9 +119,9 @@ def tool_grammar(tools: list[dict[str, Any]], forced: bool | str, text_schema: d
     """
     args = {t["name"]: _schema(t.get("parameters") or {"type": "object"}, bool(t.get("strict")),
                                f"tools.{i}.input_schema ({t['name']})") for i, t in enumerate(tools)}
-    rules = [f"call_{i}: {_lit(name + fmt.arguments)} {body}" for i, (name, body) in enumerate(args.items())]
+    rules = [f"call_{i}: {_seq(name + fmt.arguments, fmt)} {body}" for i, (name, body) in enumerate(args.items())]
     rules.append("call: " + " | ".join(f"call_{i}" for i in range(len(args))))
-    end = _lit(fmt.call_end + fmt.close) if fmt.call_end + fmt.close else ""
+    end = _seq(fmt.call_end + fmt.close, fmt)
     if isinstance(forced, str):
         return _lark([f"start: {args[forced]} {end}"])
     if forced:
@@ -129,9 +136,10 @@ def tool_grammar(tools: list[dict[str, Any]], forced: bool | str, text_schema: d
         tag = _regex(fmt.open)
         lexemes = [f"TEXT: /(?s:.+)/ & ~/(?s:.*{tag}.*)/", f"OPEN: /(?s:.*){tag}/ & ~/(?s:.*{tag}.+)/"]
         call = f"OPEN {_lit(fmt.call_start)} call {end}"
-    else:  # the calls are the whole answer: text is what does not begin as they do
-        lexemes = [f"TEXT: /(?s:.+)/ & ~/(?s:{_regex(fmt.open + fmt.call_start)}.*)/"]
-        call = f"{_lit(fmt.open + fmt.call_start)} call {end}"
+    else:  # the calls are the whole answer: text is what `tools` would not read as their beginning
+        lexemes = [f"TEXT: /(?s:.+)/ & ~/(?s:{fmt.first_head.pattern}.*)/"]
+        lead = f"{_seq(fmt.lead, fmt)}? " if fmt.lead in dict(fmt.special_tokens) else ""
+        call = f"{lead}{_seq(fmt.open + fmt.call_start, fmt)} call {end}"
     return _lark([f"start: answer | {call}", text, *lexemes, *rules])
 
 

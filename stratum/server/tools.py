@@ -47,6 +47,16 @@ class ToolFormat:
     starts: tuple[str, ...] = ()  # without text_before: beginnings that mean "these are calls"
     marker: str = ""  # output text showing that a call is under way (the engine's tool_use_prepared)
     stop: str | None = None  # a stop string that ends the answer after its call
+    lead: str = ""  # a marker the model may write before the calls (Llama 3's <|python_tag|>)
+    # the format's markers that are special tokens of the model's vocabulary, with their ids (a grammar
+    # must name them as tokens: as text they would be spelled out); see `for_vocabulary`
+    special_tokens: tuple[tuple[str, int], ...] = ()
+
+    def for_vocabulary(self, tokenizer) -> "ToolFormat":
+        """This format with the markers that `tokenizer` holds as special tokens."""
+        markers = [self.lead, *re.findall(r"\[[A-Z_]+\]|<\|[a-z_]+\|>", self.open + self.call_start + self.arguments)]
+        found = tuple((m, i) for m in dict.fromkeys(markers) if m and (i := tokenizer.special_token_id(m)) is not None)
+        return replace(self, special_tokens=found) if found else self
 
     def forced_prefix(self, name: str | None) -> str:
         """Assistant prefill that makes the model start a call (tool_choice any / a named tool)."""
@@ -69,7 +79,7 @@ LLAMA3_JSON = ToolFormat(
     close="", text_before=False,
     first_head=re.compile(r"\s*(?:<\|python_tag\|>)?\s*" + _NAME_FIRST),
     next_head=re.compile(r"\s*\}\s*;\s*" + _NAME_FIRST),
-    starts=("{", "<|python_tag|>"), marker='{"name"')
+    starts=("{", "<|python_tag|>"), marker='{"name"', lead="<|python_tag|>")
 MISTRAL = ToolFormat(
     "mistral", open="[TOOL_CALLS] [", call_start='{"name": "', arguments='", "arguments": ', call_end="}",
     separator=", ", close="]", text_before=False,
