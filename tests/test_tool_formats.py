@@ -251,7 +251,8 @@ def test_auto_choice_answers_text_or_a_valid_call(family_server):
 
 def test_special_token_markers_are_tokens_in_the_grammar(tmp_path):
     """With a vocabulary that holds [TOOL_CALLS] as a control token (Mistral's), the auto-mode grammar
-    takes the call opened by that token, as the model writes it, and the answer parses."""
+    takes the call opened by that token, as the model writes it, and the answer parses, with the token
+    in the text (tool requests keep it: `pipeline.check_request`) or without."""
     from stratum.engine.grammar import GrammarCompiler
     from stratum.models.tokenizer import tokenizer_from_sentencepiece
     from stratum.server.structured import tool_grammar
@@ -266,7 +267,9 @@ def test_special_token_markers_are_tokens_in_the_grammar(tmp_path):
     ids = [marker] + tok.encode(answer[1:])  # after the marker the model writes "▁[": the dummy prefix is the space
     matcher = GrammarCompiler(tok, tok.vocab_size).matcher(tool_grammar(TOOL_DEFS, False, fmt=fmt))
     assert matcher.consume_tokens(ids) and matcher.is_accepting()
-    text = tok.decode(ids)  # the detokenizer leaves the control token out
-    assert tools.parse_tool_calls(text, KNOWN, fmt) == ("", [("get_time", {"tz": "CET"})])
+    for skip in (False, True):  # a tool request's text keeps the marker; read without it all the same
+        text = tok.decode(ids, skip_special_tokens=skip)
+        assert text.startswith("[TOOL_CALLS]") != skip
+        assert tools.parse_tool_calls(text, KNOWN, fmt) == ("", [("get_time", {"tz": "CET"})])
     spelled = GrammarCompiler(tok, tok.vocab_size).matcher(tool_grammar(TOOL_DEFS, False, fmt=fmt))
     assert not spelled.consume_tokens(tok.encode("[TOOL_CALLS]" + answer))  # as text it is not the marker

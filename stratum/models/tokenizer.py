@@ -94,7 +94,7 @@ class TextTokenizer:
         return (self.backend if allow_special else self.plain).encode_batch([text], add_special_tokens=False)[0].ids
 
     def split_special(self, text: str) -> list[tuple[str, int | None]]:
-        """Text cut after each special token: [(text before it, its id)], then (the rest, None)."""
+        """Text cut after each added token (special or not): [(text before it, its id)], then (the rest, None)."""
         enc = self.backend.encode_batch([text], add_special_tokens=False)[0]
         out, start = [], 0
         for token_id, (begin, end) in zip(enc.ids, enc.offsets):
@@ -112,10 +112,7 @@ class TextTokenizer:
 
     def special_token_id(self, token: str) -> int | None:
         """The id of `token` if it is a special token (read in templates, never in user text), else None."""
-        for token_id, added in self.backend.get_added_tokens_decoder().items():
-            if added.special and added.content == token:
-                return token_id
-        return None
+        return self._special_by_text.get(token)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a byte-level BPE token may hold part of a UTF-8 character)."""
@@ -135,6 +132,10 @@ class TextTokenizer:
     @functools.cached_property
     def _special_ids(self) -> set[int]:
         return set(self.backend.get_added_tokens_decoder())
+
+    @functools.cached_property
+    def _special_by_text(self) -> dict[str, int]:
+        return {t.content: i for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
 
 
 @functools.cache

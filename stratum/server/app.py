@@ -468,7 +468,7 @@ async def _start_admitted(rt: pipeline.Runtime, job: pipeline.Job, request: Requ
     if fit_context:
         pipeline.fit_context(rt, job, len(prompt.token_ids), sampling)
     for ids in every:
-        pipeline.check_request(rt, Prompt(ids, tool_names=prompt.tool_names), sampling)
+        pipeline.check_request(rt, Prompt(ids, tool_names=prompt.tool_names, tool_format=prompt.tool_format), sampling)
     pipeline.reserve(rt, job, sum(map(len, every)), len(every) * n * sampling.max_tokens)
     pins = None
     if chat is not None and chat.pinned:
