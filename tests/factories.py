@@ -109,8 +109,8 @@ def rereads(n: int, output_tokens: int, block_size: int = 16) -> int:
 
 
 def add_tiny_tokenizer(writer, tok: dict, chat_template: str = CHATML) -> None:
-    """The tiny byte-level BPE tokenizer (its tokenizer.json as `tok`) and the ChatML template, written
-    into a GGUF the way llama.cpp's converter writes a "gpt2" vocabulary."""
+    """The tiny byte-level BPE tokenizer (its tokenizer.json as `tok`) and a chat template (ChatML unless
+    given), written into a GGUF the way llama.cpp's converter writes a "gpt2" vocabulary."""
     import gguf
 
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
@@ -145,7 +145,8 @@ def make_sentencepiece_model(vocab_size: int = 400) -> bytes:
     return out.getvalue()
 
 
-def add_sentencepiece_vocab(writer, model: bytes, vocab_size: int, chat_template: str = CHATML) -> None:
+def add_sentencepiece_vocab(writer, model: bytes, vocab_size: int, chat_template: str = CHATML,
+                            add_space_prefix: bool = True) -> None:
     """A SentencePiece model's vocabulary written into a GGUF as llama.cpp's convert_hf_to_gguf writes it
     (TextModel._set_vocab_sentencepiece): model "llama", every piece with its score and type, rows past
     the model's pieces as [PADn] unused tokens, bos/eos/unk ids, add_bos_token, add_space_prefix."""
@@ -174,7 +175,7 @@ def add_sentencepiece_vocab(writer, model: bytes, vocab_size: int, chat_template
     writer.add_unk_token_id(sp.unk_id())
     writer.add_add_bos_token(True)
     writer.add_add_eos_token(False)
-    writer.add_add_space_prefix(True)
+    writer.add_add_space_prefix(add_space_prefix)
     writer.add_chat_template(chat_template)
 
 

@@ -133,8 +133,7 @@ def test_without_space_prefix(model_bytes, tmp_path):
     sp = sentencepiece.SentencePieceProcessor(model_proto=proto.SerializeToString())
     path = tmp_path / "vocab.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
-    add_sentencepiece_vocab(writer, model_bytes, vocab_size=400)
-    writer.add_add_space_prefix(False)  # the later value of a key wins when read back
+    add_sentencepiece_vocab(writer, model_bytes, vocab_size=400, add_space_prefix=False)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
