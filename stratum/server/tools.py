@@ -24,14 +24,14 @@ _NAME_FIRST = r'\{\s*"name"\s*:\s*"([^"]*)"\s*,\s*"(?:arguments|parameters)"\s*:
 
 @dataclass(frozen=True)
 class ToolFormat:
-    """One family's tool-call syntax. A model writes k calls as
+    """One family's tool-call syntax. A model writes one call as
 
-        open, call_start NAME arguments ARGS call_end, (separator, call_start NAME arguments ARGS call_end)..., close
+        open call_start NAME arguments ARGS call_end close
 
     with ARGS a JSON object; that is what forced calls are constrained to (`structured.tool_grammar`).
-    Reading is more lenient: `first_head` / `next_head` match the text up to a call's arguments
-    (whitespace, and a marker a detokenizer dropped as a special token, may vary), and `starts` are
-    the answer beginnings that commit it to calls when no text may come before them.
+    Reading is more lenient and reads several calls: `first_head` / `next_head` match the text up to
+    a call's arguments (whitespace may vary, and a special-token marker may be missing from the text),
+    and `starts` are the answer beginnings that commit it to calls when no text may come before them.
     """
 
     name: str
@@ -39,7 +39,6 @@ class ToolFormat:
     call_start: str
     arguments: str
     call_end: str
-    separator: str
     close: str
     text_before: bool  # text may come before the calls (the calls begin at `open`, wherever it is)
     first_head: re.Pattern  # from the calls' start through the first call's name (group 1) and `arguments`
@@ -62,32 +61,27 @@ class ToolFormat:
         """Assistant prefill that makes the model start a call (tool_choice any / a named tool)."""
         return self.open + self.call_start + (name + self.arguments if name else "")
 
-    def call_text(self, name: str, arguments: Any) -> str:
-        """One call as this family writes it (for a call in the conversation's history)."""
-        return (self.open + self.call_start + name + self.arguments + json.dumps(arguments, ensure_ascii=False)
-                + self.call_end + self.close)
-
 
 HERMES = ToolFormat(
     "hermes", open="<tool_call>", call_start='\n{"name": "', arguments='", "arguments": ', call_end="}\n</tool_call>",
-    separator="\n<tool_call>", close="", text_before=True,
+    close="", text_before=True,
     first_head=re.compile(r"<tool_call>\s*" + _NAME_FIRST),
     next_head=re.compile(r"\s*\}\s*</tool_call>\s*<tool_call>\s*" + _NAME_FIRST),
     marker="<tool_call>", stop="</tool_call>")
 LLAMA3_JSON = ToolFormat(
-    "llama3_json", open="", call_start='{"name": "', arguments='", "parameters": ', call_end="}", separator="; ",
-    close="", text_before=False,
+    "llama3_json", open="", call_start='{"name": "', arguments='", "parameters": ', call_end="}", close="",
+    text_before=False,
     first_head=re.compile(r"\s*(?:<\|python_tag\|>)?\s*" + _NAME_FIRST),
     next_head=re.compile(r"\s*\}\s*;\s*" + _NAME_FIRST),
     starts=("{", "<|python_tag|>"), marker='{"name"', lead="<|python_tag|>")
 MISTRAL = ToolFormat(
     "mistral", open="[TOOL_CALLS] [", call_start='{"name": "', arguments='", "arguments": ', call_end="}",
-    separator=", ", close="]", text_before=False,
+    close="]", text_before=False,
     first_head=re.compile(r"\s*(?:\[TOOL_CALLS\])?\s*\[\s*" + _NAME_FIRST),  # the marker may be a dropped special token
     next_head=re.compile(r"\s*\}\s*,\s*" + _NAME_FIRST),
     starts=("[TOOL_CALLS]", "["), marker='{"name"')
 MISTRAL_NAME_ARGS = ToolFormat(
-    "mistral_args", open="", call_start="[TOOL_CALLS]", arguments="[ARGS]", call_end="", separator="", close="",
+    "mistral_args", open="", call_start="[TOOL_CALLS]", arguments="[ARGS]", call_end="", close="",
     text_before=False,
     first_head=re.compile(r"\s*\[TOOL_CALLS\]\s*([^\s\[\]{]+)\s*\[ARGS\]\s*"),
     next_head=re.compile(r"\s*\[TOOL_CALLS\]\s*([^\s\[\]{]+)\s*\[ARGS\]\s*"),
