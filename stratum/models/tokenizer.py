@@ -348,7 +348,8 @@ def _sentencepiece(pieces: list[tuple[str, float, int]], is_bpe: bool, unk_id: i
         for piece, score, kind in pieces:
             if kind != _NORMAL:
                 continue
-            local = [(piece[:k], piece[k:]) for k in range(1, len(piece)) if piece[:k] in mergeable and piece[k:] in mergeable]
+            local = [(piece[:k], piece[k:]) for k in range(1, len(piece))
+                     if piece[:k] in mergeable and piece[k:] in mergeable]
             local.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
             ranked += [(score, left, right) for left, right in local]
         ranked.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)  # stable: ties keep vocab order

@@ -63,7 +63,8 @@ def event_stream(rt: pipeline.Runtime, job: pipeline.Job, stream: RequestStream,
     async def events():
         index = -1
         kind = None  # the open block's type
-        splitter = tool_fmt.AnswerSplitter(prompt.tool_names, prompt.prefill if prompt.is_forced_tool else "", prompt.tool_format)
+        splitter = tool_fmt.AnswerSplitter(prompt.tool_names, prompt.prefill if prompt.is_forced_tool else "",
+                                           prompt.tool_format)
         has_calls = False
         final = None
         call_meta = None  # the meta of the output where a tool call began, for its block's first delta

@@ -236,8 +236,8 @@ def build_prompt(template: ChatTemplate, chat: ChatInput) -> Prompt:
         _add_system(messages, tool_fmt.tools_system_prompt(tools))
         template_tools, fmt = None, tool_fmt.HERMES
     else:  # as transformers' apply_chat_template passes them: OpenAI's function tools
-        template_tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters") if t.get(k)}}
-                          for t in tools] if tools else None
+        template_tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
+                                                             if t.get(k)}} for t in tools] if tools else None
         fmt = tool_fmt.format_for(template.source).for_vocabulary(template.tokenizer)
     if forced_tool is True and tools and len(tools) == 1:
         forced_tool = tools[0]["name"]  # "any" with one tool is that tool
