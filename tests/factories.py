@@ -19,6 +19,9 @@ CHATML = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+# Mistral v3's control tokens (mistralai/Mistral-7B-Instruct-v0.3 tokenizer_config.json, ids 3-9 there)
+MISTRAL_CONTROLS = ["[INST]", "[/INST]", "[TOOL_CALLS]", "[AVAILABLE_TOOLS]", "[/AVAILABLE_TOOLS]", "[TOOL_RESULTS]",
+                    "[/TOOL_RESULTS]"]
 _CORPUS = [
     "The capital of Japan is Tokyo. The capital of Germany is Berlin. Hello world!",
     "def add(a, b):\n    return a + b\n\nfor i in range(10):\n    print(i)\n",
@@ -105,9 +108,9 @@ def rereads(n: int, output_tokens: int, block_size: int = 16) -> int:
     return n - 1 if computed >= ((n - 1) // block_size + 1) * block_size else (n - 1) // block_size * block_size
 
 
-def add_tiny_tokenizer(writer, tok: dict) -> None:
-    """The tiny byte-level BPE tokenizer (its tokenizer.json as `tok`) and the ChatML template, written
-    into a GGUF the way llama.cpp's converter writes a "gpt2" vocabulary."""
+def add_tiny_tokenizer(writer, tok: dict, chat_template: str = CHATML) -> None:
+    """The tiny byte-level BPE tokenizer (its tokenizer.json as `tok`) and a chat template (ChatML unless
+    given), written into a GGUF the way llama.cpp's converter writes a "gpt2" vocabulary."""
     import gguf
 
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
@@ -120,7 +123,60 @@ def add_tiny_tokenizer(writer, tok: dict) -> None:
     writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
-    writer.add_chat_template(CHATML)
+    writer.add_chat_template(chat_template)
+
+
+def make_sentencepiece_model(vocab_size: int = 400) -> bytes:
+    """A tiny SentencePiece BPE model trained here, set up as Llama 2's is: byte fallback, digits split,
+    no normalization, spaces kept as written, a dummy prefix; <unk> <s> </s> are ids 0-2, and the
+    ChatML markers and Mistral v3's are control pieces. Returns the serialized model (a tokenizer.model
+    file's bytes)."""
+    import io
+
+    import sentencepiece
+
+    out = io.BytesIO()
+    sentencepiece.SentencePieceTrainer.train(
+        sentence_iterator=iter([line for text in _CORPUS for line in text.splitlines() if line.strip()]),
+        model_writer=out, model_type="bpe", vocab_size=vocab_size, byte_fallback=True, split_digits=True,
+        normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=True,
+        allow_whitespace_only_pieces=True, character_coverage=0.99, unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
+        control_symbols=SPECIAL[1:] + MISTRAL_CONTROLS, minloglevel=2)
+    return out.getvalue()
+
+
+def add_sentencepiece_vocab(writer, model: bytes, vocab_size: int, chat_template: str = CHATML,
+                            add_space_prefix: bool = True) -> None:
+    """A SentencePiece model's vocabulary written into a GGUF as llama.cpp's convert_hf_to_gguf writes it
+    (TextModel._set_vocab_sentencepiece): model "llama", every piece with its score and type, rows past
+    the model's pieces as [PADn] unused tokens, bos/eos/unk ids, add_bos_token, add_space_prefix."""
+    import gguf
+    import sentencepiece
+
+    sp = sentencepiece.SentencePieceProcessor(model_proto=model)
+    tokens, scores, types = [], [], []
+    for i in range(sp.vocab_size()):
+        tokens.append(sp.id_to_piece(i))
+        scores.append(sp.get_score(i))
+        types.append(gguf.TokenType.UNKNOWN if sp.is_unknown(i) else gguf.TokenType.CONTROL if sp.is_control(i)
+                     else gguf.TokenType.UNUSED if sp.is_unused(i) else gguf.TokenType.BYTE if sp.is_byte(i)
+                     else gguf.TokenType.NORMAL)
+    for i in range(1, vocab_size - len(tokens) + 1):
+        tokens.append(f"[PAD{i}]")
+        scores.append(-1000.0)
+        types.append(gguf.TokenType.UNUSED)
+    writer.add_tokenizer_model("llama")
+    writer.add_tokenizer_pre("default")
+    writer.add_token_list(tokens)
+    writer.add_token_scores(scores)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(sp.bos_id())
+    writer.add_eos_token_id(sp.eos_id())
+    writer.add_unk_token_id(sp.unk_id())
+    writer.add_add_bos_token(True)
+    writer.add_add_eos_token(False)
+    writer.add_add_space_prefix(add_space_prefix)
+    writer.add_chat_template(chat_template)
 
 
 def make_tiny_gguf(path: Path, qtype: str = "Q4_1", head_qtype: str = "Q8_0", num_layers: int = 2, hidden: int = 64,
@@ -259,7 +315,8 @@ def make_family_dir(path: Path, family: str, seed: int = 0, **overrides) -> Path
 
 
 def write_family_gguf(folder: Path, out: Path, qtype: str | None = None, head_qtype: str | None = None,
-                      qtypes: dict[str, str] | None = None) -> Path:
+                      qtypes: dict[str, str] | None = None, sentencepiece: bytes | None = None,
+                      chat_template: str = CHATML) -> Path:
     """Convert a `make_family_dir` folder to GGUF the way llama.cpp's convert_hf_to_gguf.py writes it:
     tensor names from gguf-py's TensorNameMap, Llama/Mistral Q and K rows permuted for interleaved RoPE,
     Gemma norms stored as (1 + w), Llama 3 RoPE scaling as a rope_freqs tensor, and each family's keys.
@@ -267,6 +324,8 @@ def write_family_gguf(folder: Path, out: Path, qtype: str | None = None, head_qt
     Matrices are F32 unless qtype names a gguf type (Q8_0, Q4_0, Q4_1 by gguf-py; Q4_K, Q5_K, Q6_K by
     tests/kquants.py); head_qtype is the output projection's (or the tied embedding's); qtypes maps a
     GGUF tensor-name fragment ("ffn_down") to a type of its own, as llama.cpp's Q4_K_M mixes do.
+    sentencepiece, a SentencePiece model (`make_sentencepiece_model`), is written as the vocabulary
+    instead of the folder's byte-level one; chat_template is the file's tokenizer.chat_template.
     """
     import math
 
@@ -276,7 +335,6 @@ def write_family_gguf(folder: Path, out: Path, qtype: str | None = None, head_qt
     from tests.kquants import quantize as quantize_tensor
 
     cfg = json.loads((folder / "config.json").read_text())
-    tok = json.loads((folder / "tokenizer.json").read_text())
     family = {"gemma3_text": "gemma3"}.get(cfg["model_type"], cfg["model_type"])
     arch = GGUF_ARCH[family]
     num_layers, heads, kv_heads = cfg["num_hidden_layers"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -307,7 +365,10 @@ def write_family_gguf(folder: Path, out: Path, qtype: str | None = None, head_qt
         w.add_sliding_window(cfg["sliding_window"])
     if family == "phi3":
         w.add_rope_dimension_count(head_dim)
-    add_tiny_tokenizer(w, tok)
+    if sentencepiece is not None:
+        add_sentencepiece_vocab(w, sentencepiece, cfg["vocab_size"], chat_template)
+    else:
+        add_tiny_tokenizer(w, json.loads((folder / "tokenizer.json").read_text()), chat_template)
 
     if scaling and scaling["rope_type"] == "llama3":  # convert_hf_to_gguf LlamaModel.generate_extra_tensors
         base = float(cfg.get("rope_theta") or rope["rope_theta"])

@@ -1,9 +1,9 @@
 """Chat templates: the model's own Jinja template rendered with Hugging Face semantics.
 
 Message text is never spliced into the template's output as a string to be re-tokenized with
-special tokens on. Each piece of user-supplied text is rendered as a unique placeholder; the
-rendered prompt is then cut at the placeholders, template parts are encoded with special tokens
-and user parts as plain text.
+special tokens on. Each piece of user-supplied text is rendered as a unique placeholder; special
+tokens are then read from the template's own text only, and the text between them is encoded as
+plain text.
 """
 
 from __future__ import annotations
@@ -67,12 +67,15 @@ class ChatTemplate:
         tools: list[dict] | None = None,
         add_generation_prompt: bool = True,
         continue_final: bool = False,
+        suffix: str = "",
     ) -> list[int]:
         """Render and tokenize, treating every message string as plain text.
 
         Args:
             continue_final: the last message is an assistant prefill; the prompt stops right after
                 its text instead of closing the turn.
+            suffix: the server's own text to end the prompt with (a forced tool call's opening),
+                tokenized as template text: its special tokens are read.
         """
         marker = uuid.uuid4().hex
         pieces: dict[str, str] = {}
@@ -90,15 +93,24 @@ class ChatTemplate:
                            add_generation_prompt=add_generation_prompt and not continue_final)
         if tail_key is not None:
             text = text[: text.rindex(tail_key) + len(tail_key)]
+        text += suffix
+        # Special tokens are read from the template's text only. The text between two of them (template
+        # text and user text alike) is encoded as one run, as tokenizing the whole rendered prompt would:
+        # cut at the placeholders instead, a SentencePiece vocabulary would begin each piece with a
+        # dummy-prefix space, and any vocabulary could lose a merge across the cut.
         ids: list[int] = []
+        run = ""
         for part in re.split(f"(@@{marker}\\d+@@)", text):
-            if not part:
-                continue
             if part in pieces:
-                ids += self.tokenizer.encode(pieces[part], allow_special=False)
-            else:
-                ids += self.tokenizer.encode(part, allow_special=True)
-        return ids
+                run += pieces[part]
+                continue
+            for before, special_id in self.tokenizer.split_special(part):
+                run += before
+                if special_id is not None:
+                    ids += self.tokenizer.encode(run)
+                    ids.append(special_id)
+                    run = ""
+        return ids + self.tokenizer.encode(run)
 
 
 def _hide_strings(value: Any, hide) -> Any:

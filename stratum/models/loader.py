@@ -1,4 +1,5 @@
-"""Checkpoint loaders: a GGUF file, or a Hugging Face folder (config.json + *.safetensors + tokenizer.json).
+"""Checkpoint loaders: a GGUF file, or a Hugging Face folder (config.json + *.safetensors + tokenizer.json,
+or a SentencePiece tokenizer.model).
 
 Both produce a `Checkpoint` whose weights carry Hugging Face Llama tensor names, so the model has
 one loading path.
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 from stratum.models.config import GEMMA, HF_FAMILIES, ModelConfig, UnsupportedModelError
-from stratum.models.tokenizer import TextTokenizer, tokenizer_from_file, tokenizer_from_gguf
+from stratum.models.tokenizer import TextTokenizer, tokenizer_from_file, tokenizer_from_gguf, tokenizer_from_sentencepiece
 
 log = logging.getLogger("stratum.models")
 
@@ -398,8 +399,8 @@ def load_hf_folder(path: Path) -> Checkpoint:
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors files")
-    if not (path / "tokenizer.json").exists():
-        raise ModelLoadError(f"{path}: no tokenizer.json")
+    if not (path / "tokenizer.json").exists() and not (path / "tokenizer.model").exists():
+        raise ModelLoadError(f"{path}: no tokenizer.json or tokenizer.model")
     weights: dict[str, torch.Tensor] = {}
     for f in files:
         weights.update({k: v.float() for k, v in load_file(str(f)).items()})
@@ -410,7 +411,14 @@ def load_hf_folder(path: Path) -> Checkpoint:
         return value.get("content") if isinstance(value, dict) else value
 
     eos = token_str(tok_cfg.get("eos_token"))
-    tokenizer = tokenizer_from_file(str(path / "tokenizer.json"), [eos] if eos else [], token_str(tok_cfg.get("bos_token")))
+    eos_tokens, bos = [eos] if eos else [], token_str(tok_cfg.get("bos_token"))
+    if (path / "tokenizer.json").exists():
+        tokenizer = tokenizer_from_file(str(path / "tokenizer.json"), eos_tokens, bos)
+    else:
+        try:
+            tokenizer = tokenizer_from_sentencepiece(str(path / "tokenizer.model"), eos_tokens, bos)
+        except ValueError as e:
+            raise ModelLoadError(str(e)) from e
     try:
         config = ModelConfig.from_hf_config(cfg, name=path.name)
     except KeyError as e:

@@ -1,4 +1,5 @@
-"""Tokenizers: Hugging Face `tokenizers` built from tokenizer.json or from a GGUF vocabulary.
+"""Tokenizers: Hugging Face `tokenizers` built from tokenizer.json, a SentencePiece tokenizer.model, or a
+GGUF vocabulary (byte-level BPE "gpt2", or SentencePiece "llama").
 
 Text that comes from a user (message content, tool output) is always encoded with special tokens
 disabled, so "<|im_start|>" typed by a user is plain text and cannot forge a chat turn.
@@ -9,13 +10,14 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import re
 import subprocess
 import sys
 import threading
 from array import array
 from dataclasses import dataclass, field
 
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
 # Pre-tokenizer split patterns by GGUF `tokenizer.ggml.pre`, as llama.cpp's llama-vocab.cpp defines them.
 _LLAMA3_SPLIT = (
@@ -30,7 +32,10 @@ _SPLITS = {"llama3": _LLAMA3_SPLIT, "llama-bpe": _LLAMA3_SPLIT, "qwen2": _QWEN2_
 # These split every digit on its own before the GPT-2 pattern (llama.cpp: STARCODER, SMOLLM, ...).
 _DIGIT_SPLIT = {"smollm", "starcoder", "refact", "codeshell"}
 
-_CONTROL, _USER_DEFINED = 3, 4  # llama.cpp token types
+# llama.cpp token types (gguf.TokenType), the same numbers as SentencePiece's piece types
+_NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED, _UNUSED, _BYTE = 1, 2, 3, 4, 5, 6
+_SPIECE_SPACE = "\u2581"  # SentencePiece's stand-in for a space
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 log = logging.getLogger("stratum.tokenizer")
 
@@ -88,11 +93,26 @@ class TextTokenizer:
                 self._helper = None
         return (self.backend if allow_special else self.plain).encode_batch([text], add_special_tokens=False)[0].ids
 
+    def split_special(self, text: str) -> list[tuple[str, int | None]]:
+        """Text cut after each added token (special or not): [(text before it, its id)], then (the rest, None)."""
+        enc = self.backend.encode_batch([text], add_special_tokens=False)[0]
+        out, start = [], 0
+        for token_id, (begin, end) in zip(enc.ids, enc.offsets):
+            if token_id in self._special_ids:
+                out.append((text[start:begin], token_id))
+                start = end
+        out.append((text[start:], None))
+        return out
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
         return self.backend.token_to_id(token)
+
+    def special_token_id(self, token: str) -> int | None:
+        """The id of `token` if it is a special token (read in templates, never in user text), else None."""
+        return self._special_by_text.get(token)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a byte-level BPE token may hold part of a UTF-8 character)."""
@@ -101,6 +121,9 @@ class TextTokenizer:
             return b""
         if token_id in self._special_ids:
             return piece.encode()
+        if not isinstance(self.backend.decoder, decoders.ByteLevel):  # SentencePiece: "▁" spaces, <0xNN> bytes
+            byte = _BYTE_PIECE.fullmatch(piece)
+            return bytes([int(byte.group(1), 16)]) if byte else piece.replace(_SPIECE_SPACE, " ").encode()
         table = _byte_decoder()
         if all(ch in table for ch in piece):
             return bytes(table[ch] for ch in piece)
@@ -109,6 +132,10 @@ class TextTokenizer:
     @functools.cached_property
     def _special_ids(self) -> set[int]:
         return set(self.backend.get_added_tokens_decoder())
+
+    @functools.cached_property
+    def _special_by_text(self) -> dict[str, int]:
+        return {t.content: i for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
 
 
 @functools.cache
@@ -217,35 +244,27 @@ def tokenizer_from_file(path: str, eos_tokens: list[str], bos_token: str | None)
 
 
 def tokenizer_from_gguf(meta: dict) -> TextTokenizer:
-    """Build a byte-level BPE tokenizer from `tokenizer.ggml.*` metadata (model "gpt2").
+    """Build the tokenizer a GGUF's `tokenizer.ggml.*` metadata describes: byte-level BPE (model "gpt2") or
+    SentencePiece (model "llama", the vocabulary of Llama 2, Mistral, Gemma and Phi-3 files).
 
     Raises:
-        ValueError: the file's tokenizer model is not byte-level BPE.
+        ValueError: the file's tokenizer model is neither.
     """
     kind = meta.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise ValueError(f"unsupported GGUF tokenizer model {kind!r}; only byte-level BPE ('gpt2') is supported")
     tokens: list[str] = meta["tokenizer.ggml.tokens"]
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    vocab = {tok: i for i, tok in enumerate(tokens)}
-    backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False))
-    pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre in _SPLITS:
-        backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
-    elif pre in _DIGIT_SPLIT:
-        backend.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
-        ])
+    types = meta.get("tokenizer.ggml.token_type") or [_NORMAL] * len(tokens)
+    if kind == "gpt2":
+        backend = _byte_level_bpe(tokens, meta["tokenizer.ggml.merges"], meta.get("tokenizer.ggml.pre", "default"))
+    elif kind == "llama":
+        scores = meta.get("tokenizer.ggml.scores") or [0.0] * len(tokens)
+        # llama.cpp's defaults when a file leaves these out (llama-vocab.cpp, LLAMA_VOCAB_TYPE_SPM)
+        backend = _sentencepiece(list(zip(tokens, scores, types)), is_bpe=True,
+                                 unk_id=meta.get("tokenizer.ggml.unknown_token_id", 0),
+                                 add_space_prefix=meta.get("tokenizer.ggml.add_space_prefix", True))
     else:
-        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    backend.decoder = decoders.ByteLevel()
-    types = meta.get("tokenizer.ggml.token_type") or [1] * len(tokens)
-    backend.add_special_tokens([AddedToken(t, special=True, normalized=False) for t, k in zip(tokens, types) if k == _CONTROL])
-    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED])
+        raise ValueError(f"unsupported GGUF tokenizer model {kind!r}; supported: 'gpt2' (byte-level BPE), "
+                         "'llama' (SentencePiece)")
+    _add_special_tokens(backend, tokens, types)
     bos_id = meta.get("tokenizer.ggml.bos_token_id")
     eos_id = meta.get("tokenizer.ggml.eos_token_id")
     eos_ids = [eos_id] if eos_id is not None else []
@@ -259,6 +278,103 @@ def tokenizer_from_gguf(meta: dict) -> TextTokenizer:
         bos_token_id=bos_id,
         eos_token_ids=tuple(eos_ids),
     )
+
+
+def tokenizer_from_sentencepiece(path: str, eos_tokens: list[str], bos_token: str | None) -> TextTokenizer:
+    """A Hugging Face folder's SentencePiece `tokenizer.model` (a folder without tokenizer.json), built as
+    `tokenizer_from_gguf` builds a "llama" vocabulary. Needs the `sentencepiece` package to read the file.
+
+    Raises:
+        ValueError: the package is missing, or the file is not a SentencePiece model of a kind read here.
+    """
+    try:
+        from sentencepiece import sentencepiece_model_pb2
+    except ImportError as e:
+        raise ValueError(f"reading {path} needs the sentencepiece package ({e})") from e
+    proto = sentencepiece_model_pb2.ModelProto()
+    try:
+        with open(path, "rb") as f:
+            proto.ParseFromString(f.read())
+    except Exception as e:  # protobuf's DecodeError, whose class depends on the protobuf build
+        raise ValueError(f"{path}: not a SentencePiece model ({e})") from e
+    model_type = proto.trainer_spec.model_type  # 1 unigram, 2 BPE (word and char models are not read)
+    if model_type not in (1, 2):
+        raise ValueError(f"{path}: SentencePiece model type {model_type} is not supported (unigram or BPE)")
+    pieces = [(p.piece, p.score, p.type) for p in proto.pieces]
+    backend = _sentencepiece(pieces, is_bpe=model_type == 2, unk_id=proto.trainer_spec.unk_id,
+                             add_space_prefix=proto.normalizer_spec.add_dummy_prefix,
+                             charsmap=proto.normalizer_spec.precompiled_charsmap)
+    _add_special_tokens(backend, [p for p, _, _ in pieces], [t for _, _, t in pieces])
+    eos_ids = tuple(i for i in (backend.token_to_id(t) for t in eos_tokens) if i is not None)
+    bos_id = backend.token_to_id(bos_token) if bos_token else None
+    return TextTokenizer(backend, bos_token, eos_tokens[0] if eos_tokens else None, bos_id, eos_ids)
+
+
+def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> Tokenizer:
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    backend = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(m.split(" ", 1)) for m in merges], fuse_unk=False))
+    if pre in _SPLITS:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(_SPLITS[pre]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    elif pre in _DIGIT_SPLIT:
+        backend.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True),
+        ])
+    else:
+        backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    backend.decoder = decoders.ByteLevel()
+    return backend
+
+
+def _sentencepiece(pieces: list[tuple[str, float, int]], is_bpe: bool, unk_id: int, add_space_prefix: bool,
+                   charsmap: bytes = b"") -> Tokenizer:
+    """A SentencePiece vocabulary as a `tokenizers.Tokenizer`, the way transformers' convert_slow_tokenizer
+    builds Llama's (LlamaConverter, legacy form): spaces become "▁", one "▁" is prepended to each run of
+    text between special tokens when add_space_prefix (as SentencePiece's dummy prefix, and llama.cpp
+    after each special token), characters outside the vocabulary fall back to <0xNN> byte pieces.
+
+    A BPE model merges the adjacent pair whose merged piece scores highest, as SentencePiece and
+    llama.cpp's SPM tokenizer do: that is BPE with merges ranked by the merged piece's score
+    (transformers' generate_merges). A unigram model takes the (piece, score) pairs as they are.
+    """
+    if is_bpe:
+        vocab = {p: i for i, (p, _, _) in enumerate(pieces)}
+        # only pieces SentencePiece itself can produce from text take part in merges
+        mergeable = {p for p, _, t in pieces if t in (_NORMAL, _USER_DEFINED)}
+        ranked = []
+        for piece, score, kind in pieces:
+            if kind != _NORMAL:
+                continue
+            local = [(piece[:k], piece[k:]) for k in range(1, len(piece))
+                     if piece[:k] in mergeable and piece[k:] in mergeable]
+            local.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
+            ranked += [(score, left, right) for left, right in local]
+        ranked.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)  # stable: ties keep vocab order
+        model = models.BPE(vocab=vocab, merges=[(left, right) for _, left, right in ranked], unk_token=pieces[unk_id][0],
+                           fuse_unk=True, byte_fallback=True)
+    else:
+        model = models.Unigram([(p, s) for p, s, _ in pieces], unk_id=unk_id, byte_fallback=True)
+    backend = Tokenizer(model)
+    steps = [normalizers.Precompiled(charsmap)] if charsmap else []
+    if add_space_prefix:
+        steps.append(normalizers.Prepend(_SPIECE_SPACE))
+    backend.normalizer = normalizers.Sequence([*steps, normalizers.Replace(" ", _SPIECE_SPACE)])
+    steps = [decoders.Replace(_SPIECE_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:  # the dummy prefix of the first piece is not text
+        steps.append(decoders.Strip(content=" ", left=1))
+    backend.decoder = decoders.Sequence(steps)
+    return backend
+
+
+def _add_special_tokens(backend: Tokenizer, tokens: list[str], types: list[int]) -> None:
+    """Control and unknown tokens become special tokens (matched in templates, plain text in user text);
+    user-defined ones are matched in any text, as llama.cpp and SentencePiece do."""
+    backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
+                                for t, k in zip(tokens, types) if k in (_CONTROL, _UNKNOWN)])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED])
 
 
 if __name__ == "__main__":

@@ -24,12 +24,12 @@ def split_output(prompt: Prompt, text: str) -> tuple[str, list[tuple[str, dict]]
     full = _forced(prompt) + text
     if not prompt.tool_names:
         return full, []
-    return tool_fmt.parse_tool_calls(full, prompt.tool_names)
+    return tool_fmt.parse_tool_calls(full, prompt.tool_names, prompt.tool_format)
 
 
 def answer_splitter(prompt: Prompt) -> tool_fmt.AnswerSplitter:
     """An answer as it streams: its text and its tool calls' pieces."""
-    return tool_fmt.AnswerSplitter(prompt.tool_names, _forced(prompt))
+    return tool_fmt.AnswerSplitter(prompt.tool_names, _forced(prompt), prompt.tool_format)
 
 
 def stop_reason(lc: RequestLifecycle, out: RequestOutput, has_calls: bool) -> tuple[str, str | None]:
@@ -37,7 +37,7 @@ def stop_reason(lc: RequestLifecycle, out: RequestOutput, has_calls: bool) -> tu
         return ("model_context_window_exceeded" if lc.is_context_capped else "max_tokens"), None
     if has_calls:
         return "tool_use", None
-    if isinstance(out.stop_reason, str) and out.stop_reason != tool_fmt.CLOSE:
+    if isinstance(out.stop_reason, str) and out.stop_reason != lc.prompt.tool_format.stop:
         return "stop_sequence", out.stop_reason
     return "end_turn", None
 

@@ -55,6 +55,7 @@ class Prompt:
     prefill: str = ""  # assistant text the output continues (part of the answer only if it is a forced tool call)
     tool_names: set[str] = field(default_factory=set)
     is_forced_tool: bool = False
+    tool_format: tool_fmt.ToolFormat = tool_fmt.HERMES  # how the model writes tool calls (its family's format)
     template_tools: list[dict] | None = None
     forced_name: str | None = None  # the tool a forced call must name, when the request (or a lone tool) fixes it
     grammar: str | None = None  # what the answer must follow (`structured`), for the engine's sampler
@@ -233,28 +234,25 @@ def build_prompt(template: ChatTemplate, chat: ChatInput) -> Prompt:
         _add_system(messages, "Answer with JSON that matches this JSON schema:\n" + json.dumps(chat.output_schema, ensure_ascii=False))
     if tools and "tools" not in template.source:
         _add_system(messages, tool_fmt.tools_system_prompt(tools))
-        template_tools = None
-    else:
-        template_tools = [{"type": "function", "function": t} for t in tools] if tools else None
+        template_tools, fmt = None, tool_fmt.HERMES
+    else:  # as transformers' apply_chat_template passes them: OpenAI's function tools
+        template_tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
+                                                             if t.get(k)}} for t in tools] if tools else None
+        fmt = tool_fmt.format_for(template.source).for_vocabulary(template.tokenizer)
     if forced_tool is True and tools and len(tools) == 1:
         forced_tool = tools[0]["name"]  # "any" with one tool is that tool
-    prefill = ""
-    if forced_tool is not False:
-        prefill = tool_fmt.forced_prefix(forced_tool if isinstance(forced_tool, str) else None)
-        if messages[-1]["role"] == "assistant":
-            messages[-1]["content"] += prefill
-        else:
-            messages.append({"role": "assistant", "content": prefill})
-    elif messages[-1]["role"] == "assistant":
-        prefill = messages[-1]["content"]
+    # a forced call's opening is the server's text, written after the template's generation prompt (or
+    # after an assistant prefill) with its special tokens read, as the model itself would write it
+    forced_prefix = fmt.forced_prefix(forced_tool if isinstance(forced_tool, str) else None) if forced_tool is not False else ""
     is_continuation = messages[-1]["role"] == "assistant"
+    prefill = forced_prefix or (messages[-1]["content"] if is_continuation else "")
     try:
-        ids = template.encode(messages, tools=template_tools, continue_final=is_continuation)
+        ids = template.encode(messages, tools=template_tools, continue_final=is_continuation, suffix=forced_prefix)
     except ChatTemplateError as e:
         if not chat.fold_late_system():
             raise InvalidRequest(str(e)) from None
         return build_prompt(template, chat)  # a template that allows a system turn only first
-    prompt = Prompt(ids, prefill, {t["name"] for t in tools or []}, forced_tool is not False, template_tools,
+    prompt = Prompt(ids, prefill, {t["name"] for t in tools or []}, forced_tool is not False, fmt, template_tools,
                     forced_tool if isinstance(forced_tool, str) else None)
     prompt.grammar = structured.answer_grammar(chat, prompt)
     return prompt

@@ -29,7 +29,6 @@ from stratum.engine.client import QueueFull, RequestGroup, RequestStream
 from stratum.engine.outputs import EngineDeadError, RequestOutput
 from stratum.engine.request import CachePolicy
 from stratum.engine.sampling_params import SamplingParams
-from stratum.server import tools as tool_fmt
 from stratum.server.chat import ChatInput, Prompt, build_prompt
 from stratum.server.errors import APIError, CachePollution, EngineUnavailable, InvalidRequest, Overloaded, as_api_error
 from stratum.server.pipeline import (Controls, Runtime, check_control_headers, check_request, controls_of, measured_cost,
@@ -196,7 +195,7 @@ class RequestLifecycle:
         if fit_context:
             self._fit_context(len(prompt.token_ids), sampling)
         for ids in self.prompt_ids:
-            check_request(self.rt, Prompt(ids, tool_names=prompt.tool_names), sampling)
+            check_request(self.rt, Prompt(ids, tool_names=prompt.tool_names, tool_format=prompt.tool_format), sampling)
         self._reserve(sum(map(len, self.prompt_ids)), len(self.prompt_ids) * n * sampling.max_tokens)
         if chat is not None and chat.pinned:
             self.pins = await asyncio.to_thread(pins_for, engine.chat_template, chat.messages, chat.pinned,
@@ -313,7 +312,7 @@ class RequestLifecycle:
             self.cache_breakpoint = len(prompt.token_ids)
         marker = None
         if prompt.tool_names:
-            marker = "" if prompt.is_forced_tool else tool_fmt.OPEN
+            marker = "" if prompt.is_forced_tool else prompt.tool_format.marker
         if self.cancelled is not None:
             raise self.cancelled
         options = dict(priority=self.controls.priority, cache_policy=policy, cache_salt=self.cache_salt,

@@ -20,7 +20,6 @@ from stratum.engine.client import EngineClient
 from stratum.engine.outputs import RequestOutput, RequestStats
 from stratum.engine.request import CachePolicy
 from stratum.engine.sampling_params import InvalidRequestError, SamplingParams
-from stratum.server import tools as tool_fmt
 from stratum.server.batches import BATCH_PRIORITY
 from stratum.server.chat import Prompt
 from stratum.server.errors import EngineUnavailable, InvalidRequest, RateLimited, is_openai
@@ -146,9 +145,13 @@ def check_control_headers(request: Request) -> None:
 
 
 def check_request(rt: Runtime, prompt: Prompt, sampling: SamplingParams) -> None:
-    """Validate against the context length; a prompt with tools also stops at the end of a tool call."""
-    if prompt.tool_names and tool_fmt.CLOSE not in sampling.stop:
-        sampling.stop.append(tool_fmt.CLOSE)
+    """Validate against the context length; a prompt with tools also stops at the end of a tool call, and
+    keeps in its text the tool-call markers that are special tokens (Mistral's [TOOL_CALLS]), to be read."""
+    stop = prompt.tool_format.stop
+    if prompt.tool_names and stop is not None and stop not in sampling.stop:
+        sampling.stop.append(stop)
+    if prompt.tool_names and prompt.tool_format.special_tokens:
+        sampling.skip_special_tokens = False
     try:
         rt.engine.check_request(len(prompt.token_ids), sampling)
     except InvalidRequestError as e:

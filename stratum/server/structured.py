@@ -2,7 +2,7 @@
 
 The serving side writes the grammar (llguidance's Lark-like syntax, JSON schemas inline with
 `%json`); the engine masks every sampled token with it (`stratum.engine.grammar`). A tool call is
-the Hermes format `tools.py` reads back:
+written in the model family's format (`tools.ToolFormat`), e.g. Hermes:
 
     <tool_call>\n{"name": "NAME", "arguments": ARGUMENTS}\n</tool_call>
 
@@ -13,6 +13,7 @@ with the separators `json.dumps` uses (", " and ": "), the form the model sees i
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from stratum.engine import grammar as engine_grammar
@@ -21,14 +22,22 @@ from stratum.server import tools as tool_fmt
 from stratum.server.errors import InvalidRequest
 
 _JSON_FORM = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
-# Free text that never contains the opening tag, and free text that ends at its first opening tag:
-# two lexemes, so the lexer decides at the tag itself, with no lookahead.
-_TEXT = r"/(?s:.+)/ & ~/(?s:.*<tool_call>.*)/"
-_TEXT_THEN_OPEN = r"/(?s:.*)<tool_call>/ & ~/(?s:.*<tool_call>.+)/"
 
 
 def _lit(text: str) -> str:
     return json.dumps(text)  # a Lark string literal is a JSON string
+
+
+def _seq(text: str, fmt: tool_fmt.ToolFormat) -> str:
+    """text as a Lark sequence: the format's special-token markers as tokens (<[id]>), the rest as literals."""
+    tokens = dict(fmt.special_tokens)
+    parts = re.split("(" + "|".join(map(re.escape, tokens)) + ")", text) if tokens else [text]
+    return " ".join(f"<[{tokens[p]}]>" if p in tokens else _lit(p) for p in parts if p)
+
+
+def _regex(text: str) -> str:
+    """text as a literal inside a Lark /regex/ (Rust regex syntax, with / as the delimiter)."""
+    return re.sub(r"([\\.^$|?*+()\[\]{}/])", r"\\\1", text)
 
 
 def _schema(schema: dict[str, Any], strict: bool, where: str) -> str:
@@ -96,29 +105,42 @@ def json_grammar(schema: dict[str, Any], where: str) -> str:
     return _lark([f"start: {_schema(schema, True, where)}"])
 
 
-def tool_grammar(tools: list[dict[str, Any]], forced: bool | str, text_schema: dict[str, Any] | None = None) -> str:
-    """The rest of an answer that may (auto) or must (forced) be a tool call.
+def tool_grammar(tools: list[dict[str, Any]], forced: bool | str, text_schema: dict[str, Any] | None = None,
+                 fmt: tool_fmt.ToolFormat = tool_fmt.HERMES) -> str:
+    """The rest of an answer that may (auto) or must (forced) be a tool call, in the family's format.
 
     Args:
         tools: {"name", "parameters", "strict"} per declared tool.
-        forced: False (auto: free text, or text then one call), True (any tool: the prompt ends with
-            `<tool_call>\\n{"name": "`), or a tool name (the prompt ends with its `"arguments": `).
+        forced: False (auto: free text, or a call where the format allows one), True (any tool: the
+            prompt ends with `fmt.forced_prefix(None)`), or a tool name (the prompt ends with
+            `fmt.forced_prefix(name)`, right before the arguments).
         text_schema: with auto, an answer that is not a call must be JSON matching this schema.
+        fmt: the model family's tool-call format.
     """
     args = {t["name"]: _schema(t.get("parameters") or {"type": "object"}, bool(t.get("strict")),
                                f"tools.{i}.input_schema ({t['name']})") for i, t in enumerate(tools)}
-    rules = [f"call_{i}: {_lit(name + tool_fmt.ARGUMENTS)} {body}" for i, (name, body) in enumerate(args.items())]
+    rules = [f"call_{i}: {_seq(name + fmt.arguments, fmt)} {body}" for i, (name, body) in enumerate(args.items())]
     rules.append("call: " + " | ".join(f"call_{i}" for i in range(len(args))))
+    end = _seq(fmt.call_end + fmt.close, fmt)
     if isinstance(forced, str):
-        return _lark([f"start: {args[forced]} {_lit(tool_fmt.CALL_END)}"])
+        return _lark([f"start: {args[forced]} {end}"])
     if forced:
-        return _lark([f"start: call {_lit(tool_fmt.CALL_END)}", *rules])
+        return _lark([f"start: call {end}", *rules])
     if text_schema is not None:
         text = f"answer: {_schema(text_schema, True, 'output format')}"
     else:  # free text, possibly none (an answer may end at once, as without tools)
-        text = f"answer: TEXT?\nTEXT: {_TEXT}"
-    return _lark([f"start: answer | OPEN {_lit(tool_fmt.CALL_START)} call {_lit(tool_fmt.CALL_END)}", text,
-                  f"OPEN: {_TEXT_THEN_OPEN}", *rules])
+        text = "answer: TEXT?"
+    if fmt.text_before:
+        # free text that never holds the opening tag, and free text that ends at its first opening tag:
+        # two lexemes, so the lexer decides at the tag itself, with no lookahead
+        tag = _regex(fmt.open)
+        lexemes = [f"TEXT: /(?s:.+)/ & ~/(?s:.*{tag}.*)/", f"OPEN: /(?s:.*){tag}/ & ~/(?s:.*{tag}.+)/"]
+        call = f"OPEN {_lit(fmt.call_start)} call {end}"
+    else:  # the calls are the whole answer: text is what `tools` would not read as their beginning
+        lexemes = [f"TEXT: /(?s:.+)/ & ~/(?s:{fmt.first_head.pattern}.*)/"]
+        lead = f"{_seq(fmt.lead, fmt)}? " if fmt.lead in dict(fmt.special_tokens) else ""
+        call = f"{lead}{_seq(fmt.open + fmt.call_start, fmt)} call {end}"
+    return _lark([f"start: answer | {call}", text, *lexemes, *rules])
 
 
 def answer_grammar(chat, prompt) -> str | None:
@@ -130,7 +152,7 @@ def answer_grammar(chat, prompt) -> str | None:
     """
     if chat.tools:
         forced = prompt.forced_name or prompt.is_forced_tool
-        return tool_grammar(chat.tools, forced, chat.output_schema)
+        return tool_grammar(chat.tools, forced, chat.output_schema, prompt.tool_format)
     if chat.output_schema is not None:
         return json_grammar(chat.output_schema, "output format")
     return None

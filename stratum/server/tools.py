@@ -1,8 +1,14 @@
-"""Tool use: rendering tool definitions for the model and parsing its tool calls back.
+"""Tool use: how each model family writes tool calls, rendering tool definitions for the model, and
+reading its calls back (whole, or as they stream).
 
-Templates that know about tools (Qwen2.5, Llama 3.1) get them through the template's `tools`
-variable. For templates that don't (SmolLM2), the definitions go into the system prompt in the
-widely used Hermes format, and the model answers with <tool_call>{"name": ..., "arguments": ...}</tool_call>.
+A family's format comes from its chat template (`format_for`):
+- Hermes, Qwen2.5/Qwen3's: `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, text may come first;
+- Llama 3.x JSON: `{"name": ..., "parameters": {...}}` as the whole answer, after an optional <|python_tag|>;
+- Mistral's v3 template: `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`;
+- Mistral's newer templates: `[TOOL_CALLS]name[ARGS]{...}`, once per call.
+Templates that know about tools get them through the template's `tools` variable. For templates that
+don't (SmolLM2), the definitions go into the system prompt in the Hermes format, which is then the
+format the model answers in.
 """
 
 from __future__ import annotations
@@ -10,13 +16,95 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from dataclasses import dataclass, replace
 from typing import Any
 
-OPEN, CLOSE = "<tool_call>", "</tool_call>"
-CALL_START = '\n{"name": "'  # after OPEN
-ARGUMENTS = '", "arguments": '  # after the name
-CALL_END = "}\n" + CLOSE  # after the arguments
-_CALL = re.compile(re.escape(OPEN) + r"(.*?)(?:" + re.escape(CLOSE) + r"|$)", re.S)
+_NAME_FIRST = r'\{\s*"name"\s*:\s*"([^"]*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*'  # a JSON call's head
+
+
+@dataclass(frozen=True)
+class ToolFormat:
+    """One family's tool-call syntax. A model writes one call as
+
+        open call_start NAME arguments ARGS call_end close
+
+    with ARGS a JSON object; that is what forced calls are constrained to (`structured.tool_grammar`).
+    Reading is more lenient and reads several calls: `first_head` / `next_head` match the text up to
+    a call's arguments (whitespace may vary, and a special-token marker may be missing from the text),
+    and `starts` are the answer beginnings that commit it to calls when no text may come before them.
+    """
+
+    name: str
+    open: str
+    call_start: str
+    arguments: str
+    call_end: str
+    close: str
+    text_before: bool  # text may come before the calls (the calls begin at `open`, wherever it is)
+    first_head: re.Pattern  # from the calls' start through the first call's name (group 1) and `arguments`
+    next_head: re.Pattern  # from the end of one call's arguments through the next call's name
+    starts: tuple[str, ...] = ()  # without text_before: beginnings that mean "these are calls"
+    marker: str = ""  # output text showing that a call is under way (the engine's tool_use_prepared)
+    stop: str | None = None  # a stop string that ends the answer after its call
+    lead: str = ""  # a marker the model may write before the calls (Llama 3's <|python_tag|>)
+    # the format's markers that are special tokens of the model's vocabulary, with their ids (a grammar
+    # must name them as tokens: as text they would be spelled out); see `for_vocabulary`
+    special_tokens: tuple[tuple[str, int], ...] = ()
+
+    def for_vocabulary(self, tokenizer) -> "ToolFormat":
+        """This format with the markers that `tokenizer` holds as special tokens."""
+        markers = [self.lead, *re.findall(r"\[[A-Z_]+\]|<\|[a-z_]+\|>", self.open + self.call_start + self.arguments)]
+        found = tuple((m, i) for m in dict.fromkeys(markers) if m and (i := tokenizer.special_token_id(m)) is not None)
+        return replace(self, special_tokens=found) if found else self
+
+    def forced_prefix(self, name: str | None) -> str:
+        """Assistant prefill that makes the model start a call (tool_choice any / a named tool)."""
+        return self.open + self.call_start + (name + self.arguments if name else "")
+
+
+HERMES = ToolFormat(
+    "hermes", open="<tool_call>", call_start='\n{"name": "', arguments='", "arguments": ', call_end="}\n</tool_call>",
+    close="", text_before=True,
+    first_head=re.compile(r"<tool_call>\s*" + _NAME_FIRST),
+    next_head=re.compile(r"\s*\}\s*</tool_call>\s*<tool_call>\s*" + _NAME_FIRST),
+    marker="<tool_call>", stop="</tool_call>")
+LLAMA3_JSON = ToolFormat(
+    "llama3_json", open="", call_start='{"name": "', arguments='", "parameters": ', call_end="}", close="",
+    text_before=False,
+    first_head=re.compile(r"\s*(?:<\|python_tag\|>)?\s*" + _NAME_FIRST),
+    next_head=re.compile(r"\s*\}\s*;\s*" + _NAME_FIRST),
+    starts=("{", "<|python_tag|>"), marker='{"name"', lead="<|python_tag|>")
+MISTRAL = ToolFormat(
+    "mistral", open="[TOOL_CALLS] [", call_start='{"name": "', arguments='", "arguments": ', call_end="}",
+    close="]", text_before=False,
+    first_head=re.compile(r"\s*(?:\[TOOL_CALLS\])?\s*\[\s*" + _NAME_FIRST),  # the marker may be a dropped special token
+    next_head=re.compile(r"\s*\}\s*,\s*" + _NAME_FIRST),
+    starts=("[TOOL_CALLS]", "["), marker='{"name"')
+MISTRAL_NAME_ARGS = ToolFormat(
+    "mistral_args", open="", call_start="[TOOL_CALLS]", arguments="[ARGS]", call_end="", close="",
+    text_before=False,
+    first_head=re.compile(r"\s*\[TOOL_CALLS\]\s*([^\s\[\]{]+)\s*\[ARGS\]\s*"),
+    next_head=re.compile(r"\s*\[TOOL_CALLS\]\s*([^\s\[\]{]+)\s*\[ARGS\]\s*"),
+    starts=("[TOOL_CALLS]",), marker="[ARGS]")
+_MISTRAL_TIGHT = replace(MISTRAL, open="[TOOL_CALLS][")  # Mistral Nemo's v3-style template
+
+# kept for the Hermes-specific callers (the system prompt, history rendering)
+OPEN, CLOSE = HERMES.open, HERMES.stop
+
+
+def format_for(template_source: str) -> ToolFormat:
+    """The tool-call format a chat template teaches its model, read from the template's own text (how it
+    writes a call in the history, or what it tells the model to answer); Hermes where it says nothing."""
+    if "[TOOL_CALLS]" in template_source:
+        if "[ARGS]" in template_source:
+            return MISTRAL_NAME_ARGS
+        # v3 writes "[TOOL_CALLS] [", later v3-style templates (Nemo) "[TOOL_CALLS]["
+        return MISTRAL if "[TOOL_CALLS] [" in template_source else _MISTRAL_TIGHT
+    if "<tool_call>" in template_source:
+        return HERMES
+    if '"parameters": ' in template_source and ("<|python_tag|>" in template_source or "ipython" in template_source):
+        return LLAMA3_JSON
+    return HERMES
 
 
 def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
@@ -31,39 +119,38 @@ def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
     )
 
 
-def forced_prefix(name: str | None) -> str:
-    """Assistant prefill that makes the model start a tool call (tool_choice any / tool)."""
-    return OPEN + CALL_START + (name + ARGUMENTS if name else "")
-
-
 def new_tool_id() -> str:
     return "toolu_" + uuid.uuid4().hex[:24]
 
 
-def parse_tool_calls(text: str, known: set[str]) -> tuple[str, list[tuple[str, dict[str, Any]]]]:
-    """Split model output into leading text and tool calls.
+def parse_tool_calls(text: str, known: set[str], fmt: ToolFormat = HERMES) -> tuple[str, list[tuple[str, dict[str, Any]]]]:
+    """Split model output into leading text and tool calls, reading it as `AnswerSplitter` streams it.
 
     Returns:
-        (text before the first call, [(name, input)]). Calls naming an unknown tool, or whose
-        JSON cannot be read even after closing unbalanced brackets, are left as text.
+        (text before the first call, [(name, input)]). Calls naming an unknown tool, or whose arguments
+        are not a JSON object even after closing unbalanced brackets, are dropped; when no call is
+        left, the whole output is text.
     """
-    start = text.find(OPEN)
-    if start < 0:
-        return text, []
-    calls = []
-    for m in _CALL.finditer(text, start):
-        obj = _loads_lenient(m.group(1).strip())
-        if not isinstance(obj, dict):
-            continue
-        name = obj.get("name")
-        args = obj.get("arguments", obj.get("parameters", {}))
-        if isinstance(args, str):
+    splitter = AnswerSplitter(known, fmt=fmt)
+    before, calls, current = "", [], None
+    for kind, value in splitter.feed(text) + splitter.flush():
+        if kind == "text":
+            before += value
+        elif kind == "name":
+            current = [value, ""]
+            calls.append(current)
+        elif kind == "args":
+            current[1] += value
+    parsed = []
+    for name, raw in calls:
+        args = _loads_lenient(raw.strip())
+        if isinstance(args, str):  # arguments written as a JSON string holding the object
             args = _loads_lenient(args)
         if name in known and isinstance(args, dict):
-            calls.append((name, args))
-    if not calls:
+            parsed.append((name, args))
+    if not parsed:
         return text, []
-    return text[:start], calls
+    return before, parsed
 
 
 def _loads_lenient(s: str) -> Any:
@@ -92,50 +179,18 @@ def _loads_lenient(s: str) -> Any:
         return None
 
 
-_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"([^"]*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
-
-
-class CallStream:
-    """Reads tool calls out of streamed text as it arrives, for incremental deltas.
-
-    Feed it the text after an opening tag; it returns events: ("name", name) once the name is
-    complete, ("args", fragment) for each piece of the arguments' JSON, ("end", None) when the
-    arguments' object closes. The arguments are streamed as written; they are complete and valid
-    when the call was generated under its grammar (`structured.tool_grammar`).
-    """
+class _Arguments:
+    """Scans a call's arguments (a JSON value) as they arrive, up to the character that ends them."""
 
     def __init__(self):
-        self.buffer = ""
-        self.name: str | None = None
         self.depth = 0
-        self.in_string = self.escaped = False
+        self.in_string = self.escaped = self.started = False
         self.done = False
 
-    def feed(self, text: str) -> list[tuple[str, str | None]]:
-        events: list[tuple[str, str | None]] = []
-        if self.done:
-            return events
-        self.buffer += text
-        if self.name is None:
-            m = _HEAD.match(self.buffer)
-            if m is None:
-                return events
-            self.name = m.group(1)
-            events.append(("name", self.name))
-            self.buffer = self.buffer[m.end():]
-        if self.depth == 0:
-            self.buffer = self.buffer.lstrip()
-        end = self._scan(self.buffer)
-        piece, self.buffer = self.buffer[:end], self.buffer[end:]
-        if piece:
-            events.append(("args", piece))
-        if self.done:
-            events.append(("end", None))
-        return events
-
-    def _scan(self, text: str) -> int:
-        """How much of text belongs to the arguments: up to the brace that closes them."""
+    def scan(self, text: str) -> int:
+        """How much of text belongs to the arguments."""
         for i, ch in enumerate(text):
+            self.started = True
             if self.in_string:
                 if self.escaped:
                     self.escaped = False
@@ -143,6 +198,9 @@ class CallStream:
                     self.escaped = True
                 elif ch == '"':
                     self.in_string = False
+                    if self.depth == 0:  # the arguments were one JSON string
+                        self.done = True
+                        return i + 1
             elif ch == '"':
                 self.in_string = True
             elif ch in "{[":
@@ -156,55 +214,81 @@ class CallStream:
 
 
 class AnswerSplitter:
-    """Splits a streamed answer into text and tool calls as it arrives.
+    """Splits a streamed answer into text and tool calls as it arrives, in one family's format.
 
     `feed(delta)` returns events: ("text", s), ("name", name), ("args", fragment), ("end", None).
-    Text that could be the start of an opening tag is held back until it is known not to be one, so
-    the tool-call markup never reaches a text block; text after the last call is dropped, as
-    `parse_tool_calls` does. `prefill` is the prompt's forced start of a call (tool_choice any / tool).
+    Text that could be the start of a call is held back until it is known not to be one, so call
+    markup never reaches a text block; text after the last call is dropped, as `parse_tool_calls`
+    does. A call whose head never completes comes out as text at `flush`. `prefill` is the prompt's
+    forced start of a call (tool_choice any / tool), read as the answer's beginning.
     """
 
-    def __init__(self, tool_names: set[str], prefill: str = ""):
+    def __init__(self, tool_names: set[str], prefill: str = "", fmt: ToolFormat = HERMES):
         self.has_tools = bool(tool_names)
+        self.fmt = fmt
         self.held = ""
-        self.call: CallStream | None = None
+        self.state = "text"  # text -> head -> args -> between -> head ...; or plain (no calls in this answer)
         self.calls = 0
+        self.args: _Arguments | None = None
         self._pending: list[tuple[str, str | None]] = []
-        if prefill.startswith(OPEN):
-            self.call = CallStream()
-            self._pending = self.call.feed(prefill[len(OPEN):])
+        self._pending = self.feed(prefill) if prefill else []
 
     def feed(self, text: str) -> list[tuple[str, str | None]]:
         events, self._pending = self._pending, []
-        if not self.has_tools:
+        if not self.has_tools or self.state == "plain":
             return events + ([("text", text)] if text else [])
         self.held += text
         while self.held:
-            if self.call is not None:
-                events += self.call.feed(self.held)
-                self.held = ""
-                if not self.call.done:
-                    break
-                self.held, self.call = self.call.buffer, None
-                self.calls += 1
-                continue
-            cut = self.held.find(OPEN)
-            if cut >= 0:
-                if cut and not self.calls:
-                    events.append(("text", self.held[:cut]))
-                self.held, self.call = self.held[cut + len(OPEN):], CallStream()
-                continue
-            keep = partial_suffix(self.held, OPEN)
-            if not self.calls and len(self.held) > keep:
-                events.append(("text", self.held[: len(self.held) - keep]))
-            self.held = self.held[len(self.held) - keep:]
-            break
+            before = (self.state, len(self.held))
+            if self.state == "text":
+                events += self._find_calls()
+            elif self.state in ("head", "between"):
+                pattern = self.fmt.first_head if self.state == "head" else self.fmt.next_head
+                m = pattern.match(self.held)
+                if m is not None:
+                    events.append(("name", m.group(1)))
+                    self.held, self.state, self.args = self.held[m.end():], "args", _Arguments()
+            elif self.state == "args":
+                if not self.args.started:  # whitespace before the arguments is not part of them
+                    self.held = self.held.lstrip()
+                end = self.args.scan(self.held)
+                if end:
+                    events.append(("args", self.held[:end]))
+                self.held = self.held[end:]
+                if self.args.done:
+                    events.append(("end", None))
+                    self.state, self.calls = "between", self.calls + 1
+            if (self.state, len(self.held)) == before or self.state == "plain":
+                break
+        if self.state == "plain" and self.held:
+            events.append(("text", self.held))
+            self.held = ""
         return events
+
+    def _find_calls(self) -> list[tuple[str, str | None]]:
+        """In text, before any call: release what cannot begin one; at the calls' start, move to head."""
+        fmt = self.fmt
+        if fmt.text_before:
+            cut = self.held.find(fmt.open)
+            if cut >= 0:
+                text, self.held, self.state = self.held[:cut], self.held[cut:], "head"
+                return [("text", text)] if text else []
+            keep = partial_suffix(self.held, fmt.open)
+            text, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep:]
+            return [("text", text)] if text else []
+        begin = self.held.lstrip()
+        if not begin:
+            return []
+        if any(begin.startswith(s) for s in fmt.starts):
+            self.state = "head"
+        elif not any(s.startswith(begin) for s in fmt.starts):
+            self.state = "plain"
+        return []
 
     def flush(self) -> list[tuple[str, str | None]]:
         """The end of the answer: held-back text that never became a call."""
         events, self._pending = self._pending, []
-        if self.call is None and self.held and not self.calls:
+        if self.held and not self.calls and self.state in ("text", "head", "plain"):
             events.append(("text", self.held))
         self.held = ""
         return events

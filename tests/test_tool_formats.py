@@ -1,0 +1,275 @@
+"""Tool calls per model family: Hermes (Qwen2.5), Llama 3.1 JSON and Mistral's [TOOL_CALLS].
+
+Parser tests read literal model outputs of each format, whole and streamed a few characters at a time,
+malformed ones included. The end-to-end tests serve the tiny random-weight model under each family's
+real chat template (tests/data/chat_templates) and force tool calls through the official SDKs: the
+random model writes noise, so every call that parses is the grammar's doing.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import anthropic
+import jsonschema
+import openai
+import pytest
+
+from stratum.models.chat_template import ChatTemplate
+from stratum.models.loader import load_checkpoint
+from stratum.server import tools
+from stratum.server.chat import ChatInput, build_prompt
+from tests.conftest import ServerProcess
+from tests.factories import make_family_dir, make_sentencepiece_model, write_family_gguf
+
+TEMPLATES = Path(__file__).parent / "data" / "chat_templates"
+FAMILIES = {"qwen2.5": tools.HERMES, "llama3.1": tools.LLAMA3_JSON, "mistral-v3": tools.MISTRAL}
+KNOWN = {"get_weather", "get_time"}
+WEATHER, TIME = ("get_weather", {"city": "Paris"}), ("get_time", {"tz": "CET"})
+
+# (format, model output, expected text, expected calls)
+OUTPUTS = [
+    (tools.HERMES, 'Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+     "Let me check.", [WEATHER]),
+    (tools.HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+                   '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>', "", [WEATHER, TIME]),
+    (tools.HERMES, '<tool_call>{"name":"get_weather","arguments":{"city":"Paris"}}</tool_call>', "", [WEATHER]),
+    (tools.LLAMA3_JSON, '{"name": "get_weather", "parameters": {"city": "Paris"}}', "", [WEATHER]),
+    (tools.LLAMA3_JSON, '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}', "", [WEATHER]),
+    (tools.LLAMA3_JSON, '\n\n{"name": "get_weather", "parameters": {"city": "Paris"}}; '
+                        '{"name": "get_time", "parameters": {"tz": "CET"}}', "", [WEATHER, TIME]),
+    (tools.MISTRAL, '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                    '{"name": "get_time", "arguments": {"tz": "CET"}}]', "", [WEATHER, TIME]),
+    (tools.MISTRAL, '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris"}}]', "", [WEATHER]),
+    # a real Mistral vocabulary's [TOOL_CALLS] is a control token, which the detokenizer leaves out
+    (tools.MISTRAL, ' [{"name": "get_weather", "arguments": {"city": "Paris"}}]', "", [WEATHER]),
+    (tools.MISTRAL_NAME_ARGS, '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{"tz": "CET"}',
+     "", [WEATHER, TIME]),
+    # cut short by max_tokens: the arguments are closed
+    (tools.HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par', "", [("get_weather", {"city": "Par"})]),
+    (tools.LLAMA3_JSON, '{"name": "get_weather", "parameters": {"city": "Paris"', "", [WEATHER]),
+]
+# Outputs that are not calls, or calls that cannot be read: all of it is text.
+MALFORMED = [
+    (tools.HERMES, "No tools needed: the answer is 4."),
+    (tools.HERMES, '<tool_call>\n{"name": "launch_rockets", "arguments": {}}\n</tool_call>'),  # an unknown tool
+    (tools.HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": }}\n</tool_call>'),  # broken JSON
+    (tools.HERMES, "<tool_call>\nget_weather(city='Paris')\n</tool_call>"),  # not JSON at all
+    (tools.HERMES, "a < b and <tool_ is not a tag"),
+    (tools.LLAMA3_JSON, '{"answer": 42}'),  # JSON, but not a call
+    (tools.LLAMA3_JSON, 'It is {"name": "get_weather", "parameters": {}} - but inside text'),
+    (tools.LLAMA3_JSON, '{"name": "get_weather", "parameters": [1, 2]}'),  # arguments not an object
+    (tools.MISTRAL, "[1, 2, 3] are the first numbers"),
+    (tools.MISTRAL, '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"'[:30]),
+    (tools.MISTRAL, "Plain answer, no calls."),
+    (tools.MISTRAL_NAME_ARGS, "[TOOL_CALLS] nothing follows"),
+]
+
+
+def streamed(fmt: tools.ToolFormat, text: str, step: int) -> tuple[str, list[tuple[str, dict]]]:
+    """What a client assembles from the splitter's events, `step` characters at a time."""
+    splitter = tools.AnswerSplitter(KNOWN, fmt=fmt)
+    events = []
+    for i in range(0, len(text), step):
+        events += splitter.feed(text[i : i + step])
+    events += splitter.flush()
+    out, calls = "", []
+    for kind, value in events:
+        if kind == "text":
+            assert not calls, "text after a call is not streamed"
+            out += value
+        elif kind == "name":
+            calls.append([value, ""])
+        elif kind == "args":
+            calls[-1][1] += value
+    return out, [(name, tools._loads_lenient(args)) for name, args in calls]
+
+
+@pytest.mark.parametrize("fmt, output, text, calls", OUTPUTS)
+def test_parse_literal_outputs(fmt, output, text, calls):
+    assert tools.parse_tool_calls(output, KNOWN, fmt) == (text, calls)
+    for step in (1, 3, 7, len(output)):
+        assert streamed(fmt, output, step) == (text, calls)
+
+
+@pytest.mark.parametrize("fmt, output", MALFORMED)
+def test_malformed_output_is_text(fmt, output):
+    assert tools.parse_tool_calls(output, KNOWN, fmt) == (output, [])
+
+
+@pytest.mark.parametrize("fmt, output", [m for m in MALFORMED if "launch_rockets" not in m[1]])
+def test_malformed_output_streams_as_text(fmt, output):
+    for step in (1, 4, len(output)):
+        text, calls = streamed(fmt, output, step)
+        if calls:  # a head that completed streams as a call; its arguments are what was written
+            assert tools.parse_tool_calls(output, KNOWN, fmt)[1] == [] and text == ""
+        else:
+            assert text == output
+
+
+def test_format_comes_from_the_template():
+    for name, fmt in FAMILIES.items():
+        assert tools.format_for((TEMPLATES / f"{name}.jinja").read_text()) == fmt
+    assert tools.format_for("{{ '[TOOL_CALLS]' + name + '[ARGS]' }}") == tools.MISTRAL_NAME_ARGS
+    assert tools.format_for("{% for m in messages %}{{ m.content }}{% endfor %}") == tools.HERMES
+
+
+# ---- prompts -----------------------------------------------------------------------------------------
+TOOL_DEFS = [
+    {"name": "get_weather", "description": "Weather for a city",
+     "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                    "required": ["city"], "additionalProperties": False}},
+    {"name": "get_time", "description": "Time in a time zone",
+     "parameters": {"type": "object", "properties": {"tz": {"enum": ["CET", "UTC", "JST"]}},
+                    "required": ["tz"], "additionalProperties": False}},
+]
+SCHEMAS = {t["name"]: t["parameters"] for t in TOOL_DEFS}
+# what each template writes about the tools it is given (so the prompt shows it was given them)
+TOOLS_SHOWN = {"qwen2.5": "<tools>\n{\"type\": \"function\"", "llama3.1": "Given the following functions",
+               "mistral-v3": "[AVAILABLE_TOOLS] [{\"type\": \"function\""}
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return load_checkpoint(make_family_dir(tmp_path_factory.mktemp("tok"), "llama")).tokenizer
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("forced", [True, "get_time"])
+def test_forced_prompt_ends_with_the_family_opening(tokenizer, family, forced):
+    """The template gets the tools as apply_chat_template passes them; a forced call's opening, in the
+    family's format, ends the prompt after the generation prompt."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    template = ChatTemplate((TEMPLATES / f"{family}.jinja").read_text(), tokenizer)
+    messages = [{"role": "user", "content": "Weather in Paris?"}]
+    prompt = build_prompt(template, ChatInput(messages, TOOL_DEFS, forced))
+    fmt = FAMILIES[family]
+    assert prompt.tool_format == fmt
+    assert prompt.prefill == fmt.forced_prefix(None if forced is True else forced)
+    text = tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
+    openai_tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")}}
+                    for t in TOOL_DEFS]
+    rendered = render_jinja_template(conversations=[messages], tools=openai_tools, chat_template=template.source,
+                                     add_generation_prompt=True, bos_token=tokenizer.bos_token,
+                                     eos_token=tokenizer.eos_token)[0][0]
+    assert TOOLS_SHOWN[family] in rendered
+    assert text == rendered + prompt.prefill
+
+
+# ---- end to end --------------------------------------------------------------------------------------
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family_server(request, tmp_path_factory):
+    """The tiny model served under one family's chat template: Qwen2.5's and Llama 3.1's from a Hugging
+    Face folder, Mistral's from a GGUF's tokenizer.chat_template over a SentencePiece vocabulary."""
+    family = request.param
+    source = (TEMPLATES / f"{family}.jinja").read_text()
+    root = tmp_path_factory.mktemp(family)
+    folder = make_family_dir(root / "hf", "mistral" if family == "mistral-v3" else "llama", max_position_embeddings=4096)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": source}))
+    model = str(folder)
+    if family == "mistral-v3":
+        model = str(write_family_gguf(folder, root / "m.gguf", sentencepiece=make_sentencepiece_model(),
+                                      chat_template=source))
+        shutil.rmtree(folder)
+    server = ServerProcess(model, "--served-model-name", "tiny", "--kv-cache-mb", "8").wait_ready()
+    yield family, server
+    server.stop()
+
+
+def user(text: str) -> dict:
+    return {"role": "user", "content": text}
+
+
+ANTHROPIC_TOOLS = [{"name": t["name"], "description": t["description"], "input_schema": t["parameters"]} for t in TOOL_DEFS]
+OPENAI_TOOLS = [{"type": "function", "function": t} for t in TOOL_DEFS]
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_anthropic_forced_calls_parse(family_server, seed):
+    _, server = family_server
+    claude = anthropic.Anthropic(base_url=server.url, api_key="test", max_retries=0)
+    msg = claude.messages.create(model="tiny", max_tokens=80, messages=[user("weather?")], tools=ANTHROPIC_TOOLS,
+                                 tool_choice={"type": "any"}, extra_body={"seed": seed})
+    assert msg.stop_reason == "tool_use" and [b.type for b in msg.content] == ["tool_use"]
+    jsonschema.validate(msg.content[0].input, SCHEMAS[msg.content[0].name])
+
+    with claude.messages.stream(model="tiny", max_tokens=80, messages=[user("time?")], tools=ANTHROPIC_TOOLS,
+                                tool_choice={"type": "tool", "name": "get_weather"}, extra_body={"seed": seed}) as stream:
+        events = list(stream)
+        final = stream.get_final_message()
+    deltas = [e.delta.partial_json for e in events if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
+    assert final.stop_reason == "tool_use" and final.content[0].name == "get_weather"
+    assert deltas and json.loads("".join(deltas)) == final.content[0].input
+    assert not any(e.type == "content_block_delta" and e.delta.type == "text_delta" for e in events)
+    jsonschema.validate(final.content[0].input, SCHEMAS["get_weather"])
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_openai_forced_calls_parse(family_server, seed):
+    _, server = family_server
+    oai = openai.OpenAI(base_url=server.url + "/v1", api_key="test", max_retries=0)
+    r = oai.chat.completions.create(model="tiny", messages=[user("weather?")], tools=OPENAI_TOOLS,
+                                    tool_choice="required", max_tokens=80, seed=seed)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
+    call = choice.message.tool_calls[0].function
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+
+    stream = oai.chat.completions.create(model="tiny", messages=[user("time?")], tools=OPENAI_TOOLS, max_tokens=80,
+                                         tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                         stream=True, seed=seed)
+    names, args, finish = [], "", None
+    for chunk in stream:
+        for c in chunk.choices:
+            for delta in c.delta.tool_calls or []:
+                if delta.function.name:
+                    names.append(delta.function.name)
+                args += delta.function.arguments or ""
+            assert not c.delta.content
+            finish = c.finish_reason or finish
+    assert finish == "tool_calls" and names == ["get_time"]
+    jsonschema.validate(json.loads(args), SCHEMAS["get_time"])
+
+
+def test_auto_choice_answers_text_or_a_valid_call(family_server):
+    """Without forcing, the answer is text or a call in the family's format, never an error."""
+    _, server = family_server
+    claude = anthropic.Anthropic(base_url=server.url, api_key="test", max_retries=0)
+    for seed in range(3):
+        msg = claude.messages.create(model="tiny", max_tokens=40, messages=[user("hello")], tools=ANTHROPIC_TOOLS,
+                                     extra_body={"seed": seed})
+        for block in msg.content:
+            if block.type == "tool_use":
+                jsonschema.validate(block.input, SCHEMAS[block.name])
+            else:
+                assert block.type == "text"
+
+
+def test_special_token_markers_are_tokens_in_the_grammar(tmp_path):
+    """With a vocabulary that holds [TOOL_CALLS] as a control token (Mistral's), the auto-mode grammar
+    takes the call opened by that token, as the model writes it, and the answer parses, with the token
+    in the text (tool requests keep it: `pipeline.check_request`) or without."""
+    from stratum.engine.grammar import GrammarCompiler
+    from stratum.models.tokenizer import tokenizer_from_sentencepiece
+    from stratum.server.structured import tool_grammar
+
+    path = tmp_path / "tokenizer.model"
+    path.write_bytes(make_sentencepiece_model())
+    tok = tokenizer_from_sentencepiece(str(path), ["</s>"], "<s>")
+    fmt = tools.MISTRAL.for_vocabulary(tok)
+    marker = tok.special_token_id("[TOOL_CALLS]")
+    assert marker is not None and fmt.special_tokens == (("[TOOL_CALLS]", marker),)
+    answer = ' [{"name": "get_time", "arguments": {"tz": "CET"}}]'
+    ids = [marker] + tok.encode(answer[1:])  # after the marker the model writes "▁[": the dummy prefix is the space
+    matcher = GrammarCompiler(tok, tok.vocab_size).matcher(tool_grammar(TOOL_DEFS, False, fmt=fmt))
+    assert matcher.consume_tokens(ids) and matcher.is_accepting()
+    for skip in (False, True):  # a tool request's text keeps the marker; read without it all the same
+        text = tok.decode(ids, skip_special_tokens=skip)
+        assert text.startswith("[TOOL_CALLS]") != skip
+        assert tools.parse_tool_calls(text, KNOWN, fmt) == ("", [("get_time", {"tz": "CET"})])
+    spelled = GrammarCompiler(tok, tok.vocab_size).matcher(tool_grammar(TOOL_DEFS, False, fmt=fmt))
+    assert not spelled.consume_tokens(tok.encode("[TOOL_CALLS]" + answer))  # as text it is not the marker
