@@ -55,10 +55,10 @@ class Prompt:
     prefill: str = ""  # assistant text the output continues (part of the answer only if it is a forced tool call)
     tool_names: set[str] = field(default_factory=set)
     is_forced_tool: bool = False
-    tool_format: tool_fmt.ToolFormat = tool_fmt.HERMES  # how the model writes tool calls (its family's format)
     template_tools: list[dict] | None = None
     forced_name: str | None = None  # the tool a forced call must name, when the request (or a lone tool) fixes it
     grammar: str | None = None  # what the answer must follow (`structured`), for the engine's sampler
+    tool_format: tool_fmt.ToolFormat = tool_fmt.HERMES  # how the model writes tool calls (its family's format)
 
 
 def _tool_call_text(name: str, arguments: Any) -> str:
@@ -252,8 +252,8 @@ def build_prompt(template: ChatTemplate, chat: ChatInput) -> Prompt:
         if not chat.fold_late_system():
             raise InvalidRequest(str(e)) from None
         return build_prompt(template, chat)  # a template that allows a system turn only first
-    prompt = Prompt(ids, prefill, {t["name"] for t in tools or []}, forced_tool is not False, fmt, template_tools,
-                    forced_tool if isinstance(forced_tool, str) else None)
+    prompt = Prompt(ids, prefill, {t["name"] for t in tools or []}, forced_tool is not False, template_tools,
+                    forced_tool if isinstance(forced_tool, str) else None, tool_format=fmt)
     prompt.grammar = structured.answer_grammar(chat, prompt)
     return prompt
 
