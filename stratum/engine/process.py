@@ -15,19 +15,18 @@ request in flight.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
 import subprocess
 import sys
 import threading
-from dataclasses import asdict
+from typing import Callable
 
 import msgpack
 
 from stratum.engine.client import EngineClient, EngineLoop, Transport
-from stratum.engine.config import EngineConfig, SchedulerConfig
+from stratum.engine.config import EngineConfig
 from stratum.engine.protocol import (
     Command, EngineDied, EngineInfo, Stop, StreamDecoder, decode, decode_info, decode_tokenizer, encode, encode_info,
     encode_tokenizer,
@@ -75,20 +74,26 @@ class EngineProcess(Transport):
         ev_r, ev_w = os.pipe()
         self._ev_r = ev_r
         self.proc = subprocess.Popen([sys.executable, "-m", "stratum.engine.process", "--commands", str(cmd_r),
-                                      "--events", str(ev_w), "--config", json.dumps(asdict(config))],
+                                      "--events", str(ev_w), "--config", config.to_json()],
                                      pass_fds=(cmd_r, ev_w))
         os.close(cmd_r)
         os.close(ev_w)
         self._write_lock = threading.Lock()
 
-    def connect(self) -> EngineClient:
+    def connect(self, on_stage: Callable[[str], None] = lambda stage: None) -> EngineClient:
         """Wait for the engine to be ready and return the client that talks to it.
+
+        Args:
+            on_stage: told each stage of the engine's start-up as it begins ("loading model").
 
         Raises:
             EngineStartError: the engine process failed to load (bad model, missing file, ...).
         """
         messages = _messages(self._ev_r)
         ready = next(messages, None)
+        while ready is not None and ready[0] == "stage":
+            on_stage(ready[1])
+            ready = next(messages, None)
         if ready is None:
             ready = ["failed", f"the engine process exited with code {self.proc.wait()} before it was ready"]
         if ready[0] != "ready":
@@ -173,10 +178,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from stratum.engine.core import LLMEngine
 
-    settings = json.loads(args.config)
-    settings["scheduler"] = SchedulerConfig(**settings["scheduler"])
+    _write_all(ev_fd, _pack(["stage", "loading model"]))
     try:
-        engine = LLMEngine(EngineConfig(**settings))
+        engine = LLMEngine(EngineConfig.from_json(args.config))
     except Exception as e:  # the serving side prints this and exits
         _write_all(ev_fd, _pack(["failed", f"{type(e).__name__}: {e}"]))
         return 1

@@ -45,6 +45,8 @@ class EngineSnapshot:
     threads: int = 0
     rss_mb: float = 0.0  # the engine process's resident memory
     gpu_memory_allocated_mb: float | None = None
+    step: str = ""  # "native" or "pytorch": what runs the model now
+    preparing: str | None = None  # a cold start's kernels being prepared in the background: the stage
     published_at: float = field(default_factory=time.time)
 
     @property
