@@ -2,8 +2,9 @@
 
 The serving process starts `python -m stratum.engine.process` with two pipes: commands go down one,
 events come up the other, as msgpack frames (plain lists, no pickle). The engine process loads the
-model, sends one "ready" message (its resolved configuration, kernel choices, tokenizer and chat
-template, so the serving side never loads the weights), then one frame per step holding every event
+model, sending the stage it is in, its tokenizer and chat template as soon as the checkpoint is read
+(the serving side builds its copy while the model is built), then one "ready" message (its resolved
+configuration and kernel choices; the serving side never loads the weights), then one frame per step holding every event
 of that step: tokens stream back without a round trip per token. Commands and events are
 `stratum.engine.protocol`'s records in its codec; `EngineProcess` is the client's transport.
 
@@ -91,16 +92,18 @@ class EngineProcess(Transport):
         """
         messages = _messages(self._ev_r)
         ready = next(messages, None)
-        while ready is not None and ready[0] == "stage":
-            on_stage(ready[1])
+        while ready is not None and ready[0] in ("stage", "tokenizer"):
+            if ready[0] == "stage":
+                on_stage(ready[1])
+            else:  # built here while the engine builds its model
+                tokenizer, template = decode_tokenizer(ready[1])
             ready = next(messages, None)
         if ready is None:
             ready = ["failed", f"the engine process exited with code {self.proc.wait()} before it was ready"]
         if ready[0] != "ready":
             self.proc.wait(timeout=30)
             raise EngineStartError(ready[1] if len(ready) > 1 else "the engine process failed to start")
-        _, info, tok = ready
-        tokenizer, template = decode_tokenizer(tok)
+        info = ready[1]
         client = EngineClient(decode_info(info), tokenizer, template, self, engine_pid=self.proc.pid)
         threading.Thread(target=_read_events, args=(self._ev_r, messages, client, self.proc),
                          name="stratum-engine-events", daemon=True).start()
@@ -176,15 +179,20 @@ def main(argv: list[str] | None = None) -> int:
         except BrokenPipeError:  # the serving process is gone: nobody is left to serve
             loop.stop()
 
+    from stratum.engine import builder
     from stratum.engine.core import LLMEngine
 
     _write_all(ev_fd, _pack(["stage", "loading model"]))
     try:
-        engine = LLMEngine(EngineConfig.from_json(args.config))
+        config = EngineConfig.from_json(args.config)
+        checkpoint = builder.load(config)
+        # the tokenizer first: the serving side builds its copy while the model is built here
+        _write_all(ev_fd, _pack(["tokenizer", encode_tokenizer(checkpoint.tokenizer, checkpoint.chat_template)]))
+        engine = LLMEngine(config, checkpoint)
     except Exception as e:  # the serving side prints this and exits
         _write_all(ev_fd, _pack(["failed", f"{type(e).__name__}: {e}"]))
         return 1
-    _write_all(ev_fd, _pack(["ready", encode_info(EngineInfo.of(engine)), encode_tokenizer(engine)]))
+    _write_all(ev_fd, _pack(["ready", encode_info(EngineInfo.of(engine))]))
     loop = EngineLoop(engine, emit)
 
     def read_commands() -> None:
