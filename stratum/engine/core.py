@@ -24,8 +24,8 @@ from stratum.engine.config import EngineConfig, SchedulerConfig
 from stratum.engine.detokenizer import Detokenizer
 from stratum.engine.grammar import GrammarCompiler
 from stratum.engine.model_runner import ModelRunner
-from stratum.engine.prepare import KernelUpgrade
 from stratum.engine.outputs import OrchestrationError, RequestOutput, RequestStats, StepError, StepStats
+from stratum.engine.prepare import KernelUpgrade
 from stratum.engine.request import CachePolicy, Sequence, SequenceStatus
 from stratum.engine.sampling_params import InvalidRequestError, SamplingParams
 from stratum.engine.scheduler import Scheduler, SchedulerOutput
