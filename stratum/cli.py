@@ -130,6 +130,7 @@ def cmd_serve(args) -> int:
             app = _serving_app(args, client, name)
             starting.wait_listening()
             starting.serve(app)
+            server.rt = app.state.runtime
             client.tokenizer.plain  # noqa: B018  (built now rather than by the first request)
         except (PullError, ValueError, EngineStartError) as e:  # a bad model, a failed engine: said, and the server stops
             up["error"] = str(e)
@@ -139,11 +140,10 @@ def cmd_serve(args) -> int:
         if "error" in up:
             server.should_exit = True
             return
-        server.rt = app.state.runtime
-        cfg = client.config
-        print(f"stratum: {name} ready in {time.perf_counter() - t0:.1f}s on {cfg.device}/{cfg.dtype} "
-              f"({client.info.kernel_choices['step']} step), {cfg.num_kv_blocks} KV blocks, {cfg.num_threads} engine "
-              f"threads in {where}", flush=True)
+        cfg, kernels = client.config, client.info.kernel_choices
+        later = "; preparing the native kernels in the background" if kernels.get("native_kernels") == "being prepared" else ""
+        print(f"stratum: {name} ready in {time.perf_counter() - t0:.1f}s on {cfg.device}/{cfg.dtype} ({kernels['step']} "
+              f"step), {cfg.num_kv_blocks} KV blocks, {cfg.num_threads} engine threads in {where}{later}", flush=True)
 
     threading.Thread(target=bring_up, name="stratum-start", daemon=True).start()
     print(f"stratum: listening on http://{args.host}:{args.port}; /health answers 503 until {name} is loaded",
