@@ -16,7 +16,7 @@ import os
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from stratum.engine import builder
@@ -113,11 +113,12 @@ class KernelUpgrade:
         from stratum.engine.model_runner import ModelRunner
         from stratum.kernels import native
 
-        checkpoint = builder.load(self.config)
+        config = replace(self.config, remeasure_plan=False)  # the plan is the one the child just measured
+        checkpoint = builder.load(config)
         native.available()  # loads the libraries the child built (or learns, fast, that they cannot be)
         # the plan the child just measured, even where serving kept the machine busy meanwhile (a
         # later start measures such a plan again, in the background as well)
-        resolved = builder.resolve(self.config, checkpoint, measure=False, take_busy=True)
+        resolved = builder.resolve(config, checkpoint, measure=False, take_busy=True)
         if resolved is None:
             raise RuntimeError("the prepared kernel plan is not in the cache")
         model, int4_bytes = builder.build_model(resolved, checkpoint)

@@ -4,8 +4,8 @@ The serving process starts `python -m stratum.engine.process` with two pipes: co
 events come up the other, as msgpack frames (plain lists, no pickle). The engine process loads the
 model, sending the stage it is in, its tokenizer and chat template as soon as the checkpoint is read
 (the serving side builds its copy while the model is built), then one "ready" message (its resolved
-configuration and kernel choices; the serving side never loads the weights), then one frame per step holding every event
-of that step: tokens stream back without a round trip per token. Commands and events are
+configuration and kernel choices; the serving side never loads the weights), then one frame per
+step holding every event of that step: tokens stream back without a round trip per token. Commands and events are
 `stratum.engine.protocol`'s records in its codec; `EngineProcess` is the client's transport.
 
 Either side notices the other's death: the engine process stops when its command pipe closes; the
