@@ -17,10 +17,14 @@ import subprocess
 import sys
 import threading
 from dataclasses import dataclass, replace
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from stratum.engine import builder
 from stratum.engine.config import EngineConfig, ResolvedConfig
+
+if TYPE_CHECKING:
+    from stratum.engine.model_runner import ModelRunner
+    from stratum.models.llama import LlamaForCausalLM
 
 log = logging.getLogger("stratum.engine")
 
@@ -54,9 +58,9 @@ class Prepared:
     """What the engine swaps in: the configuration, the model on it, and the runner with its KV pool."""
 
     config: ResolvedConfig
-    model: object  # LlamaForCausalLM
+    model: LlamaForCausalLM
     int4_bytes: int
-    runner: object  # ModelRunner
+    runner: ModelRunner
 
 
 class KernelUpgrade:
