@@ -14,7 +14,8 @@ mkdir -p "$OUT"
 pids=()
 cleanup() { for p in "${pids[@]:-}"; do kill "$p" 2>/dev/null || true; done; }
 trap cleanup EXIT
-wait_up() { until curl -sf "$1/health" >/dev/null; do sleep 0.2; done; }
+# up, and no cold start's kernels still being prepared (a switch mid-run would drop the prefix cache)
+wait_up() { until curl -sf "$1/health" 2>/dev/null | grep -qv '"preparing"'; do sleep 0.2; done; }
 
 targets=(process http://127.0.0.1:8401 thread http://127.0.0.1:8402)
 $STRATUM serve --port 8401 --engine process >"$OUT/process.log" 2>&1 & pids+=($!)

@@ -26,7 +26,8 @@ pids=()
 cleanup() { for p in "${pids[@]:-}"; do kill -- "$p" 2>/dev/null || true; done; }
 trap cleanup EXIT
 
-wait_up() { until curl -sf "$1/health" >/dev/null; do sleep 0.2; done; }
+# up, and no cold start's kernels still being prepared (a switch mid-run would drop the prefix cache)
+wait_up() { until curl -sf "$1/health" 2>/dev/null | grep -qv '"preparing"'; do sleep 0.2; done; }
 
 # start -> first 200 and RSS of Stratum, measured on its own
 .venv/bin/python - "$OUT/startup.json" <<'PY'

@@ -17,6 +17,7 @@ def _engine_config(args, serving: bool = False):
 
     return EngineConfig(
         serving=serving,
+        defer_kernels=serving,
         model=args.model,
         device=args.device,
         dtype=args.dtype,
@@ -63,20 +64,14 @@ def cmd_pull(args) -> int:
 
 
 def prepare(model: str) -> None:
-    """What a first `serve` of `model` would do before it answers, done now so that it starts in
-    seconds: the native kernels compiled for this CPU, the kernel plan measured at the serving
-    thread count, the weights repacked for the chosen kernels; each cached under $STRATUM_HOME and
-    only loaded by later starts."""
-    from stratum.engine import builder
+    """What a first `serve` of `model` would do in the background, done now so that it starts
+    straight on the prepared kernels (`engine.prepare`)."""
     from stratum.engine.config import EngineConfig
+    from stratum.engine.prepare import prepare as prepare_kernels
     from stratum.kernels import native
 
     t0 = time.perf_counter()
-    config = EngineConfig(model=model, serving=True)
-    checkpoint = builder.load(config)
-    resolved = builder.resolve(config, checkpoint)
-    builder.build_model(resolved, checkpoint)
-    plan = resolved.kernel_plan
+    plan = prepare_kernels(EngineConfig(model=model, serving=True)).kernel_plan
     step = "native step" if plan.packed_step else f"PyTorch step, {plan.dtype}"
     print(f"{model}: kernels {native.status()}; kernel plan ({plan.source}): {step}, {plan.threads} threads; "
           f"ready to serve ({time.perf_counter() - t0:.1f}s)")
@@ -88,10 +83,13 @@ LARGE_TEXT_CHARS = 256 * 1024
 
 
 def cmd_serve(args) -> int:
+    """The port opens at once and answers 503 while the engine starts (`server.startup`); a cold
+    engine serves on the PyTorch step while it prepares its kernels (`engine.prepare`)."""
+    import logging
+    import threading
+
     from stratum.engine.process import EngineProcess, EngineStartError
     from stratum.models.registry import PullError
-
-    import logging
 
     t0 = time.perf_counter()
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.DEBUG),
@@ -100,42 +98,97 @@ def cmd_serve(args) -> int:
     if args.replicas < 1:
         print("error: --replicas must be at least 1", file=sys.stderr)
         return 2
-    # The engine process loads the model while this one imports the web stack.
+    if args.replicas > 1:
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None:
+            print("error: --replicas needs Ray Serve: pip install 'stratum-serve[ray]'", file=sys.stderr)
+            return 1
+    # The engine process loads the model while this one opens the port and builds the web app.
     engine = EngineProcess(config) if args.engine == "process" and args.replicas == 1 else None
     import uvicorn
 
-    from stratum.server.app import ServerSettings, create_app
     from stratum.server.http import Server, protocol
-    from stratum.telemetry.cost import pricing_from_spec
+    from stratum.server.startup import StartingApp
 
+    name = args.served_model_name or args.model
+    starting = StartingApp(name)
+    server = Server(uvicorn.Config(starting, host=args.host, port=args.port, log_level=args.log_level,
+                                   http=protocol(args.max_connections, args.read_timeout_s),
+                                   h11_max_incomplete_event_size=args.max_header_bytes,
+                                   timeout_graceful_shutdown=5, loop="asyncio"),
+                    None, args.drain_timeout_s)
+    up: dict = {}  # what the start-up thread brought up: "client", or "error"
+
+    def bring_up() -> None:
+        try:
+            import stratum.server.app  # noqa: F401  (the web stack's imports, while the engine loads)
+
+            client, where = _start_engine(args, config, engine, starting)
+            up["client"] = client
+            starting.stage = "starting server"
+            app = _serving_app(args, client, name)
+            starting.wait_listening()
+            starting.serve(app)
+            server.rt = app.state.runtime
+            client.tokenizer.plain  # noqa: B018  (built now rather than by the first request)
+        except (PullError, ValueError, EngineStartError) as e:  # a bad model, a failed engine: said, and the server stops
+            up["error"] = str(e)
+        except Exception as e:
+            logging.getLogger("stratum.server").exception("start-up failed")
+            up["error"] = f"{type(e).__name__}: {e}"
+        if "error" in up:
+            server.should_exit = True
+            return
+        cfg, kernels = client.config, client.info.kernel_choices
+        later = "; preparing the native kernels in the background" if kernels.get("native_kernels") == "being prepared" else ""
+        print(f"stratum: {name} ready in {time.perf_counter() - t0:.1f}s on {cfg.device}/{cfg.dtype} ({kernels['step']} "
+              f"step), {cfg.num_kv_blocks} KV blocks, {cfg.num_threads} engine threads in {where}{later}", flush=True)
+
+    threading.Thread(target=bring_up, name="stratum-start", daemon=True).start()
+    print(f"stratum: listening on http://{args.host}:{args.port}; /health answers 503 until {name} is loaded",
+          flush=True)
     try:
-        if args.replicas > 1:
-            import importlib.util
-
-            if importlib.util.find_spec("ray") is None:
-                print("error: --replicas needs Ray Serve: pip install 'stratum-serve[ray]'", file=sys.stderr)
-                return 1
-            from stratum.cluster import launch
-
-            client = launch.start(config, args.replicas, args.ray_address, args.routing)
-            where = f"each of {args.replicas} Ray Serve replicas, routed by {args.routing}"
+        server.run()
+    finally:
+        client = up.get("client")
+        if client is not None:
+            client.shutdown()
+            client.tokenizer.close()
         elif engine is not None:
-            client = engine.connect()
-            where = "a process"
-        else:
-            from stratum.engine.client import start_thread_engine
-            from stratum.engine.core import LLMEngine
-
-            client = start_thread_engine(LLMEngine(config))
-            where = "a thread"
-    except (PullError, ValueError, EngineStartError) as e:
-        print(f"error: {e}", file=sys.stderr)
+            engine.shutdown()
+    if "error" in up:
+        print(f"error: {up['error']}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _start_engine(args, config, engine, starting):
+    """(the engine client, where its loop runs): the engine process's (started already), a
+    thread's, or Ray Serve replicas'."""
+    if args.replicas > 1:
+        from stratum.cluster import launch
+
+        starting.stage = "starting replicas"
+        client = launch.start(config, args.replicas, args.ray_address, args.routing)
+        return client, f"each of {args.replicas} Ray Serve replicas, routed by {args.routing}"
+    if engine is not None:
+        return engine.connect(on_stage=lambda stage: setattr(starting, "stage", stage)), "a process"
+    from stratum.engine.client import start_thread_engine
+    from stratum.engine.core import LLMEngine
+
+    starting.stage = "loading model"
+    return start_thread_engine(LLMEngine(config)), "a thread"
+
+
+def _serving_app(args, client, name: str):
+    """The web app over client, with the settings the command line gave."""
+    from stratum.server.app import ServerSettings, create_app
+    from stratum.telemetry.cost import pricing_from_spec
 
     config = client.config
     keys = tuple(k for k in (args.api_key or []) if k)
     keys += tuple(k.strip() for k in os.environ.get("STRATUM_API_KEYS", "").split(",") if k.strip())
-    name = args.served_model_name or args.model
     settings = ServerSettings(model_name=name, aliases=(client.info.model_name,), api_keys=keys,
                               model_patterns=tuple(p for p in (args.serve_models_matching or ["claude-*"]) if p),
                               max_body_bytes=args.max_body_bytes, share_prefix_cache=args.share_prefix_cache,
@@ -148,26 +201,12 @@ def cmd_serve(args) -> int:
                               tenant_budget_tokens=args.tenant_budget_tokens, budget_window_s=args.budget_window_s,
                               pollution_policy=args.pollution_policy, pricing=pricing_from_spec(args.pricing))
     client.tokenizer.offload_large_texts(LARGE_TEXT_CHARS)
-    app = create_app(client, settings)
-    print(f"stratum: {name} loaded in {time.perf_counter() - t0:.1f}s on {config.device}/{config.dtype}, "
-          f"{config.num_kv_blocks} KV blocks, {config.num_threads} engine threads in {where}; "
-          f"serving on http://{args.host}:{args.port}", flush=True)
     if keys:
         print(f"stratum: {len(keys)} API key{'s' if len(keys) != 1 else ''}; " + (
             "the prefix cache is SHARED across keys (--share-prefix-cache): a key can observe, through cache "
             "hits and their timing, prompts that another key sent" if args.share_prefix_cache else
             "each key is a tenant with a prefix cache of its own"), flush=True)
-    server = Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                                   http=protocol(args.max_connections, args.read_timeout_s),
-                                   h11_max_incomplete_event_size=args.max_header_bytes,
-                                   timeout_graceful_shutdown=5, loop="asyncio"),
-                    app.state.runtime, args.drain_timeout_s)
-    try:
-        server.run()
-    finally:
-        client.shutdown()
-        client.tokenizer.close()
-    return 0
+    return create_app(client, settings)
 
 
 def cmd_generate(args) -> int:
@@ -353,7 +392,7 @@ def cmd_warmup(args) -> int:
     return 0 if report["failed"] == 0 else 1
 
 
-BENCHMARKS = ("offline", "serve", "compare", "roofline", "soak", "constrained", "batch", "cluster")
+BENCHMARKS = ("offline", "serve", "compare", "roofline", "soak", "constrained", "batch", "cluster", "startup")
 
 
 def cmd_bench(args, rest) -> int:
@@ -455,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-key", default=None)
     p.set_defaults(func=cmd_warmup)
 
-    p = sub.add_parser("bench", help="benchmarks: offline, serve, compare, roofline, soak, constrained, batch, cluster (each takes --help)", add_help=False)
+    p = sub.add_parser("bench", help="benchmarks: offline, serve, compare, roofline, soak, constrained, batch, cluster, startup (each takes --help)", add_help=False)
     p.add_argument("kind", choices=BENCHMARKS)
     p.set_defaults(func=None)
 

@@ -95,7 +95,9 @@ class ServerProcess:
         env = {"STRATUM_NUM_THREADS": "1", **os.environ, **(env or {})}
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
-    def wait_ready(self, timeout: float = 120.0) -> "ServerProcess":
+    def wait_ready(self, timeout: float = 120.0, prepared: bool = True) -> "ServerProcess":
+        """Until /health says 200; with `prepared`, also until a cold start's kernels have taken
+        over (no "preparing" stage): the switch drops the prefix cache, which tests would see."""
         import time
 
         import httpx
@@ -105,7 +107,8 @@ class ServerProcess:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited: {self.output()}")
             try:
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                r = httpx.get(self.url + "/health", timeout=2)
+                if r.status_code == 200 and not (prepared and r.json().get("preparing")):
                     return self
             except httpx.HTTPError:
                 pass

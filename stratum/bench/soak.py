@@ -368,8 +368,10 @@ def spawn_server(serve_args: str, timeout_s: float) -> Iterator[tuple[str, subpr
 
 
 def _is_healthy(url: str) -> bool:
+    """200, and no cold start's kernels still being prepared: a switch mid-run would drop the cache."""
     try:
-        return httpx.get(url + "/health", timeout=2, trust_env=False).status_code == 200
+        r = httpx.get(url + "/health", timeout=2, trust_env=False)
+        return r.status_code == 200 and not r.json().get("preparing")
     except httpx.HTTPError:
         return False
 

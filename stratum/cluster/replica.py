@@ -39,7 +39,7 @@ class EngineReplica:
         engine = LLMEngine(EngineConfig(**settings))
         self.name = _replica_name()
         self.description = {"replica": self.name, "pid": os.getpid(), "info": encode_info(EngineInfo.of(engine)),
-                            "tokenizer": encode_tokenizer(engine)}
+                            "tokenizer": encode_tokenizer(engine.tokenizer, engine.chat_template.source)}
         self.snapshot = EngineSnapshot(alive=True)
         self.held: tuple[list[int], float] = ([], 0.0)  # the cache's recent keys, and when the loop listed them
         self.calls = 0  # generate calls being served

@@ -52,19 +52,41 @@ def default_threads(serving: bool, native_step: bool = False) -> int:
     return max(1, cores - 1) if serving and not native_step else cores
 
 
-def resolve(config: EngineConfig, checkpoint: Checkpoint) -> ResolvedConfig:
-    """Every "auto" of config, decided once for this machine and this checkpoint."""
-    mc = checkpoint.config
+def resolve(config: EngineConfig, checkpoint: Checkpoint, measure: bool = True, take_busy: bool = False) -> ResolvedConfig | None:
+    """Every "auto" of config, decided once for this machine and this checkpoint.
+
+    With `measure` False nothing slow is done: None where the native kernels would have to be
+    compiled or the kernel plan measured first (a cold start then serves on `provisional` meanwhile).
+    With `take_busy`, a cached plan measured on a busy machine is taken rather than measured again
+    (what a background preparation measured while the engine served).
+    """
     device = config.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    if not measure and device == "cpu" and not native.is_built():
+        return None
     # every core where the native step runs; otherwise a server leaves one to its HTTP side, and the
     # plan at that thread count decides (one plan measured, not two, where the step wins)
     threads = config.num_threads or default_threads(config.serving, native_step=True)
-    plan = _plan(config, checkpoint, device, threads)
+    plan = _plan(config, checkpoint, device, threads, measure, take_busy)
     narrower = default_threads(config.serving)
-    if not config.num_threads and not plan.packed_step and narrower != threads:
-        threads, plan = narrower, _plan(config, checkpoint, device, narrower)
+    if plan is not None and not config.num_threads and not plan.packed_step and narrower != threads:
+        threads, plan = narrower, _plan(config, checkpoint, device, narrower, measure, take_busy)
+    return _resolved(config, checkpoint, device, plan) if plan is not None else None
+
+
+def provisional(config: EngineConfig, checkpoint: Checkpoint) -> ResolvedConfig:
+    """What a cold start serves on while the kernels are prepared (`engine.prepare`): the PyTorch
+    layers on the CPU in fp32 (or the configured dtype; bf16 is only fast where the CPU has it, and
+    that is what the plan measures), no native kernel, nothing measured."""
+    threads = config.num_threads or default_threads(config.serving)
+    dtype = "float32" if config.dtype == "auto" else config.dtype
+    return _resolved(config, checkpoint, "cpu", KernelPlan("cpu", dtype, threads, 0, source="provisional"))
+
+
+def _resolved(config: EngineConfig, checkpoint: Checkpoint, device: str, plan: KernelPlan) -> ResolvedConfig:
+    mc = checkpoint.config
+    threads = plan.threads
     prefill_threads = config.prefill_threads or max(threads, os.cpu_count() or 1)
     max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     per_block = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * config.block_size * (2 if plan.dtype == "bfloat16" else 4)
@@ -78,7 +100,8 @@ def resolve(config: EngineConfig, checkpoint: Checkpoint) -> ResolvedConfig:
     )
 
 
-def _plan(config: EngineConfig, checkpoint: Checkpoint, device: str, threads: int) -> KernelPlan:
+def _plan(config: EngineConfig, checkpoint: Checkpoint, device: str, threads: int, measure: bool = True,
+          take_busy: bool = False) -> KernelPlan | None:
     mc = checkpoint.config
     if device != "cpu":
         dtype = "bfloat16" if config.dtype == "auto" else config.dtype
@@ -87,7 +110,10 @@ def _plan(config: EngineConfig, checkpoint: Checkpoint, device: str, threads: in
     if config.int4_max_tokens is not None and config.dtype != "auto":  # fully specified: nothing to measure
         plan = KernelPlan("cpu", config.dtype, threads, 0, source="configured")
     else:
-        plan = select_plan(stratum_home(), Shapes.of(mc), threads, can_pack, config.dtype, remeasure=config.remeasure_plan)
+        plan = select_plan(stratum_home(), Shapes.of(mc), threads, can_pack, config.dtype,
+                           remeasure=config.remeasure_plan, measure=measure, take_busy=take_busy)
+        if plan is None:
+            return None
     if config.int4_max_tokens is not None:  # the configured row limit holds for both packed formats
         rows = config.int4_max_tokens if plan.dtype == "bfloat16" else 0
         plan = replace(plan, int4_max_tokens=rows if can_pack else 0, q8_max_rows=rows if native.available() else 0,

@@ -75,7 +75,8 @@ def take_snapshot(engine, rss_mb: float, kv_blocks: KVBlocks) -> EngineSnapshot:
         num_preemptions=sched.num_preemptions, num_steps=engine.num_steps,
         overhead_ratio=sum(s.overhead_s for s in steps) / total if total > 0 else 0.0,
         mean_step_s=total / len(steps) if steps else 0.0, threads=torch.get_num_threads(), rss_mb=rss_mb,
-        gpu_memory_allocated_mb=gpu,
+        gpu_memory_allocated_mb=gpu, step="native" if engine.model.packed is not None else "pytorch",
+        preparing=engine.upgrade.stage if engine.upgrade is not None else None,
     )
 
 
@@ -93,6 +94,7 @@ class EngineLoop:
     # Counting cached and in-use blocks walks the pool (milliseconds for a large GPU pool): while
     # requests run it is refreshed this often; the snapshot an idle engine leaves is always exact.
     KV_COUNT_EVERY_S = 0.05
+    PREPARING_POLL_S = 0.5
 
     def __init__(self, engine, emit: Callable[[list[Event]], None]):
         self.engine = engine
@@ -130,12 +132,17 @@ class EngineLoop:
     def _once(self) -> None:
         with self._wake:
             while not self._commands and not self.engine.has_unfinished() and not self._stopped:
-                self._wake.wait()
+                # while a cold start's kernels are prepared, an idle loop looks in now and then: to
+                # switch to them (`LLMEngine.switch_kernels`), and to publish how far they are
+                if not self._wake.wait(self.PREPARING_POLL_S if self.engine.upgrade is not None else None):
+                    break
             commands = list(self._commands)
             self._commands.clear()
         events: list[Event] = []
         for command in commands:
             self._apply(command, events)
+        if self.engine.upgrade is not None:
+            self.engine.switch_kernels()
         if self.engine.has_unfinished() and not self._stopped:
             self._step(events)
         events.append(self._snapshot())

@@ -6,7 +6,8 @@ the offline API all go through it, so nothing downstream reads "auto"."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import json
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -48,8 +49,20 @@ class EngineConfig:
     native_step: bool | None = None  # None: the kernel plan decides; True/False: the native step where the checkpoint allows / never
     remeasure_plan: bool = False  # measure the kernel plan again, even if one is cached (`stratum info --remeasure`)
     serving: bool = False  # a server leaves one core to its HTTP side by default
+    # a cold start (kernels not built, or no plan) serves on the PyTorch step at once and prepares the
+    # kernels in the background (`engine.prepare`), instead of waiting for them; `stratum serve` sets it
+    defer_kernels: bool = False
     seed: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+
+    def to_json(self) -> str:
+        """For another process of this runtime (the engine process, the preparing child)."""
+        return json.dumps(asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> "EngineConfig":
+        settings = json.loads(text)
+        return cls(**{**settings, "scheduler": SchedulerConfig(**settings["scheduler"])})
 
 
 @dataclass(frozen=True)

@@ -8,6 +8,7 @@ It also owns the degraded basic mode.
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import time
@@ -24,11 +25,11 @@ from stratum.engine.detokenizer import Detokenizer
 from stratum.engine.grammar import GrammarCompiler
 from stratum.engine.model_runner import ModelRunner
 from stratum.engine.outputs import OrchestrationError, RequestOutput, RequestStats, StepError, StepStats
+from stratum.engine.prepare import KernelUpgrade
 from stratum.engine.request import CachePolicy, Sequence, SequenceStatus
 from stratum.engine.sampling_params import InvalidRequestError, SamplingParams
 from stratum.engine.scheduler import Scheduler, SchedulerOutput
 from stratum.kernels import native
-from stratum.models.chat_template import ChatTemplate
 from stratum.models.loader import Checkpoint
 
 log = logging.getLogger("stratum.engine")
@@ -83,7 +84,12 @@ class LLMEngine:
 
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None):
         checkpoint = checkpoint or builder.load(config)
-        self.config = config = builder.resolve(config, checkpoint)
+        resolved = builder.resolve(config, checkpoint, measure=not config.defer_kernels)
+        self.upgrade: KernelUpgrade | None = None  # a cold start's kernels, being prepared (`switch_kernels`)
+        if resolved is None:
+            resolved = builder.provisional(config, checkpoint)
+            self.upgrade = KernelUpgrade(config)
+        self.config = config = resolved
         torch.set_num_threads(config.num_threads)
         self._threads = config.num_threads
         torch.manual_seed(config.seed)
@@ -91,16 +97,17 @@ class LLMEngine:
         self.model_name = config.model
         self.tokenizer = checkpoint.tokenizer
         self.grammars = GrammarCompiler(checkpoint.tokenizer, checkpoint.config.vocab_size)
-        self.chat_template = ChatTemplate(checkpoint.chat_template, checkpoint.tokenizer)
+        self._chat_template_source = checkpoint.chat_template
         self.device = torch.device(config.device)
         self.kernel_plan = config.kernel_plan
         self.dtype = config.torch_dtype
         self.max_model_len = config.max_model_len
         self.model, self.int4_bytes = builder.build_model(config, checkpoint)
-        fault, self._death_after = parse_faults(os.environ.get("STRATUM_FAULT_INJECT"))
-        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_cache, fault=fault)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, fault=fault)
-        self.runner = ModelRunner(self.model, config.num_kv_blocks, config.block_size, self.device, self.dtype)
+        self._fault, self._death_after = parse_faults(os.environ.get("STRATUM_FAULT_INJECT"))
+        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_cache, fault=self._fault)
+        self.scheduler = Scheduler(config.scheduler, self.block_manager, fault=self._fault)
+        self.runner = ModelRunner(self.model, config.num_kv_blocks, config.block_size, self.device, self.dtype,
+                                  use_native=self.upgrade is None)
         self.runner.grammars = self.grammars
         self.requests: dict[str, _Request] = {}
         self.step_stats: deque[StepStats] = deque(maxlen=1024)
@@ -111,13 +118,22 @@ class LLMEngine:
         self.kv_bytes_per_block = self.runner.kv_cache_bytes // config.num_kv_blocks
         self._started: list[str] = []
 
+    @functools.cached_property
+    def chat_template(self):
+        """The model's ChatTemplate, compiled on first use: an engine process never renders one (its
+        server does), and importing Jinja alone took 0.13 s of its start."""
+        from stratum.models.chat_template import ChatTemplate
+
+        return ChatTemplate(self._chat_template_source, self.tokenizer)
+
     @property
     def kernel_choices(self) -> dict:
         plan = self.kernel_plan
         return {"dtype": plan.dtype, "int4_max_tokens": plan.int4_max_tokens, "int4_mb": round(self.int4_bytes / 2**20, 1),
                 "q8_output_max_rows": self.model.q8_max_rows if self.model.lm_head_q8 is not None else 0,
                 "low_latency_lm_head": "int8" if self.model.lm_head_int8 is not None else None,
-                "threads": plan.threads, "native_kernels": native.status() if self.device.type == "cpu" else "cpu only",
+                "threads": plan.threads, "native_kernels": ("being prepared" if self.upgrade is not None else native.status())
+                if self.device.type == "cpu" else "cpu only",
                 "step": "native, packed blocks" if self.model.packed is not None else "pytorch",
                 "native_step_refused": self.model.packed_refusal,
                 "step_simd": native.simd_path() if self.model.packed is not None else None,
@@ -377,11 +393,58 @@ class LLMEngine:
         Every unfinished request is kept and recomputed from its tokens under a fresh block manager.
         """
         log.error("entering basic mode: %s", reason)
-        pending = sorted(self.scheduler.waiting + self.scheduler.running, key=lambda s: s.arrival_order)
         self.mode = "basic"
         self.degraded_reason = reason
-        self.block_manager = BlockManager(self.block_manager.num_blocks, self.config.block_size, enable_prefix_cache=False)
-        basic = SchedulerConfig(max_num_batched_tokens=self.config.scheduler.max_num_batched_tokens, max_num_seqs=1,
-                                max_waiting=self.config.scheduler.max_waiting, watermark_blocks=0)
-        self.scheduler = Scheduler(basic, self.block_manager, fifo=True)
+        self._renew_pool()
+
+    def _renew_pool(self) -> None:
+        """A fresh block manager and scheduler over the runner's KV pool, for the current mode; every
+        unfinished request is kept and recomputed from its tokens (nothing in the old pool is read)."""
+        pending = sorted(self.scheduler.waiting + self.scheduler.running, key=lambda s: s.arrival_order)
+        num_preemptions = self.scheduler.num_preemptions
+        config = self.config
+        if self.mode == "basic":
+            self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, enable_prefix_cache=False)
+            basic = SchedulerConfig(max_num_batched_tokens=config.scheduler.max_num_batched_tokens, max_num_seqs=1,
+                                    max_waiting=config.scheduler.max_waiting, watermark_blocks=0)
+            self.scheduler = Scheduler(basic, self.block_manager, fifo=True)
+        else:
+            self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_cache,
+                                              fault=self._fault)
+            self.scheduler = Scheduler(config.scheduler, self.block_manager, fault=self._fault)
+        self.scheduler.num_preemptions = num_preemptions
         self.scheduler.adopt(pending)
+
+    # ---- the kernel switch: a cold start's PyTorch step, then the prepared kernels -----------------
+    def switch_kernels(self) -> bool:
+        """Adopt the model `self.upgrade` prepared, once it is ready; called between steps.
+
+        The prepared step may keep its KV pool in another dtype and layout (the native step stores
+        keys transposed per block), so nothing computed on the old pool carries over: the prefix
+        cache starts empty, and every unfinished request is recomputed from its tokens on the new
+        step, as after a preemption (and counted as one). The tokens it has already produced stay;
+        the following ones are the new step's continuation of them.
+
+        Returns:
+            Whether it switched (False: nothing is ready, or preparing failed and the step stays).
+        """
+        upgrade = self.upgrade
+        if upgrade is None or not upgrade.is_done:
+            return False
+        self.upgrade = None
+        if upgrade.prepared is None:
+            return False
+        prepared = upgrade.prepared
+        recomputed = [seq for seq in self.scheduler.running if seq.num_computed_tokens > 0]
+        for seq in recomputed:
+            seq.num_preemptions += 1
+        self.config, self.model, self.int4_bytes, self.runner = prepared.config, prepared.model, prepared.int4_bytes, prepared.runner
+        self.kernel_plan, self.dtype = self.config.kernel_plan, self.config.torch_dtype
+        self.runner.grammars = self.grammars
+        self.kv_bytes_per_block = self.runner.kv_cache_bytes // self.config.num_kv_blocks
+        self._threads = self.config.num_threads
+        torch.set_num_threads(self._threads)
+        self._renew_pool()
+        self.scheduler.num_preemptions += len(recomputed)
+        log.warning("switched to the prepared kernels: %s, %s", self.kernel_choices["step"], self.kernel_plan.dtype)
+        return True

@@ -31,7 +31,8 @@ class RunnerOutput:
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype):
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
+                 use_native: bool = True):
         cfg = model.config
         self.model = model
         self.block_size = block_size
@@ -48,7 +49,8 @@ class ModelRunner:
         n = cfg.num_layers
         self.coverage_layers = frozenset({0, n // 2, n - 1})
         # decode attention reads the pool in place through the native kernel where it is built (CPU)
-        self.native = device.type == "cpu" and native.available()
+        # (use_native False: a cold start's PyTorch step, which must not wait for them to compile)
+        self.native = use_native and device.type == "cpu" and native.available()
         # sliding windows and soft-capped scores are computed on PyTorch (layers.attention): every decode's
         # context gathered, no native decode kernel and no shared-prefix cascade
         self.masked_attention = cfg.has_masked_attention

@@ -2,9 +2,10 @@
 
 The serving process starts `python -m stratum.engine.process` with two pipes: commands go down one,
 events come up the other, as msgpack frames (plain lists, no pickle). The engine process loads the
-model, sends one "ready" message (its resolved configuration, kernel choices, tokenizer and chat
-template, so the serving side never loads the weights), then one frame per step holding every event
-of that step: tokens stream back without a round trip per token. Commands and events are
+model, sending the stage it is in, its tokenizer and chat template as soon as the checkpoint is read
+(the serving side builds its copy while the model is built), then one "ready" message (its resolved
+configuration and kernel choices; the serving side never loads the weights), then one frame per
+step holding every event of that step: tokens stream back without a round trip per token. Commands and events are
 `stratum.engine.protocol`'s records in its codec; `EngineProcess` is the client's transport.
 
 Either side notices the other's death: the engine process stops when its command pipe closes; the
@@ -15,19 +16,18 @@ request in flight.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import signal
 import subprocess
 import sys
 import threading
-from dataclasses import asdict
+from typing import Callable
 
 import msgpack
 
 from stratum.engine.client import EngineClient, EngineLoop, Transport
-from stratum.engine.config import EngineConfig, SchedulerConfig
+from stratum.engine.config import EngineConfig
 from stratum.engine.protocol import (
     Command, EngineDied, EngineInfo, Stop, StreamDecoder, decode, decode_info, decode_tokenizer, encode, encode_info,
     encode_tokenizer,
@@ -75,27 +75,35 @@ class EngineProcess(Transport):
         ev_r, ev_w = os.pipe()
         self._ev_r = ev_r
         self.proc = subprocess.Popen([sys.executable, "-m", "stratum.engine.process", "--commands", str(cmd_r),
-                                      "--events", str(ev_w), "--config", json.dumps(asdict(config))],
+                                      "--events", str(ev_w), "--config", config.to_json()],
                                      pass_fds=(cmd_r, ev_w))
         os.close(cmd_r)
         os.close(ev_w)
         self._write_lock = threading.Lock()
 
-    def connect(self) -> EngineClient:
+    def connect(self, on_stage: Callable[[str], None] = lambda stage: None) -> EngineClient:
         """Wait for the engine to be ready and return the client that talks to it.
+
+        Args:
+            on_stage: told each stage of the engine's start-up as it begins ("loading model").
 
         Raises:
             EngineStartError: the engine process failed to load (bad model, missing file, ...).
         """
         messages = _messages(self._ev_r)
         ready = next(messages, None)
+        while ready is not None and ready[0] in ("stage", "tokenizer"):
+            if ready[0] == "stage":
+                on_stage(ready[1])
+            else:  # built here while the engine builds its model
+                tokenizer, template = decode_tokenizer(ready[1])
+            ready = next(messages, None)
         if ready is None:
             ready = ["failed", f"the engine process exited with code {self.proc.wait()} before it was ready"]
         if ready[0] != "ready":
             self.proc.wait(timeout=30)
             raise EngineStartError(ready[1] if len(ready) > 1 else "the engine process failed to start")
-        _, info, tok = ready
-        tokenizer, template = decode_tokenizer(tok)
+        info = ready[1]
         client = EngineClient(decode_info(info), tokenizer, template, self, engine_pid=self.proc.pid)
         threading.Thread(target=_read_events, args=(self._ev_r, messages, client, self.proc),
                          name="stratum-engine-events", daemon=True).start()
@@ -171,16 +179,20 @@ def main(argv: list[str] | None = None) -> int:
         except BrokenPipeError:  # the serving process is gone: nobody is left to serve
             loop.stop()
 
+    from stratum.engine import builder
     from stratum.engine.core import LLMEngine
 
-    settings = json.loads(args.config)
-    settings["scheduler"] = SchedulerConfig(**settings["scheduler"])
+    _write_all(ev_fd, _pack(["stage", "loading model"]))
     try:
-        engine = LLMEngine(EngineConfig(**settings))
+        config = EngineConfig.from_json(args.config)
+        checkpoint = builder.load(config)
+        # the tokenizer first: the serving side builds its copy while the model is built here
+        _write_all(ev_fd, _pack(["tokenizer", encode_tokenizer(checkpoint.tokenizer, checkpoint.chat_template)]))
+        engine = LLMEngine(config, checkpoint)
     except Exception as e:  # the serving side prints this and exits
         _write_all(ev_fd, _pack(["failed", f"{type(e).__name__}: {e}"]))
         return 1
-    _write_all(ev_fd, _pack(["ready", encode_info(EngineInfo.of(engine)), encode_tokenizer(engine)]))
+    _write_all(ev_fd, _pack(["ready", encode_info(EngineInfo.of(engine))]))
     loop = EngineLoop(engine, emit)
 
     def read_commands() -> None:

@@ -45,6 +45,8 @@ class EngineSnapshot:
     threads: int = 0
     rss_mb: float = 0.0  # the engine process's resident memory
     gpu_memory_allocated_mb: float | None = None
+    step: str = ""  # "native" or "pytorch": what runs the model now
+    preparing: str | None = None  # a cold start's kernels being prepared in the background: the stage
     published_at: float = field(default_factory=time.time)
 
     @property
@@ -244,12 +246,11 @@ def decode_info(d: dict) -> EngineInfo:
     return EngineInfo(ResolvedConfig(**config), d["model_name"], d["vocab_size"], d["kernel_choices"])
 
 
-def encode_tokenizer(engine) -> dict:
-    """The engine's tokenizer and chat template as plain data, for a serving side elsewhere."""
-    tok = engine.tokenizer
+def encode_tokenizer(tok, chat_template: str | None) -> dict:
+    """A model's tokenizer (TextTokenizer) and chat template source as plain data, for a serving side elsewhere."""
     return {"json": tok.backend.to_str(), "bos_token": tok.bos_token, "eos_token": tok.eos_token,
             "bos_token_id": tok.bos_token_id, "eos_token_ids": list(tok.eos_token_ids),
-            "chat_template": engine.chat_template.source}
+            "chat_template": chat_template}
 
 
 def decode_tokenizer(d: dict):

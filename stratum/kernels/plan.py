@@ -244,15 +244,19 @@ def plan_cache_path(home: Path, shapes: Shapes, threads: int, dtype: str, can_pa
 
 
 def select_plan(home: Path, shapes: Shapes, threads: int, can_pack: bool, dtype: str = "auto",
-                remeasure: bool = False) -> KernelPlan:
+                remeasure: bool = False, measure: bool = True, take_busy: bool = False) -> KernelPlan | None:
     """The cached plan for this machine and model, or a freshly measured one (then cached).
 
     A cached plan measured on a busy machine is measured again (its figures merged with the new
-    ones, fastest first) at up to MAX_REMEASURES starts; `remeasure` forces a new measurement."""
+    ones, fastest first) at up to MAX_REMEASURES starts; `remeasure` forces a new measurement.
+    With `measure` False nothing is measured: None where a measurement would be due. With
+    `take_busy`, a cached plan is taken as it is, measured on a busy machine or not."""
     path = plan_cache_path(home, shapes, threads, dtype, can_pack)
     cached = None if remeasure else _read(path)
-    if cached is not None and (cached.quiet or cached.remeasured >= MAX_REMEASURES):
+    if cached is not None and (cached.quiet or cached.remeasured >= MAX_REMEASURES or take_busy):
         return cached
+    if not measure:
+        return None
     plan = measure_plan(shapes, threads, can_pack, dtype)
     if cached is not None:  # a busy plan measured again: the fastest figure of either is the truer one
         timings = _fastest([cached.timings_us, plan.timings_us])

@@ -229,10 +229,8 @@ def tensor_types(path: Path) -> dict[str, int]:
 
 
 def _read_gguf(path: Path) -> Checkpoint:
-    from gguf import GGUFReader
-
     try:
-        reader = GGUFReader(str(path))
+        reader = _reader(path)
     except (ValueError, OSError) as e:  # bad magic, truncated tensor data, unreadable file
         raise ModelLoadError(f"{path.name}: not a readable GGUF file (corrupt or truncated?): {e}") from e
     meta = read_gguf_metadata(reader)
@@ -270,6 +268,24 @@ def _read_gguf(path: Path) -> Checkpoint:
     if arch == "phi3":  # fused q/k/v and gate/up, split into the common names
         _split_phi3(weights, quantized, config)
     return Checkpoint(config, weights, tokenizer, meta.get("tokenizer.chat_template"), path, quantized)
+
+
+def _reader(path: Path):
+    """gguf-py's reader over a plain ndarray view of the mapped file: with numpy's memmap subclass,
+    every one of the ~1.2 M slices it takes of a 49k-token vocabulary (and of each tensor when
+    dequantizing) pays the subclass's bookkeeping, 2.3 s of a 3.6 s parse of SmolLM2-135M."""
+    from gguf import GGUFReader
+
+    class PlainReader(GGUFReader):
+        @property
+        def data(self) -> np.ndarray:
+            return self._data
+
+        @data.setter
+        def data(self, mapped: np.memmap) -> None:
+            self._data = mapped.view(np.ndarray)  # still the mapping's memory, which it keeps open
+
+    return PlainReader(str(path))
 
 
 def _dense(data: np.ndarray, qtype: str, shape: tuple[int, ...]) -> torch.Tensor:

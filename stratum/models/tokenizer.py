@@ -49,15 +49,22 @@ class TextTokenizer:
     eos_token: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # A copy of backend that reads special-token strings as plain text: a second object rather than
-    # a flag toggled around each call, which another thread could see set the wrong way.
-    plain: Tokenizer = field(init=False, repr=False)
+    _plain: Tokenizer | None = field(default=None, init=False, repr=False)  # see `plain`
     _helper: "_HelperProcess | None" = field(default=None, init=False, repr=False)  # see offload_large_texts
     _offload_chars: int = field(default=0, init=False, repr=False)
 
-    def __post_init__(self):
-        self.plain = Tokenizer.from_str(self.backend.to_str())
-        self.plain.encode_special_tokens = True
+    @property
+    def plain(self) -> Tokenizer:
+        """A copy of backend that reads special-token strings as plain text: a second object rather
+        than a flag toggled around each call, which another thread could see set the wrong way.
+        Built on first use (0.14 s for a 49k vocabulary), which an engine process never makes; two
+        threads that race to build it build equal copies, and one is kept."""
+        plain = self._plain
+        if plain is None:
+            plain = Tokenizer.from_str(self.backend.to_str())
+            plain.encode_special_tokens = True
+            self._plain = plain
+        return plain
 
     def offload_large_texts(self, min_chars: int) -> None:
         """From now on, encode texts of at least min_chars characters in a helper process.

@@ -158,6 +158,10 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         body: dict[str, Any] = {"status": status, "model": settings.model_name, "mode": snap.mode,
                                 "running": snap.num_running, "waiting": snap.num_waiting, "queued": engine.num_queued,
                                 "kv_blocks": asdict(snap.kv_blocks)}
+        if snap.step:
+            body["step"] = snap.step
+        if snap.preparing:  # a cold start serves on PyTorch while its native kernels are prepared
+            body["preparing"] = snap.preparing
         if snap.degraded_reason:
             body["degraded_reason"] = snap.degraded_reason
         if snap.error:

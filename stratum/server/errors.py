@@ -14,7 +14,7 @@ import json
 import uuid
 from typing import Any
 
-from fastapi.responses import JSONResponse
+from starlette.responses import JSONResponse  # what fastapi.responses re-exports, without importing FastAPI
 
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 RESPONSES_PATH = "/v1/responses"

@@ -17,13 +17,16 @@ import json
 import logging
 import signal
 from http import HTTPStatus
+from typing import TYPE_CHECKING
 
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from stratum.server import pipeline
 from stratum.server.errors import APIError, BodyTimeout, HeadersTooLarge, InvalidRequest, error_body, new_request_id
+
+if TYPE_CHECKING:
+    from stratum.server import pipeline
 
 log = logging.getLogger("stratum.server")
 
@@ -128,9 +131,13 @@ class _Connection(h11.Connection):
 
 
 class Server(uvicorn.Server):
-    """uvicorn's server, draining on the first SIGTERM or SIGINT instead of cutting requests off."""
+    """uvicorn's server, draining on the first SIGTERM or SIGINT instead of cutting requests off.
 
-    def __init__(self, config: uvicorn.Config, rt: pipeline.Runtime, drain_timeout_s: float):
+    `rt` is the app's runtime, None until the app is ready (`startup.StartingApp`): a signal before
+    then has nothing to drain and exits at once.
+    """
+
+    def __init__(self, config: uvicorn.Config, rt: pipeline.Runtime | None, drain_timeout_s: float):
         super().__init__(config)
         self.rt = rt
         self.drain_timeout_s = drain_timeout_s
@@ -142,7 +149,7 @@ class Server(uvicorn.Server):
         await super().startup(sockets)
 
     def handle_exit(self, sig: int, frame) -> None:
-        if self._loop is None or self.rt.draining or self.should_exit:  # a second signal: exit now
+        if self._loop is None or self.rt is None or self.rt.draining or self.should_exit:  # a second signal: exit now
             self.should_exit = self.force_exit = True
             return
         self.rt.draining = True
@@ -152,6 +159,8 @@ class Server(uvicorn.Server):
         self._drain = asyncio.ensure_future(self._drain_then_exit(why))
 
     async def _drain_then_exit(self, why: str) -> None:
+        from stratum.server import pipeline
+
         log.warning("%s: draining %d requests in flight (up to %gs), refusing new ones", why, len(self.rt.active),
                     self.drain_timeout_s)
         num_cut = await pipeline.drain(self.rt, self.drain_timeout_s)

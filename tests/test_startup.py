@@ -1,0 +1,161 @@
+"""Start-up: the port answers at once (/health 503 with its stage, API routes 503 in their own error
+shape), and a cold engine serves on the PyTorch step while its kernels are prepared, then switches to
+them between steps without failing or changing a request in flight.
+
+The invariant across the switch: a request's tokens up to the switch are the PyTorch step's, and the
+rest are exactly what the prepared step computes given those tokens (it is recomputed from them, as
+after a preemption), logits bit for bit. On the tiny GGUF both steps agree on greedy tokens anyway
+(tests/test_packed_step.py), so the request also equals a run entirely on either step."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import anthropic
+import httpx
+import openai
+import pytest
+import torch
+import uvicorn
+
+from stratum.engine import LLM
+from stratum.engine.sampling_params import SamplingParams
+from stratum.server.startup import RETRY_AFTER_S, StartingApp
+from tests.conftest import ServerProcess
+from tests.factories import make_tiny_gguf
+
+PROMPTS = ["The capital of Japan is Tokyo.", "Once upon a time there was"]
+MAX_TOKENS = 12
+STEPS_BEFORE_SWITCH = 4  # the prompts' prefill, then three tokens each on the PyTorch step
+
+
+@pytest.fixture(scope="module")
+def tiny_gguf(tmp_path_factory):
+    return make_tiny_gguf(tmp_path_factory.mktemp("tiny-gguf") / "tiny.gguf")
+
+
+def greedy(max_tokens: int = MAX_TOKENS) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, return_logits=True)
+
+
+def run(engine, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list:
+    seqs = [engine.add_request(p, greedy(max_tokens)) for p in prompts]
+    while engine.has_unfinished():
+        engine.step()
+    return seqs
+
+
+def test_a_cold_engine_switches_to_the_prepared_step_with_requests_in_flight(tiny_gguf, tmp_path, monkeypatch):
+    monkeypatch.setenv("STRATUM_PLAN_DIR", str(tmp_path))  # no plan: a cold start
+    engine = LLM(str(tiny_gguf), defer_kernels=True, native_step=True, num_kv_blocks=128, block_size=4).engine
+    assert engine.upgrade is not None and not engine.runner.native  # nothing native waited for
+    assert engine.kernel_choices["step"] == "pytorch" and engine.kernel_choices["native_kernels"] == "being prepared"
+    prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
+    seqs = [engine.add_request(p, greedy()) for p in prompts]
+    for _ in range(STEPS_BEFORE_SWITCH):  # a step never switches: the loop does, between steps
+        engine.step()
+    before = [list(s.output_token_ids) for s in seqs]
+    assert all(0 < len(b) < MAX_TOKENS for b in before)
+    deadline = time.monotonic() + 300
+    while not engine.upgrade.is_done:
+        assert time.monotonic() < deadline, f"still preparing: {engine.upgrade.stage}"
+        time.sleep(0.2)
+    assert engine.upgrade.error is None
+    assert engine.switch_kernels()
+    assert engine.upgrade is None and engine.kernel_choices["step"] == "native, packed blocks"
+    assert engine.block_manager.num_cached_blocks == 0  # the old pool's cache is gone with it
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.block_manager.num_used_blocks == 0  # nothing leaked
+    assert all(s.num_preemptions == 1 and s.num_output_tokens == MAX_TOKENS for s in seqs)
+
+    # Up to the switch: the PyTorch step's tokens (on the same PyTorch layers, alone).
+    pytorch = LLM(str(tiny_gguf), native_step=False, dtype="float32", int4_max_tokens=0, num_kv_blocks=128, block_size=4)
+    for s, b, ref in zip(seqs, before, run(pytorch.engine, prompts)):
+        assert s.output_token_ids[: len(b)] == b == ref.output_token_ids[: len(b)]
+    # After it: what the prepared step computes from the same tokens, bit for bit.
+    native = LLM(str(tiny_gguf), native_step=True, dtype=engine.config.dtype, num_kv_blocks=128, block_size=4)
+    for s, b, p in zip(seqs, before, prompts):
+        ref = run(native.engine, [p + b], max_tokens=MAX_TOKENS - len(b))[0]
+        assert s.output_token_ids[len(b):] == ref.output_token_ids
+        for position in range(len(p) + len(b) - 1, s.num_tokens - 1):  # the logits that sampled those tokens
+            assert torch.equal(s.logits[position], ref.logits[position]), position
+    # And, here, what a run entirely on the prepared step gives.
+    whole = run(LLM(str(tiny_gguf), native_step=True, dtype=engine.config.dtype, num_kv_blocks=128, block_size=4).engine,
+                prompts)
+    assert [s.output_token_ids for s in seqs] == [w.output_token_ids for w in whole]
+
+
+@pytest.fixture
+def starting_server():
+    """A StartingApp behind uvicorn on a free port, before any app is served."""
+    starting = StartingApp("tiny")
+    server = uvicorn.Server(uvicorn.Config(starting, host="127.0.0.1", port=0, log_level="error"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    assert starting.wait_listening(30)
+    while not server.started:
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    yield starting, f"http://127.0.0.1:{port}"
+    server.should_exit = True
+    thread.join(timeout=10)
+
+
+def test_requests_during_start_up_get_503_in_their_api_shape_then_the_app_answers(starting_server, tiny_model_dir):
+    from stratum.engine.client import start_thread_engine
+    from stratum.engine.core import LLMEngine
+    from stratum.engine.config import EngineConfig
+    from stratum.server.app import ServerSettings, create_app
+
+    starting, url = starting_server
+    starting.stage = "loading model"
+    health = httpx.get(url + "/health")
+    assert health.status_code == 503
+    assert health.json()["status"] == "loading" and health.json()["stage"] == "loading model"
+    claude = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
+    with pytest.raises(anthropic.APIStatusError) as e:
+        claude.messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    assert e.value.status_code == 503 and e.value.body["type"] == "error"  # Anthropic's error envelope
+    assert e.value.body["error"]["type"] == "overloaded_error" and "loading model" in e.value.body["error"]["message"]
+    assert e.value.response.headers["retry-after"] == str(RETRY_AFTER_S) and e.value.response.headers["request-id"]
+    gpt = openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as e:
+        gpt.chat.completions.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+    assert e.value.status_code == 503 and e.value.body["type"] == "overloaded_error"  # the SDK gives the error object
+    assert set(e.value.body) >= {"message", "type", "param", "code"}
+    assert e.value.response.headers["retry-after"] == str(RETRY_AFTER_S)
+
+    client = start_thread_engine(LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64)))
+    try:
+        starting.serve(create_app(client, ServerSettings(model_name="tiny")))
+        assert httpx.get(url + "/health").json()["status"] == "ok"
+        reply = claude.messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
+        assert reply.usage.output_tokens > 0
+        assert gpt.chat.completions.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": "hi"}]).choices
+    finally:
+        client.shutdown()
+
+
+def test_stratum_serve_answers_503_loading_then_200(tiny_model_dir):
+    """The real command: the port answers while the engine loads, with the stage, then 200."""
+    server = ServerProcess(str(tiny_model_dir), "--served-model-name", "tiny", "--kv-cache-mb", "8")
+    try:
+        seen: list[tuple[int, str]] = []
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and (not seen or seen[-1][0] != 200):
+            assert server.proc.poll() is None, server.output()
+            try:
+                r = httpx.get(server.url + "/health", timeout=5)
+            except httpx.TransportError:  # the port is not open yet
+                time.sleep(0.01)
+                continue
+            body = r.json()
+            seen.append((r.status_code, body.get("stage") or body["status"]))
+            time.sleep(0.01)
+        assert seen[0][0] == 503 and seen[-1] == (200, "ok"), seen
+        assert all(status == 503 for status, _ in seen[:-1])
+        assert {stage for _, stage in seen[:-1]} <= {"starting engine", "loading model", "starting server"}
+    finally:
+        server.stop()
