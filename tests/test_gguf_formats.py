@@ -134,10 +134,13 @@ def test_k_quant_file_is_mapped_and_held_quantized_never_dense(qwen_dir, tmp_pat
         for name, module in layer.named_modules():
             if not isinstance(module, Linear):
                 continue
+            if (i, name) == (0, "mlp.down_proj"):  # Q6_K: the native kernel's blocks where it takes them, else dense
+                assert (module.quantized is not None) == ("Q6_K" in PACKED_QTYPES and native.available())
+                continue
             assert module.weight.numel() == 0 and module.quantized is not None, (i, name)
-            if i == 0 and name == "self_attn.qkv_proj":  # Q4_K q and k as int4, the Q6_K v on its own
+            if (i, name) == (0, "self_attn.qkv_proj"):  # Q4_K q and k as int4, the Q6_K v on its own
                 assert isinstance(module.quantized, Parts) and isinstance(module.quantized.parts[0], Int4Weight)
-            elif not (i == 0 and name == "mlp.down_proj"):
+            else:
                 assert isinstance(module.quantized, Int4Weight), (i, name)
     assert model.weight_forms["model.layers.1.mlp.down_proj.weight"] == "int4"
     # the held cache (int4 copies of the Q4_K blocks) is about the size of what it replaces

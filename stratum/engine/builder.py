@@ -112,13 +112,15 @@ def build_model(config: ResolvedConfig, checkpoint: Checkpoint) -> tuple[LlamaFo
     model = LlamaForCausalLM(checkpoint.config, max_positions=config.max_model_len)
     model.load_weights(checkpoint.weights, config.torch_dtype, held=set(quantized))
     model.cast_weights(config.torch_dtype)
-    model = model.to(device=torch.device(config.device)).eval()
     checkpoint.weights.clear()  # the model holds them now
     model.packed_refusal = native_step_refusal(checkpoint.config, quantized)
     if model.packed_refusal is not None and quantized:
         log.warning("%s: the native step does not run this model: %s", checkpoint.config.name, model.packed_refusal)
-    native_step = plan.packed_step and model.packed_refusal is None and attach_packed(model, quantized, checkpoint.cache_dir)
-    held = attach_quantized(model, quantized, plan.int4_max_tokens > 0, config.torch_dtype, checkpoint.cache_dir)
+    on_cpu = config.device == "cpu"
+    native_step = on_cpu and plan.packed_step and model.packed_refusal is None and attach_packed(model, quantized, checkpoint.cache_dir)
+    held = attach_quantized(model, quantized, on_cpu and plan.int4_max_tokens > 0, config.torch_dtype, checkpoint.cache_dir,
+                            lookup_rows=on_cpu)
+    model = model.to(device=torch.device(config.device)).eval()
     if native_step:
         quantized.clear()
         return model, model.packed.nbytes
@@ -180,26 +182,31 @@ def attach_packed(model, quantized: dict, cache_dir: Path | None = None) -> bool
     return True
 
 
+INT4, PACKED = "int4", "packed kernel, as stored"  # the held forms `stratum info` names
+
+
 def held_form(qtype: str, keep: bool, dtype: torch.dtype) -> str:
-    """How a projection stored as `qtype` runs on the PyTorch path: "int4" (PyTorch's int4 kernel, exact
-    for Q4_0 / Q4_1 / Q4_K), "packed" (the native kernel on the blocks as stored), or "dense"
-    (dequantized to the model dtype: the plan keeps no packed weights, or no kernel here takes it).
+    """How a projection stored as `qtype` runs on the PyTorch path: INT4 (PyTorch's int4 kernel, exact
+    for Q4_0 / Q4_1 / Q4_K), PACKED (the native kernel on the blocks as stored), or "dense <dtype>"
+    (dequantized: the plan keeps no packed weights, or no kernel here takes the format).
 
     Measured on the 2-core Zen 5 reference machine, one [8960, 1536] projection at one row (bf16):
     dense 1.05 ms, int4 0.32 ms, but dequantizing per matmul 19 ms (from int8 values) to 81 ms (from
     Q4_K blocks): so what no kernel takes is dequantized once, at load, rather than per matmul."""
     if keep and dtype == torch.bfloat16 and is_packable(qtype):
-        return "int4"
+        return INT4
     if keep and qtype in PACKED_QTYPES and native.available():
-        return "packed"
-    return "dense"
+        return PACKED
+    return f"dense {str(dtype).removeprefix('torch.')}"
 
 
-def attach_quantized(model, quantized: dict, keep: bool, dtype: torch.dtype, cache_dir: Path | None = None) -> int:
+def attach_quantized(model, quantized: dict, keep: bool, dtype: torch.dtype, cache_dir: Path | None = None,
+                     lookup_rows: bool = True) -> int:
     """Fill every projection, the output projection and the embedding the model left empty (their
-    tensors are quantized) from the checkpoint's blocks: in the form `held_form` chooses, each part of
-    a fused projection on its own where their forms differ. Records on the model how each quantized
-    tensor runs (`model.weight_forms`, for `stratum info`), and warns where any was dequantized.
+    tensors are quantized) from the checkpoint's blocks, in the form `held_form` chooses; the parts of
+    a fused projection each on their own kernel where their forms differ. A quantized embedding is
+    looked up from its blocks row by row (`lookup_rows`, on CPU), else dequantized too. Records how each
+    quantized tensor runs (`model.weight_forms`, for `stratum info`), and warns where any was dequantized.
 
     Packed forms are kept in cache_dir/held-<layout version>.pt when a cache is given (converting
     takes seconds per billion weights); the cache is mapped, not read, at later starts.
@@ -217,91 +224,88 @@ def attach_quantized(model, quantized: dict, keep: bool, dtype: torch.dtype, cac
             saved = torch.load(cache, weights_only=True, mmap=True)
         except (OSError, RuntimeError, ValueError):
             saved = {}
-    fresh = dict(saved)
+    converted = dict(saved)
     forms: dict[str, str] = model.weight_forms
-    total = 0
 
-    def hold(key: str, tensors: list) -> object:
-        """One group of parts of one form: its packed weight, or a dense tensor in `dtype`."""
-        form = held_form(tensors[0].qtype, keep, dtype)
-        if form == "dense":
+    def hold(key: str, form: str, tensors: list) -> object:
+        """Parts of one form: their rows as one packed weight, or as one dense tensor in `dtype`."""
+        if form not in (INT4, PACKED):
             return torch.cat([t.dense(dtype) for t in tensors])
-        if key not in fresh:
-            if form == "int4":
+        if key not in converted:
+            if form == INT4:
                 unpacked = [unpack_q4(t.qtype, t.data, t.shape) for t in tensors]
                 w = Int4Weight(*(torch.cat([u[j] for u in unpacked]) for j in range(3)))
-                fresh[key] = ("int4", w.packed, w.scale_zeros, w.out_features, w.in_features)
+                converted[key] = (INT4, w.packed, w.scale_zeros, w.out_features, w.in_features)
             else:
                 raw = np.concatenate([np.asarray(t.data).reshape(t.shape[0], -1) for t in tensors])
                 w = packed_weight(tensors[0].qtype, raw, (sum(t.shape[0] for t in tensors), tensors[0].shape[1]))
-                fresh[key] = ("packed", w.data, w.scales, w.out_features, w.in_features)
-        kind, *parts = fresh[key]
-        return Int4Weight.from_packed(*parts) if kind == "int4" else PackedWeight(*parts)
+                converted[key] = (PACKED, w.data, w.scales, w.out_features, w.in_features)
+        kind, *parts = converted[key]
+        return Int4Weight.from_packed(*parts) if kind == INT4 else PackedWeight(*parts)
 
-    def fill(key: str, names: list[str]) -> object:
+    def fill(key: str, names: list[str]) -> torch.Tensor | object:
         """The projection made of tensors `names`: a dense tensor, or an object with matmul."""
-        nonlocal total
-        tensors = [quantized[n] for n in names]
-        groups: list[list] = []
-        for t in tensors:  # consecutive parts of one form (and one format, for the native kernel) run together
-            form = held_form(t.qtype, keep, dtype)
-            if groups and held_form(groups[-1][0].qtype, keep, dtype) == form and (form != "packed" or groups[-1][0].qtype == t.qtype):
-                groups[-1].append(t)
+        groups: list[tuple[tuple, list]] = []  # consecutive parts of one form (and format, for the native kernel)
+        for n in names:
+            t = quantized[n]
+            forms[n] = form = held_form(t.qtype, keep, dtype)
+            group = (form, t.qtype if form == PACKED else None)
+            if groups and groups[-1][0] == group:
+                groups[-1][1].append(t)
             else:
-                groups.append([t])
-        for n, t in zip(names, tensors):
-            how = held_form(t.qtype, keep, dtype)
-            forms[n] = {"int4": "int4", "packed": "packed kernel, as stored"}.get(how, f"dense {str(dtype).removeprefix('torch.')}")
-        held = [hold(f"{key}.{g}", group) for g, group in enumerate(groups)]
-        if len(held) == 1 and isinstance(held[0], torch.Tensor):
+                groups.append((group, [t]))
+        held = [hold(f"{key}.{g}", form, tensors) for g, ((form, _), tensors) in enumerate(groups)]
+        if len(held) == 1:
             return held[0]
-        parts = [DenseWeight(h) if isinstance(h, torch.Tensor) else h for h in held]
-        total += sum(p.nbytes for p in parts if not isinstance(p, DenseWeight))
-        return parts[0] if len(parts) == 1 else Parts(parts)
+        return Parts([DenseWeight(h) if isinstance(h, torch.Tensor) else h for h in held])
+
+    def put(module, name: str, w) -> None:
+        if isinstance(w, torch.Tensor):
+            setattr(module, name, torch.nn.Parameter(w, requires_grad=False))
+        else:
+            module.quantized = w
 
     if model.packed is None:
         for i, layer in enumerate(model.layers):
             for fused, parts in FUSED.items():
                 module: Linear = layer.get_submodule(fused)
-                if module.weight.numel():  # dense in the file
-                    continue
-                w = fill(f"layers.{i}.{fused}", [f"model.layers.{i}.{p}.weight" for p in parts])
-                if isinstance(w, torch.Tensor):
-                    module.weight = torch.nn.Parameter(w, requires_grad=False)
-                else:
-                    module.quantized = w
+                if not module.weight.numel():  # else dense in the file
+                    put(module, "weight", fill(f"layers.{i}.{fused}", [f"model.layers.{i}.{p}.weight" for p in parts]))
     head_name = "lm_head.weight" if model.lm_head is not None else "model.embed_tokens.weight"
     head = quantized.get(head_name)
     if model.packed_head is None and head is not None:
-        if head.qtype == "Q8_0":  # the exact Q8_0 projection for decode rows beside a dense copy (attach_q8_head)
+        if head.qtype == "Q8_0":  # dense beside the exact Q8_0 projection for decode rows (attach_q8_head)
+            forms[head_name] = held_form(head.qtype, False, dtype)
             w = head.dense(dtype)
-            forms[head_name] = f"dense {str(dtype).removeprefix('torch.')}"
         else:
             w = fill("head", [head_name])
         if not isinstance(w, torch.Tensor):
             model.packed_head = w
-        elif model.lm_head is not None:
-            model.lm_head.weight = torch.nn.Parameter(w, requires_grad=False)
         else:
-            model.embed_tokens.weight = torch.nn.Parameter(w, requires_grad=False)
+            put(model.lm_head if model.lm_head is not None else model.embed_tokens, "weight", w)
     embed = quantized.get("model.embed_tokens.weight")
     if embed is not None and not model.embed_tokens.weight.numel() and model.embed_table is None:
-        model.embed_table = embed  # looked up row by row from the blocks as stored
-        forms.setdefault("model.embed_tokens.weight", "rows dequantized at lookup")
-    dense = {}
-    for n, how in forms.items():
-        if how.startswith("dense"):
+        if lookup_rows:
+            model.embed_table = embed  # looked up row by row from the blocks as stored
+            forms.setdefault("model.embed_tokens.weight", "rows dequantized at lookup")
+        else:
+            forms["model.embed_tokens.weight"] = held_form(embed.qtype, False, dtype)
+            put(model.embed_tokens, "weight", embed.dense(dtype))
+    dense: dict[str, int] = {}
+    for n, form in forms.items():
+        if form.startswith("dense"):
             dense[quantized[n].qtype] = dense.get(quantized[n].qtype, 0) + 1
     if dense:
-        why = "the kernel plan keeps no packed weights" if not keep else "no packed kernel here runs them"
-        log.warning("%s: dequantized to dense %s (%s): %s", model.config.name, str(dtype).removeprefix("torch."), why,
+        why = "no packed kernel here runs them" if keep else "the kernel plan keeps no packed weights"
+        log.warning("%s: dequantized to %s (%s): %s", model.config.name, held_form("", False, dtype), why,
                     ", ".join(f"{n} {q} tensors" for q, n in sorted(dense.items())))
-    if cache is not None and len(fresh) > len(saved):
+    if cache is not None and len(converted) > len(saved):
         try:
-            torch.save(fresh, cache)
+            torch.save(converted, cache)
         except OSError:
             pass  # only costs the conversion on the next start
-    return total
+    return sum(m.quantized.nbytes for m in model.modules() if isinstance(m, Linear) and m.quantized is not None) + (
+        model.packed_head.nbytes if model.packed_head is not None and model.packed is None else 0)
 
 
 def attach_q8_head(model, quantized: dict, max_rows: int) -> int:
