@@ -136,13 +136,14 @@ def build_model(config: ResolvedConfig, checkpoint: Checkpoint) -> tuple[LlamaFo
 
 def attach_packed(model, quantized: dict, cache_dir: Path | None = None) -> bool:
     """Run every layer through the native step on the checkpoint's own blocks, when each projection
-    is Q4_0, Q4_1 or Q8_0 (and the output projection too, when it is one of those).
+    is in a packed format (kernels.packed; and the output projection too, when it is one).
 
     The repacked blocks are kept in cache_dir/packed-<layout version>.pt when a cache is given (and
-    mapped from there at later starts): repacking takes seconds at every start otherwise. The dense copies of the projections are dropped: the step
-    never reads them. The embedding stays (looked up from the Q8_0 table as stored where the file has
-    one), and the output projection runs on the same kernel for every row, so a token's logits do not
-    depend on the batch around it.
+    mapped from there at later starts): repacking takes seconds at every start otherwise. The
+    projections' dense weights stay empty (a dense file's are dropped): the step never reads them.
+    The embedding is looked up from its blocks as stored where it is quantized, and the output
+    projection runs on the same kernel for every row, so a token's logits do not depend on the batch
+    around it.
 
     Returns:
         Whether the step was attached (False: some projection is in another format).

@@ -80,10 +80,6 @@ class QuantizedTensor:
             out[r : r + rows] = _dequantize(self.qtype, self.data[r : r + rows], (rows, k))
         return out
 
-    @property
-    def nbytes(self) -> int:
-        return int(np.asarray(self.data).nbytes)
-
 
 @dataclass
 class Checkpoint:
@@ -134,14 +130,14 @@ def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+# the output projection (or the tied embedding that serves as one), kept raw for the kernels that read it as stored
+_HEAD_NAMES = ("lm_head.weight", "model.embed_tokens.weight")
 # Parsing a GGUF's metadata in Python (the vocabulary's strings) takes seconds; the first load keeps
 # what it found in a small cache under $STRATUM_HOME/cache (configuration, tokenizer, and where each
 # tensor lies in the file), and later loads map the file's tensors straight from those offsets. No
 # tensor is ever copied into the cache: every weight is a view of the mapped GGUF, as stored.
-# the output projection (or the tied embedding that serves as one), kept raw for the kernels that read it as stored
-_HEAD_NAMES = ("lm_head.weight", "model.embed_tokens.weight")
-# 2: Q8_0 output projections are kept raw too; 3: more families, K-quants kept raw; 4: no tensor data,
-# only each tensor's place in the mapped file
+# Versions: 2, Q8_0 output projections kept raw too; 3, more families, K-quants kept raw; 4, no tensor
+# data, only each tensor's place in the mapped file
 CACHE_VERSION = 4
 DENSE_TYPES = ("F32", "F16", "BF16")  # stored unquantized: taken as mapped views
 
