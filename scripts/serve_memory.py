@@ -5,7 +5,7 @@ tokens/s of a few sequential streamed requests. JSON on stdout.
 Run it twice on a file to see a first start (converting) and a later one (from the caches); hold
 /tmp/stratum-cpu.lock for the whole run on a shared machine.
 
-Usage: python scripts/serve_memory.py MODEL.gguf [--requests 4] [--max-tokens 64] [--port 8093]
+Usage: python scripts/serve_memory.py MODEL.gguf [--fresh] [--requests 4] [--max-tokens 64] [--port 8093]
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -48,10 +49,13 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--port", type=int, default=8093)
     parser.add_argument("--timeout-s", type=float, default=900.0)
+    parser.add_argument("--fresh", action="store_true", help="remove the file's checkpoint cache first (a first start)")
     args = parser.parse_args()
     from stratum.models.loader import _cache_dir
 
     cache_dir = _cache_dir(Path(args.model))
+    if args.fresh and cache_dir is not None:  # a first start: the checkpoint's caches made anew
+        shutil.rmtree(cache_dir, ignore_errors=True)
     cached_before = cache_dir is not None and (cache_dir / "meta.json").exists()
     cmd = [sys.executable, "-m", "stratum.cli", "serve", "--model", args.model, "--port", str(args.port), "--data-dir", ""]
     started = time.perf_counter()
@@ -82,21 +86,24 @@ def main() -> None:
         if ready is None:
             raise SystemExit("server not ready in time")
         load_peaks = dict(peaks)
+        served = httpx.get(base + "/v1/models", timeout=10).json()["data"][0]["id"]
         runs = []
         for i in range(args.requests):
-            body = {"model": "m", "prompt": f"Request {i}: the history of the printing press begins",
-                    "max_tokens": args.max_tokens, "temperature": 0.0, "stream": True, "ignore_eos": True}
-            t0, first, chunks = time.perf_counter(), None, 0
+            body = {"model": served, "prompt": f"Request {i}: the history of the printing press begins",
+                    "max_tokens": args.max_tokens, "temperature": 0.0, "stream": True, "ignore_eos": True,
+                    "stream_options": {"include_usage": True}}
+            t0, first, tokens = time.perf_counter(), None, 0
             with httpx.stream("POST", base + "/v1/completions", json=body, timeout=600) as r:
                 r.raise_for_status()
                 for line in r.iter_lines():
                     if line.startswith("data: ") and line != "data: [DONE]":
-                        if json.loads(line[6:]).get("choices"):
-                            chunks += 1
+                        chunk = json.loads(line[6:])
+                        if any(c.get("text") for c in chunk.get("choices") or []):
                             first = first or time.perf_counter()
-            end = time.perf_counter()
-            runs.append({"ttft_s": round(first - t0, 3), "tokens": chunks,
-                         "decode_tok_s": round((chunks - 1) / (end - first), 2) if chunks > 1 else None})
+                        tokens = (chunk.get("usage") or {}).get("completion_tokens", tokens)
+            end = time.perf_counter()  # decode rate: the tokens after the first, over the time after it
+            runs.append({"ttft_s": round(first - t0, 3), "tokens": tokens,
+                         "decode_tok_s": round((tokens - 1) / (end - first), 2) if tokens > 1 else None})
         for k, v in tree_peak(proc.pid).items():
             peaks[k] = max(peaks.get(k, 0), v)
     finally:
