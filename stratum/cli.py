@@ -304,8 +304,9 @@ def cmd_info(args) -> int:
 
 
 def _checkpoint_info(checkpoint, resolved) -> dict:
-    """The model's architecture, its file's tensor types, and how each projection runs once built:
-    read off the model `build_model` makes, so it says what serving would run."""
+    """The model's architecture, its file's tensor types, and how each projection and each quantized
+    tensor runs once built (native step, int4, the packed kernel, or dequantized to dense): read off
+    the model `build_model` makes, so it says what serving would run."""
     from collections import Counter
     from dataclasses import fields
 
@@ -326,26 +327,24 @@ def _checkpoint_info(checkpoint, resolved) -> dict:
     if any(cfg.sliding_layers):
         features["sliding_layers"] = [i for i, s in enumerate(cfg.sliding_layers) if s]
     model, _ = builder.build_model(resolved, checkpoint)
+    forms = model.weight_forms  # how each quantized tensor runs: native step, int4, packed kernel, dense, rows
+    dense_dtype = f"dense {resolved.dtype}"
     runs: Counter = Counter()
     for i, layer in enumerate(model.layers):
         for name, module in layer.named_modules():
-            if not isinstance(module, Linear):
-                continue
-            kinds = sorted({stored.get(f"model.layers.{i}.{p}", "dense") for p in _parts(name)})
-            source = "+".join(kinds)
-            if model.packed is not None:
-                runs[f"native step, {source} as stored"] += 1
-            elif module.int4 is not None:
-                runs[f"int4 packed up to {module.int4_max_tokens} rows, else dense {resolved.dtype} ({source})"] += 1
-            else:
-                runs[f"dense {resolved.dtype} ({'dequantized from ' + source if source != 'dense' else 'as stored'})"] += 1
-    head = "output projection"
-    if model.packed_head is not None:
-        runs[f"{head}: native step, as stored"] += 1
-    elif model.lm_head_q8 is not None:
-        runs[f"{head}: Q8_0 as stored up to {model.q8_max_rows} rows, else dense {resolved.dtype}"] += 1
-    else:
-        runs[f"{head}: dense {resolved.dtype}"] += 1
+            if isinstance(module, Linear):
+                parts = [f"model.layers.{i}.{p}" for p in _parts(name)]
+                runs[" + ".join(sorted({f"{stored.get(p, 'dense')}: {forms.get(p, dense_dtype + ' as stored')}"
+                                        for p in parts}))] += 1
+    head = "lm_head.weight" if model.lm_head is not None else "model.embed_tokens.weight"
+    head_run = forms.get(head, dense_dtype)
+    if model.lm_head_q8 is not None:
+        head_run = f"Q8_0 as stored up to {model.q8_max_rows} rows, else {dense_dtype}"
+    runs[f"output projection ({stored.get(head, 'dense')}): {head_run}"] += 1
+    by_type: dict[str, Counter] = {}
+    for name, qtype in stored.items():
+        by_type.setdefault(qtype, Counter())[forms.get(name, "unused")] += 1
+    dense_from = sorted(q for q, c in by_type.items() if any(h.startswith("dense") for h in c))
     return {
         "architecture": cfg.architecture, "name": cfg.name, "layers": cfg.num_layers, "hidden": cfg.hidden_size,
         "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "vocab": cfg.vocab_size,
@@ -354,6 +353,8 @@ def _checkpoint_info(checkpoint, resolved) -> dict:
         "step": "native (packed blocks)" if model.packed is not None else "pytorch",
         "native_step_refused": model.packed_refusal,
         "projections": dict(runs),
+        "quantized_tensors": {q: dict(c) for q, c in sorted(by_type.items())},
+        "dequantized_to_dense": dense_from,
         "attention": attention_path(model, resolved.device == "cpu" and native.available()),
     }
 

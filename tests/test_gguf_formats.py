@@ -15,6 +15,7 @@ from stratum.engine import LLM
 from stratum.engine.request import CachePolicy
 from stratum.engine.sampling_params import SamplingParams
 from stratum.kernels import kquant, native
+from stratum.kernels.packed import PACKED_QTYPES
 from stratum.models.loader import ModelLoadError, load_checkpoint
 from tests.factories import make_family_dir, write_family_gguf
 from tests.kquants import quantize
@@ -111,6 +112,47 @@ def test_q4_k_m_file_loads_runs_and_stays_close_to_the_float_model(qwen_dir, tmp
     assert errors["Q8_0"] < errors["Q4_K_M"] < errors["Q4_0"], errors
 
 
+def test_k_quant_file_is_mapped_and_held_quantized_never_dense(qwen_dir, tmp_path):
+    """The loader maps the file and keeps its blocks; the checkpoint cache holds no tensor data; on
+    the PyTorch path the Q4_K projections run on int4 copies of their blocks with no dense weight,
+    and only what no kernel takes (the Q6_K parts) is dequantized, part by part."""
+    from stratum.kernels.quant import Int4Weight, Parts
+    from stratum.layers.linear import Linear
+
+    path = write_family_gguf(qwen_dir, tmp_path / "q4km.gguf", qtype="Q4_K", head_qtype="Q6_K",
+                             qtypes={"blk.0.ffn_down": "Q6_K", "blk.0.attn_v": "Q6_K"})
+    for ck in (load_checkpoint(path), load_checkpoint(path)):  # converted, then from the cache
+        assert ck.quantized and not set(ck.quantized) & set(ck.weights)  # no dense copy beside the blocks
+        assert all(isinstance(q.data, np.memmap) for q in ck.quantized.values())  # views of the mapped file
+    cache = sum(f.stat().st_size for f in ck.cache_dir.iterdir())
+    assert cache < path.stat().st_size / 2  # metadata only (it was 8x the file: every tensor dense)
+
+    kw = dict(device="cpu", num_kv_blocks=32, native_step=False, enable_prefix_cache=False)
+    held = LLM(str(path), dtype="bfloat16", int4_max_tokens=1 << 20, **kw)
+    model = held.engine.model
+    for i, layer in enumerate(model.layers):
+        for name, module in layer.named_modules():
+            if not isinstance(module, Linear):
+                continue
+            if (i, name) == (0, "mlp.down_proj"):  # Q6_K: the native kernel's blocks where it takes them, else dense
+                assert (module.quantized is not None) == ("Q6_K" in PACKED_QTYPES and native.available())
+                continue
+            assert module.weight.numel() == 0 and module.quantized is not None, (i, name)
+            if (i, name) == (0, "self_attn.qkv_proj"):  # Q4_K q and k as int4, the Q6_K v on its own
+                assert isinstance(module.quantized, Parts) and isinstance(module.quantized.parts[0], Int4Weight)
+            else:
+                assert isinstance(module.quantized, Int4Weight), (i, name)
+    assert model.weight_forms["model.layers.1.mlp.down_proj.weight"] == "int4"
+    # the held cache (int4 copies of the Q4_K blocks) is about the size of what it replaces
+    assert sum(f.stat().st_size for f in ck.cache_dir.iterdir()) < 2 * path.stat().st_size
+
+    # and it computes the file's model: close to the same file dequantized to fp32
+    ids = held.engine.tokenizer.encode("The capital of Japan is Tokyo. def add(a, b):")
+    reference = _logits(LLM(str(path), dtype="float32", int4_max_tokens=0, **kw), ids)
+    error = float((_logits(held, ids) - reference).pow(2).mean().sqrt() / reference.std())
+    assert error < 0.05, error
+
+
 # ---- refused by name -------------------------------------------------------------------------------
 
 def test_unsupported_tensor_type_and_architecture_are_errors_naming_them(qwen_dir, tmp_path):
@@ -189,19 +231,28 @@ def test_info_tells_architecture_tensor_types_and_what_runs_packed(qwen_dir, tmp
                             num_key_value_heads=4, head_dim=32)
     path = write_family_gguf(gemma, tmp_path / "gemma2-q4km.gguf", qtype="Q4_K", head_qtype="Q6_K")
     assert main(["info", str(path), "--threads", "1"]) == 0
-    ck = json.loads(capsys.readouterr().out)["checkpoint"]
+    info = json.loads(capsys.readouterr().out)
+    ck = info["checkpoint"]
     assert ck["architecture"] == "gemma2"
     assert ck["features"]["attn_logit_softcap"] == 5.0 and ck["features"]["sliding_layers"] == [0]
     assert ck["tensor_types"] == {"F32": 1 + 2 * 4, "Q4_K": 2 * 7, "Q6_K": 1}  # norms; projections; tied embedding
     assert ck["step"] == "pytorch" and "not Llama-shaped" in ck["native_step_refused"]
-    assert ck["projections"] == {"dense float32 (dequantized from Q4_K)": 2 * 4, "output projection: dense float32": 1} \
-        or ck["projections"] == {"dense bfloat16 (dequantized from Q4_K)": 2 * 4, "output projection: dense bfloat16": 1}
+    if info["engine"]["dtype"] == "bfloat16":  # the plan keeps 4-bit weights packed: Q4_K as int4, exactly
+        q6 = "packed kernel, as stored" if "Q6_K" in PACKED_QTYPES and native.available() else "dense bfloat16"
+        assert ck["projections"] == {"Q4_K: int4": 2 * 4, f"output projection (Q6_K): {q6}": 1}
+        assert ck["quantized_tensors"] == {"Q4_K": {"int4": 2 * 7}, "Q6_K": {q6: 1}}
+        assert ck["dequantized_to_dense"] == ([] if q6 != "dense bfloat16" else ["Q6_K"])
+    else:  # a float32 plan runs no packed weights: every one dequantized, and said so
+        assert ck["projections"] == {"Q4_K: dense float32": 2 * 4, "output projection (Q6_K): dense float32": 1}
+        assert ck["dequantized_to_dense"] == ["Q4_K", "Q6_K"]
     assert "masked" in ck["attention"]
 
     q4 = write_family_gguf(qwen_dir, tmp_path / "qwen-q4.gguf", qtype="Q4_0", head_qtype="Q8_0")
     assert main(["info", str(q4), "--threads", "1"]) == 0
     ck = json.loads(capsys.readouterr().out)["checkpoint"]
     assert ck["tensor_types"]["Q4_0"] == 2 * 7 + 1 and ck["native_step_refused"] is None  # and the untied embedding
+    # the untied Q4_0 embedding is looked up from its blocks, never held dense
+    assert ck["quantized_tensors"]["Q4_0"]["rows dequantized at lookup"] == 1
 
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 60)

@@ -382,16 +382,19 @@ def test_gguf_round_trip_matches_hf_folder(tiny_model_dir, tmp_path, stratum_hom
 
 
 def test_gguf_quantized_rows_stay_consistent_with_weights(tiny_model_dir, tmp_path):
-    """Q8_0 projections: the packed rows kept for kernels are un-permuted like the dense weights."""
+    """Q8_0 projections: the packed rows kept for kernels are un-permuted back to the HF order (Q8_0
+    blocks lie within a row, so they equal the HF weights quantized without the permutation), and
+    are not also held dense."""
     from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
+    from gguf.quants import dequantize, quantize
 
     ckpt = load_checkpoint(write_tiny_gguf(tiny_model_dir, tmp_path / "tiny-q8.gguf", quantize_projections=True))
+    hf = load_checkpoint(tiny_model_dir).weights
     assert "model.layers.0.self_attn.q_proj.weight" in ckpt.quantized
     for name, qt in ckpt.quantized.items():
-        assert qt.qtype == "Q8_0"
-        dense = dequantize(qt.data, GGMLQuantizationType.Q8_0).reshape(qt.shape)
-        assert np.array_equal(dense, ckpt.weights[name].numpy()), name
+        assert qt.qtype == "Q8_0" and name not in ckpt.weights
+        expected = dequantize(quantize(hf[name].numpy(), GGMLQuantizationType.Q8_0), GGMLQuantizationType.Q8_0)
+        assert np.array_equal(qt.dense().numpy(), expected.reshape(qt.shape)), name
 
 
 # ---- chat template: user text is plain text --------------------------------------------------------

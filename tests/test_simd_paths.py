@@ -47,7 +47,7 @@ torch.manual_seed(0)
 ckpt = load_checkpoint(sys.argv[1])
 cfg = ckpt.config
 model = LlamaForCausalLM(cfg, max_positions=256)
-model.load_weights(dict(ckpt.weights))
+model.load_weights(dict(ckpt.weights), held=set(ckpt.quantized))
 model.eval()
 assert attach_packed(model, ckpt.quantized)
 bs, blocks = 16, 32

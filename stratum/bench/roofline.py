@@ -44,12 +44,14 @@ def decode_bytes(engine) -> int:
     total = 0
     for module in engine.model.modules():
         if isinstance(module, Linear):
-            if module.int4 is not None and module.int4_max_tokens >= 1:
-                total += module.int4.nbytes
+            if module.quantized is not None:
+                total += module.quantized.nbytes
             else:
                 total += module.weight.numel() * module.weight.element_size()
         elif isinstance(module, torch.nn.Module) and hasattr(module, "eps"):  # RMSNorm
             total += module.weight.numel() * module.weight.element_size()
+    if model.packed_head is not None:
+        return total + model.packed_head.nbytes
     if model.lm_head_q8 is not None and model.q8_max_rows >= 1:  # one row runs on the Q8_0 projection
         return total + model.lm_head_q8.nbytes
     lm_head = model.lm_head.weight if model.lm_head is not None else model.embed_tokens.weight

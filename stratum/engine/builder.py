@@ -12,6 +12,7 @@ import os
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from stratum.engine.config import EngineConfig, ResolvedConfig
@@ -22,7 +23,7 @@ from stratum.kernels.plan import Shapes, select_plan
 from stratum.kernels.packed import LAYOUT_VERSION as PACKED_LAYOUT
 from stratum.kernels.packed import FUSED, PACKED_QTYPES, PackedStack, PackedWeight, native_step_refusal
 from stratum.kernels.packed import pack as packed_weight
-from stratum.kernels.quant import Int4Weight, Int8Weight, Q8Weight, is_packable, unpack_q4, unpack_q8_0
+from stratum.kernels.quant import DenseWeight, Int4Weight, Int8Weight, Parts, Q8Weight, is_packable, unpack_q4, unpack_q8_0
 from stratum.layers.linear import Linear
 from stratum.models.llama import LlamaForCausalLM
 from stratum.models.loader import Checkpoint, load_checkpoint
@@ -126,53 +127,62 @@ def _plan(config: EngineConfig, checkpoint: Checkpoint, device: str, threads: in
 def build_model(config: ResolvedConfig, checkpoint: Checkpoint) -> tuple[LlamaForCausalLM, int]:
     """The model on its device in the planned dtype, with the plan's packed kernels attached.
 
-    Takes the checkpoint's tensors (it is empty afterwards). Returns (model, bytes of packed int4 weights).
+    The checkpoint's quantized tensors are never all dequantized: the native step runs them as stored;
+    otherwise, where the plan keeps packed weights, each projection is held in a packed form
+    (`attach_quantized`) and only those no kernel here takes are dequantized, one at a time (with a
+    warning). Takes the checkpoint's tensors (it is empty afterwards). Returns (model, bytes of
+    packed weights).
     """
     plan = config.kernel_plan
+    quantized = checkpoint.quantized
     model = LlamaForCausalLM(checkpoint.config, max_positions=config.max_model_len)
-    model.load_weights(dict(checkpoint.weights))
+    model.load_weights(checkpoint.weights, config.torch_dtype, held=set(quantized))
     model.cast_weights(config.torch_dtype)
-    model = model.to(device=torch.device(config.device)).eval()
     checkpoint.weights.clear()  # the model holds them now
-    model.packed_refusal = native_step_refusal(checkpoint.config, checkpoint.quantized)
-    if model.packed_refusal is not None and checkpoint.quantized:
+    model.packed_refusal = native_step_refusal(checkpoint.config, quantized)
+    if model.packed_refusal is not None and quantized:
         log.warning("%s: the native step does not run this model: %s", checkpoint.config.name, model.packed_refusal)
-    if plan.packed_step and model.packed_refusal is None and attach_packed(model, checkpoint.quantized, checkpoint.cache_dir):
-        checkpoint.quantized.clear()
+    on_cpu = config.device == "cpu"
+    native_step = on_cpu and plan.packed_step and model.packed_refusal is None and attach_packed(model, quantized, checkpoint.cache_dir)
+    held = attach_quantized(model, quantized, on_cpu and plan.int4_max_tokens > 0, config.torch_dtype, checkpoint.cache_dir,
+                            lookup_rows=on_cpu)
+    model = model.to(device=torch.device(config.device)).eval()
+    if native_step:
+        quantized.clear()
         return model, model.packed.nbytes
-    int4_bytes = attach_int4(model, checkpoint.quantized, plan.int4_max_tokens, checkpoint.cache_dir)
-    attach_q8_head(model, checkpoint.quantized, plan.q8_max_rows)
+    attach_q8_head(model, quantized, plan.q8_max_rows)
     if config.dtype != "float32":
-        attach_q8_embedding(model, checkpoint.quantized)
-    if config.device == "cpu" and config.dtype == "bfloat16":  # the low-latency hint's output projection
-        head = model.lm_head.weight if model.lm_head is not None else model.embed_tokens.weight
+        attach_q8_embedding(model, quantized)
+    head = model.lm_head.weight if model.lm_head is not None else model.embed_tokens.weight
+    if config.device == "cpu" and config.dtype == "bfloat16" and head.numel():  # the low-latency hint's output projection
         model.lm_head_int8 = Int8Weight(head)
-    checkpoint.quantized.clear()
-    return model, int4_bytes
+    quantized.clear()
+    return model, held
 
 
 def attach_packed(model, quantized: dict, cache_dir: Path | None = None) -> bool:
     """Run every layer through the native step on the checkpoint's own blocks, when each projection
-    is Q4_0, Q4_1 or Q8_0 (and the output projection too, when it is one of those).
+    is in a packed format (kernels.packed; and the output projection too, when it is one).
 
-    The repacked blocks are kept in cache_dir/packed-<layout version>.pt when a cache is given: repacking takes
-    seconds at every start otherwise. The dense copies of the projections are dropped: the step
-    never reads them. The embedding stays (looked up from the Q8_0 table as stored where the file has
-    one), and the output projection runs on the same kernel for every row, so a token's logits do not
-    depend on the batch around it.
+    The repacked blocks are kept in cache_dir/packed-<layout version>.pt when a cache is given (and
+    mapped from there at later starts): repacking takes seconds at every start otherwise. The
+    projections' dense weights stay empty (a dense file's are dropped): the step never reads them.
+    The embedding is looked up from its blocks as stored where it is quantized, and the output
+    projection runs on the same kernel for every row, so a token's logits do not depend on the batch
+    around it.
 
     Returns:
         Whether the step was attached (False: some projection is in another format).
     """
     cache = cache_dir / f"packed-{PACKED_LAYOUT}.pt" if cache_dir is not None else None
+    name = "lm_head.weight" if model.lm_head is not None else "model.embed_tokens.weight"
     saved = None
     if cache is not None and cache.exists():
         try:
-            saved = torch.load(cache, weights_only=True)
+            saved = torch.load(cache, weights_only=True, mmap=True)
         except (OSError, RuntimeError, ValueError):
             saved = None
     if saved is None:
-        name = "lm_head.weight" if model.lm_head is not None else "model.embed_tokens.weight"
         head = quantized.get(name)
         head = packed_weight(head.qtype, head.data, head.shape) if head is not None and head.qtype in PACKED_QTYPES else None
         saved = {"layers": PackedStack.pack_layers(quantized, model.config.num_layers),
@@ -189,54 +199,140 @@ def attach_packed(model, quantized: dict, cache_dir: Path | None = None) -> bool
         for module in layer.modules():
             if isinstance(module, Linear):
                 module.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    model.weight_forms.update({n: "native step, as stored" for n in quantized if n.startswith("model.layers.")})
     if saved["head"] is not None:
         model.packed_head = PackedWeight(*saved["head"])
+        model.weight_forms[name] = "native step, as stored"
     attach_q8_embedding(model, quantized)
     if model.lm_head is not None and model.packed_head is not None:
         model.lm_head.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
     return True
 
 
-def attach_int4(model, quantized: dict, max_tokens: int, cache_dir: Path | None = None) -> int:
-    """Give every projection whose parts are all GGUF Q4 tensors a packed int4 copy.
+INT4, PACKED = "int4", "packed kernel, as stored"  # the held forms `stratum info` names
 
-    Packing is done once per checkpoint and kept in cache_dir/int4.pt when a cache is given.
+
+def held_form(qtype: str, keep: bool, dtype: torch.dtype) -> str:
+    """How a projection stored as `qtype` runs on the PyTorch path: INT4 (PyTorch's int4 kernel, exact
+    for Q4_0 / Q4_1 / Q4_K), PACKED (the native kernel on the blocks as stored), or "dense <dtype>"
+    (dequantized: the plan keeps no packed weights, or no kernel here takes the format).
+
+    Measured on the 2-core Zen 5 reference machine, one [8960, 1536] projection at one row (bf16):
+    dense 1.05 ms, int4 0.32 ms, but dequantizing per matmul 19 ms (from int8 values) to 81 ms (from
+    Q4_K blocks): so what no kernel takes is dequantized once, at load, rather than per matmul."""
+    if keep and dtype == torch.bfloat16 and is_packable(qtype):
+        return INT4
+    if keep and qtype in PACKED_QTYPES and native.available():
+        return PACKED
+    return f"dense {str(dtype).removeprefix('torch.')}"
+
+
+def attach_quantized(model, quantized: dict, keep: bool, dtype: torch.dtype, cache_dir: Path | None = None,
+                     lookup_rows: bool = True) -> int:
+    """Fill every projection, the output projection and the embedding the model left empty (their
+    tensors are quantized) from the checkpoint's blocks, in the form `held_form` chooses; the parts of
+    a fused projection each on their own kernel where their forms differ. A quantized embedding is
+    looked up from its blocks row by row (`lookup_rows`, on CPU), else dequantized too. Records how each
+    quantized tensor runs (`model.weight_forms`, for `stratum info`), and warns where any was dequantized.
+
+    Packed forms are kept in cache_dir/held-<layout version>.pt when a cache is given (converting
+    takes seconds per billion weights); the cache is mapped, not read, at later starts.
 
     Returns:
-        The bytes of packed weights attached (0 when nothing was packable).
+        The bytes of packed weights attached.
+
+    Raises:
+        KeyError: a projection is neither in the file's dense tensors nor among its quantized ones.
     """
-    if max_tokens <= 0:
-        return 0
-    cache = cache_dir / "int4.pt" if cache_dir is not None else None
-    packed: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+    cache = cache_dir / f"held-{PACKED_LAYOUT}.pt" if cache_dir is not None else None
+    saved: dict = {}
     if cache is not None and cache.exists():
         try:
-            packed = torch.load(cache, weights_only=True)
+            saved = torch.load(cache, weights_only=True, mmap=True)
         except (OSError, RuntimeError, ValueError):
-            packed = {}
-    total, fresh = 0, not packed
-    for i, layer in enumerate(model.layers):
-        for fused, parts in FUSED.items():
-            module: Linear = layer.get_submodule(fused)
-            key = f"layers.{i}.{fused}"
-            if key in packed:
-                module.int4 = Int4Weight.from_packed(*packed[key], module.out_features, module.in_features)
-            else:
-                tensors = [quantized.get(f"model.layers.{i}.{p}.weight") for p in parts]
-                if any(t is None or not is_packable(t.qtype) for t in tensors):
-                    continue
+            saved = {}
+    converted = dict(saved)
+    forms: dict[str, str] = model.weight_forms
+
+    def hold(key: str, form: str, tensors: list) -> object:
+        """Parts of one form: their rows as one packed weight, or as one dense tensor in `dtype`."""
+        if form not in (INT4, PACKED):
+            return torch.cat([t.dense(dtype) for t in tensors])
+        if key not in converted:
+            if form == INT4:
                 unpacked = [unpack_q4(t.qtype, t.data, t.shape) for t in tensors]
-                q, scale, zero = (torch.cat([u[j] for u in unpacked]) for j in range(3))
-                module.int4 = Int4Weight(q, scale, zero)
-                packed[key] = (module.int4.packed, module.int4.scale_zeros)
-            module.int4_max_tokens = max_tokens
-            total += module.int4.nbytes
-    if cache is not None and fresh and packed:
+                w = Int4Weight(*(torch.cat([u[j] for u in unpacked]) for j in range(3)))
+                converted[key] = (INT4, w.packed, w.scale_zeros, w.out_features, w.in_features)
+            else:
+                raw = np.concatenate([np.asarray(t.data).reshape(t.shape[0], -1) for t in tensors])
+                w = packed_weight(tensors[0].qtype, raw, (sum(t.shape[0] for t in tensors), tensors[0].shape[1]))
+                converted[key] = (PACKED, w.data, w.scales, w.out_features, w.in_features)
+        kind, *parts = converted[key]
+        return Int4Weight.from_packed(*parts) if kind == INT4 else PackedWeight(*parts)
+
+    def fill(key: str, names: list[str]) -> torch.Tensor | object:
+        """The projection made of tensors `names`: a dense tensor, or an object with matmul."""
+        groups: list[tuple[tuple, list]] = []  # consecutive parts of one form (and format, for the native kernel)
+        for n in names:
+            t = quantized[n]
+            forms[n] = form = held_form(t.qtype, keep, dtype)
+            group = (form, t.qtype if form == PACKED else None)
+            if groups and groups[-1][0] == group:
+                groups[-1][1].append(t)
+            else:
+                groups.append((group, [t]))
+        held = [hold(f"{key}.{g}", form, tensors) for g, ((form, _), tensors) in enumerate(groups)]
+        if len(held) == 1:
+            return held[0]
+        return Parts([DenseWeight(h) if isinstance(h, torch.Tensor) else h for h in held])
+
+    def put(module, name: str, w) -> None:
+        if isinstance(w, torch.Tensor):
+            setattr(module, name, torch.nn.Parameter(w, requires_grad=False))
+        else:
+            module.quantized = w
+
+    if model.packed is None:
+        for i, layer in enumerate(model.layers):
+            for fused, parts in FUSED.items():
+                module: Linear = layer.get_submodule(fused)
+                if not module.weight.numel():  # else dense in the file
+                    put(module, "weight", fill(f"layers.{i}.{fused}", [f"model.layers.{i}.{p}.weight" for p in parts]))
+    head_name = "lm_head.weight" if model.lm_head is not None else "model.embed_tokens.weight"
+    head = quantized.get(head_name)
+    if model.packed_head is None and head is not None:
+        if head.qtype == "Q8_0":  # dense beside the exact Q8_0 projection for decode rows (attach_q8_head)
+            forms[head_name] = held_form(head.qtype, False, dtype)
+            w = head.dense(dtype)
+        else:
+            w = fill("head", [head_name])
+        if not isinstance(w, torch.Tensor):
+            model.packed_head = w
+        else:
+            put(model.lm_head if model.lm_head is not None else model.embed_tokens, "weight", w)
+    embed = quantized.get("model.embed_tokens.weight")
+    if embed is not None and not model.embed_tokens.weight.numel() and model.embed_table is None:
+        if lookup_rows:
+            model.embed_table = embed  # looked up row by row from the blocks as stored
+            forms.setdefault("model.embed_tokens.weight", "rows dequantized at lookup")
+        else:
+            forms["model.embed_tokens.weight"] = held_form(embed.qtype, False, dtype)
+            put(model.embed_tokens, "weight", embed.dense(dtype))
+    dense: dict[str, int] = {}
+    for n, form in forms.items():
+        if form.startswith("dense"):
+            dense[quantized[n].qtype] = dense.get(quantized[n].qtype, 0) + 1
+    if dense:
+        why = "no packed kernel here runs them" if keep else "the kernel plan keeps no packed weights"
+        log.warning("%s: dequantized to %s (%s): %s", model.config.name, held_form("", False, dtype), why,
+                    ", ".join(f"{n} {q} tensors" for q, n in sorted(dense.items())))
+    if cache is not None and len(converted) > len(saved):
         try:
-            torch.save(packed, cache)
+            torch.save(converted, cache)
         except OSError:
-            pass  # only costs the packing time on the next start
-    return total
+            pass  # only costs the conversion on the next start
+    return sum(m.quantized.nbytes for m in model.modules() if isinstance(m, Linear) and m.quantized is not None) + (
+        model.packed_head.nbytes if model.packed_head is not None and model.packed is None else 0)
 
 
 def attach_q8_head(model, quantized: dict, max_rows: int) -> int:
@@ -268,8 +364,9 @@ def attach_q8_embedding(model, quantized: dict) -> int:
     head = quantized.get("model.embed_tokens.weight")
     if head is None or head.qtype != "Q8_0":
         return 0
+    model.weight_forms.setdefault("model.embed_tokens.weight", "rows dequantized at lookup")
     if model.lm_head is None and model.lm_head_q8 is not None:
-        model.embed_q8 = model.lm_head_q8
+        model.embed_table = model.lm_head_q8
         return 0
-    model.embed_q8 = Q8Weight(*unpack_q8_0(head.data, head.shape))
-    return model.embed_q8.nbytes
+    model.embed_table = Q8Weight(*unpack_q8_0(head.data, head.shape))
+    return model.embed_table.nbytes

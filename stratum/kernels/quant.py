@@ -1,10 +1,11 @@
-"""Keeping GGUF 4-bit weights packed: Q4_0 / Q4_1 blocks as PyTorch's int4 group-wise layout.
+"""Keeping GGUF 4-bit weights packed: Q4_0 / Q4_1 / Q4_K blocks as PyTorch's int4 group-wise layout.
 
 A Q4_1 block of 32 weights stores fp16 `d`, fp16 `m` and 16 bytes of nibbles (llama.cpp ggml-common.h,
 block_q4_1): weight j is (qs[j] & 0xF) and weight j+16 is (qs[j] >> 4), value = q·d + m. PyTorch's
 int4 CPU kernel computes (q − 8)·scale + zero, so scale = d and zero = m + 8d reproduce the block
-exactly (Q4_0 has no m: value = (q − 8)·d, zero = 0). Only the fp16 -> activation-dtype rounding of
-d and zero differs from the dequantized reference.
+exactly (Q4_0 has no m: value = (q − 8)·d, zero = 0). Q4_K's sub-blocks of 32 have the same affine
+form once unpacked (kernels.kquant: value = q·scale + offset, so zero = offset + 8·scale). Only the
+fp32 -> activation-dtype rounding of scale and zero differs from the dequantized reference.
 """
 
 from __future__ import annotations
@@ -18,12 +19,17 @@ _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
 
 
 def is_packable(qtype: str) -> bool:
-    return qtype in _BLOCK_BYTES
+    return qtype in _BLOCK_BYTES or qtype == "Q4_K"
 
 
 def unpack_q4(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Raw GGUF rows [N, bytes] -> (q int32 [N, K] in 0..15, scale [N, K/32], zero [N, K/32]) in fp32."""
     n, k = shape
+    if qtype == "Q4_K":
+        from stratum.kernels import kquant
+
+        q, scale, offset, _ = kquant.unpack(qtype, raw, shape)
+        return q.int(), scale, offset + 8 * scale
     blocks = raw.reshape(n, k // GROUP_SIZE, _BLOCK_BYTES[qtype])
     d = blocks[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
     if qtype == "Q4_1":
@@ -124,3 +130,32 @@ class Int8Weight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         # x: [M, K] -> [M, N] in self.dtype
         return torch.ops.aten._weight_int8pack_mm(x.to(self.dtype), self.q, self.scales)
+
+
+class DenseWeight:
+    """A dense weight [N, K] behind the same `matmul` as the packed forms: one part of a `Parts`."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.linear(x.to(self.weight.dtype), self.weight)
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+
+class Parts:
+    """A fused projection whose row blocks are held in different forms (a Q4_K_M file's Q4_K q and k
+    beside its Q6_K v): each runs on its own kernel and the outputs are concatenated."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p.matmul(x).float() for p in self.parts], dim=-1)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)

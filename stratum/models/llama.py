@@ -109,11 +109,15 @@ class LlamaForCausalLM(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
         self.lm_head_int8 = None  # set by the engine where the kernel plan offers a low-latency path
         self.lm_head_q8 = None  # the checkpoint's own Q8_0 output projection, for up to q8_max_rows rows
-        self.embed_q8 = None  # the embedding table as stored (GGUF Q8_0): looked up exactly, not from a bf16 copy
+        # the embedding table as stored (GGUF blocks, dequantized row by row at lookup): exact, and no dense copy
+        self.embed_table = None
         self.q8_max_rows = 0
         self.packed = None  # every layer on the checkpoint's packed blocks, one native call per step (kernels.packed)
-        self.packed_head = None  # the output projection as stored, on the same kernel: every row alike
+        # the output projection held in the checkpoint's blocks (the native step's, or int4), the same
+        # kernel for every row, so a token's logits do not depend on the batch around it
+        self.packed_head = None
         self.packed_refusal = None  # why the native step cannot run this model (kernels.packed), or None
+        self.weight_forms: dict[str, str] = {}  # how each quantized checkpoint tensor runs (set by the engine builder)
         positions = max_positions or cfg.max_position_embeddings
         self.rotary = RotaryEmbedding(cfg.head_dim, positions, cfg.rope_theta, cfg.rope_scaling)
         # Gemma 3's sliding layers rotate with a base of their own, unscaled
@@ -124,7 +128,7 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids, positions, meta: AttentionMetadata, kv_caches) -> torch.Tensor:
         """Args: input_ids, positions [T]. Returns the final hidden states [T, hidden]."""
         # the residual stream stays fp32; matmuls run in the weights' dtype
-        x = self.embed_q8.rows(input_ids) if self.embed_q8 is not None else self.embed_tokens(input_ids).float()
+        x = self.embed_table.rows(input_ids) if self.embed_table is not None else self.embed_tokens(input_ids).float()
         if self.config.embedding_scale != 1.0:
             x = x * self.config.embedding_scale
         if self.packed is not None:
@@ -163,7 +167,7 @@ class LlamaForCausalLM(nn.Module):
         if fast and self.lm_head_int8 is not None:
             return self.lm_head_int8.matmul(hidden).float()
         if self.packed_head is not None:
-            return self.packed_head.matmul(hidden)
+            return self.packed_head.matmul(hidden).float()
         if self.lm_head_q8 is not None and hidden.shape[0] <= self.q8_max_rows:
             return self.lm_head_q8.matmul(hidden)
         if self.lm_head is None:
@@ -177,9 +181,15 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, (Linear, nn.Embedding)):
                 module.to(dtype)
 
-    def load_weights(self, weights: dict[str, torch.Tensor]) -> None:
+    def load_weights(self, weights: dict[str, torch.Tensor], dtype: torch.dtype | None = None,
+                     held: frozenset[str] | set[str] = frozenset()) -> None:
         """Load tensors named as in Hugging Face Llama checkpoints (the loaders' common form: norm
         weights as multipliers, q/k/v and gate/up separate), fusing q/k/v and gate/up.
+
+        dtype: the matmul weights' (projections, embedding) dtype, converted tensor by tensor rather
+        than the whole model at once. held: names the caller provides otherwise (the checkpoint's
+        quantized tensors, attached by the engine builder): a projection, embedding or output
+        projection with such a part absent is left empty (no elements) for the caller to fill.
 
         Raises:
             KeyError: a tensor the architecture needs is missing.
@@ -187,36 +197,44 @@ class LlamaForCausalLM(nn.Module):
         cfg = self.config
         params = dict(self.named_parameters())
 
-        def take(name: str) -> torch.Tensor:
-            return weights.pop(name)
+        def take(name: str) -> torch.Tensor | None:
+            return weights.pop(name, None) if name in held else weights.pop(name)
 
-        def put(name: str, tensor: torch.Tensor) -> None:
+        def put(name: str, tensor: torch.Tensor | None, matmul: bool = False) -> None:
             param = params[name]
+            target = dtype if matmul and dtype is not None else param.dtype
+            if tensor is None:
+                param.data = torch.empty(0, dtype=target)
+                return
             if tuple(param.shape) != tuple(tensor.shape):
                 raise ValueError(f"{name}: checkpoint shape {tuple(tensor.shape)} != model {tuple(param.shape)}")
             # the loader's tensor itself, not a copy: the untouched empty parameter costs no memory, and
-            # a float32 tensor mapped from the file (a first, uncached load) stays mapped: weights are only read
-            param.data = tensor.to(param.dtype).contiguous()
+            # a float32 tensor mapped from the file stays mapped: weights are only read
+            param.data = tensor.to(target).contiguous()
 
-        put("embed_tokens.weight", take("model.embed_tokens.weight"))
+        def fused(names: list[str]) -> torch.Tensor | None:
+            parts = [take(n) for n in names]
+            return None if any(p is None for p in parts) else torch.cat(parts)
+
+        put("embed_tokens.weight", take("model.embed_tokens.weight"), matmul=True)
         put("norm.weight", take("model.norm.weight"))
         if self.lm_head is not None:
-            put("lm_head.weight", take("lm_head.weight"))
+            put("lm_head.weight", take("lm_head.weight"), matmul=True)
         weights.pop("lm_head.weight", None)
         for i in range(cfg.num_layers):
             p = f"model.layers.{i}."
             q = f"layers.{i}."
             attn = p + "self_attn."
-            put(q + "self_attn.qkv_proj.weight", torch.cat([take(attn + f"{n}_proj.weight") for n in "qkv"]))
+            put(q + "self_attn.qkv_proj.weight", fused([attn + f"{n}_proj.weight" for n in "qkv"]), matmul=True)
             if cfg.attention_bias:
                 put(q + "self_attn.qkv_proj.bias", torch.cat([take(attn + f"{n}_proj.bias") for n in "qkv"]))
-            put(q + "self_attn.o_proj.weight", take(attn + "o_proj.weight"))
+            put(q + "self_attn.o_proj.weight", take(attn + "o_proj.weight"), matmul=True)
             if cfg.qk_norm:
                 put(q + "self_attn.q_norm.weight", take(attn + "q_norm.weight"))
                 put(q + "self_attn.k_norm.weight", take(attn + "k_norm.weight"))
             mlp = p + "mlp."
-            put(q + "mlp.gate_up_proj.weight", torch.cat([take(mlp + "gate_proj.weight"), take(mlp + "up_proj.weight")]))
-            put(q + "mlp.down_proj.weight", take(mlp + "down_proj.weight"))
+            put(q + "mlp.gate_up_proj.weight", fused([mlp + "gate_proj.weight", mlp + "up_proj.weight"]), matmul=True)
+            put(q + "mlp.down_proj.weight", take(mlp + "down_proj.weight"), matmul=True)
             norms = ["input_layernorm", "post_attention_layernorm"]
             if cfg.sandwich_norms:
                 norms += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]

@@ -60,11 +60,26 @@ _GGUF_TOP_NAMES = {
 
 @dataclass
 class QuantizedTensor:
-    """A GGUF tensor kept in its packed form, for kernels that run on it directly."""
+    """A GGUF tensor kept in its packed form (a view of the mapped file, or of a row-permuted copy), for
+    kernels that run on it directly; `dense` and `rows` dequantize it, or some of its rows, on demand."""
 
     qtype: str  # gguf GGMLQuantizationType name, e.g. "Q4_1"
     data: np.ndarray  # the raw blocks, [rows, bytes_per_row] uint8
     shape: tuple[int, int]  # logical [out_features, in_features]
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` as fp32 [len(ids), in_features]: an embedding lookup from the table as stored."""
+        return _dequantize(self.qtype, np.asarray(self.data)[ids.numpy()], (ids.shape[0], self.shape[1]))
+
+    def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The whole tensor in `dtype`, dequantized a slice of rows at a time: no fp32 copy of all of it."""
+        n, k = self.shape
+        out = torch.empty(n, k, dtype=dtype)
+        step = max(1, (1 << 22) // k)  # rows per slice: 16 MB of fp32
+        for r in range(0, n, step):
+            rows = min(step, n - r)
+            out[r : r + rows] = _dequantize(self.qtype, self.data[r : r + rows], (rows, k))
+        return out
 
 
 @dataclass
@@ -116,26 +131,41 @@ def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
     return w.reshape(num_heads, rows // num_heads // 2, 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
-# Parsing a GGUF's metadata in Python (49k vocabulary strings) and dequantizing it take seconds; the
-# first load converts the file into this cache, later loads read its safetensors instead (tensor by
-# tensor, so what the native step replaces is freed).
 # the output projection (or the tied embedding that serves as one), kept raw for the kernels that read it as stored
 _HEAD_NAMES = ("lm_head.weight", "model.embed_tokens.weight")
-CACHE_VERSION = 3  # 2: Q8_0 output projections are kept raw too; 3: more families, K-quants kept raw
+# Parsing a GGUF's metadata in Python (the vocabulary's strings) takes seconds; the first load keeps
+# what it found in a small cache under $STRATUM_HOME/cache (configuration, tokenizer, and where each
+# tensor lies in the file), and later loads map the file's tensors straight from those offsets. No
+# tensor is ever copied into the cache: every weight is a view of the mapped GGUF, as stored.
+# Versions: 2, Q8_0 output projections kept raw too; 3, more families, K-quants kept raw; 4, no tensor
+# data, only each tensor's place in the mapped file
+CACHE_VERSION = 4
+DENSE_TYPES = ("F32", "F16", "BF16")  # stored unquantized: taken as mapped views
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One GGUF tensor's place in the file."""
+
+    name: str
+    qtype: str
+    shape: tuple[int, ...]  # logical, outermost first
+    offset: int  # bytes from the start of the file
+    nbytes: int
 
 
 def load_gguf(path: Path) -> Checkpoint:
-    """A GGUF file, through the converted-checkpoint cache under $STRATUM_HOME/cache when it is current."""
+    """A GGUF file, its metadata through the checkpoint cache under $STRATUM_HOME/cache when it is current."""
     cache_dir = _cache_dir(path)
     if cache_dir is not None and (cache_dir / "meta.json").exists():
         try:
             return _load_cached(cache_dir, path)
-        except (OSError, ValueError, KeyError) as e:
+        except (OSError, ValueError, KeyError, TypeError) as e:
             log.warning("ignoring unreadable checkpoint cache %s: %s", cache_dir, e)
-    checkpoint = _read_gguf(path)
+    checkpoint, entries = _read_gguf(path)
     if cache_dir is not None:
         try:
-            _save_cached(cache_dir, checkpoint)
+            _save_cached(cache_dir, checkpoint, entries)
             checkpoint.cache_dir = cache_dir
         except OSError as e:  # a read-only or full disk only costs speed
             log.warning("could not write checkpoint cache %s: %s", cache_dir, e)
@@ -153,13 +183,13 @@ def _cache_dir(path: Path) -> Path | None:
     return stratum_home() / "cache" / hashlib.sha256(key.encode()).hexdigest()[:24]
 
 
-def _save_cached(cache_dir: Path, ck: Checkpoint) -> None:
+def _save_cached(cache_dir: Path, ck: Checkpoint, entries: list[_Entry]) -> None:
     # a directory of this writer's own, renamed into place whole: two processes converting the same
     # file at once (the test suite's SIMD-path runs, two servers) never write into each other's files
     cache_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=cache_dir.name + ".", suffix=".tmp", dir=cache_dir.parent))
     try:
-        _write_cache(tmp, ck)
+        _write_cache(tmp, ck, entries)
         if (cache_dir / "meta.json").exists():  # another process finished the same conversion first
             return
         if cache_dir.exists():  # an unreadable leftover
@@ -173,18 +203,14 @@ def _save_cached(cache_dir: Path, ck: Checkpoint) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _write_cache(tmp: Path, ck: Checkpoint) -> None:
+def _write_cache(tmp: Path, ck: Checkpoint, entries: list[_Entry]) -> None:
     from dataclasses import asdict
 
-    from safetensors.torch import save_file
-
-    save_file({k: v.contiguous() for k, v in ck.weights.items()}, str(tmp / "weights.safetensors"))
-    save_file({k: torch.from_numpy(np.ascontiguousarray(q.data)) for k, q in ck.quantized.items()}, str(tmp / "quantized.safetensors"))
     tok = ck.tokenizer
     meta = {
         "config": asdict(ck.config),
         "chat_template": ck.chat_template,
-        "quantized": {k: {"qtype": q.qtype, "shape": list(q.shape)} for k, q in ck.quantized.items()},
+        "tensors": [asdict(e) for e in entries],
         "tokenizer": {"bos_token": tok.bos_token, "eos_token": tok.eos_token, "bos_token_id": tok.bos_token_id,
                       "eos_token_ids": list(tok.eos_token_ids)},
     }
@@ -193,22 +219,19 @@ def _write_cache(tmp: Path, ck: Checkpoint) -> None:
 
 
 def _load_cached(cache_dir: Path, path: Path) -> Checkpoint:
-    from safetensors.torch import load_file
     from tokenizers import Tokenizer
 
     meta = json.loads((cache_dir / "meta.json").read_text())
     cfg = meta["config"]
     cfg["eos_token_ids"] = tuple(cfg["eos_token_ids"])
     cfg["sliding_layers"] = tuple(cfg["sliding_layers"])
+    config = ModelConfig(**cfg)
     t = meta["tokenizer"]
     tokenizer = TextTokenizer(Tokenizer.from_str((cache_dir / "tokenizer.json").read_text()), t["bos_token"],
                               t["eos_token"], t["bos_token_id"], tuple(t["eos_token_ids"]))
-    raw = load_file(str(cache_dir / "quantized.safetensors"))
-    quantized = {k: QuantizedTensor(q["qtype"], raw[k].numpy(), tuple(q["shape"])) for k, q in meta["quantized"].items()}
-    # read, not mapped: each tensor its own buffer, so what the model drops (projections that run
-    # packed) is freed rather than holding the whole mapping resident
-    weights = load_file(str(cache_dir / "weights.safetensors"), backend="pread")
-    return Checkpoint(ModelConfig(**cfg), weights, tokenizer, meta["chat_template"], path, quantized, cache_dir)
+    entries = [_Entry(e["name"], e["qtype"], tuple(e["shape"]), e["offset"], e["nbytes"]) for e in meta["tensors"]]
+    weights, quantized = _tensors(path, np.memmap(path, dtype=np.uint8, mode="r"), entries, config)
+    return Checkpoint(config, weights, tokenizer, meta["chat_template"], path, quantized, cache_dir)
 
 
 def tensor_types(path: Path) -> dict[str, int]:
@@ -228,7 +251,7 @@ def tensor_types(path: Path) -> dict[str, int]:
     return dict(Counter(t.tensor_type.name for t in GGUFReader(str(path)).tensors))
 
 
-def _read_gguf(path: Path) -> Checkpoint:
+def _read_gguf(path: Path) -> tuple[Checkpoint, list[_Entry]]:
     try:
         reader = _reader(path)
     except (ValueError, OSError) as e:  # bad magic, truncated tensor data, unreadable file
@@ -245,29 +268,51 @@ def _read_gguf(path: Path) -> Checkpoint:
         config = _gguf_config(meta, arch, {t.name: t for t in reader.tensors}, tokenizer, path.stem)
     except UnsupportedModelError as e:
         raise ModelLoadError(f"{path.name}: {e}") from e
+    entries = [_Entry(t.name, t.tensor_type.name, tuple(int(x) for x in reversed(t.shape)), int(t.data_offset),
+                      int(t.n_bytes)) for t in reader.tensors]
+    weights, quantized = _tensors(path, reader.data, entries, config)
+    checkpoint = Checkpoint(config, weights, tokenizer, meta.get("tokenizer.chat_template"), path, quantized)
+    return checkpoint, entries
+
+
+def _tensors(path: Path, mapped: np.ndarray, entries: list[_Entry], config: ModelConfig
+             ) -> tuple[dict[str, torch.Tensor], dict[str, QuantizedTensor]]:
+    """The GGUF's tensors under Hugging Face names, each a view of `mapped` (the whole file, memory-
+    mapped): unquantized ones as tensors, quantized projections, embedding and output projection
+    as QuantizedTensor (dequantized only where the model builder decides to). Only Llama's permuted
+    Q/K rows are copies."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    arch = config.architecture
     weights: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantizedTensor] = {}
-    for t in reader.tensors:
-        if t.name == "rope_freqs.weight":  # read by _gguf_config
+    for e in entries:
+        if e.name == "rope_freqs.weight":  # read by _gguf_config
             continue
-        name = _hf_name(t.name, arch)
-        qtype = t.tensor_type.name
-        if qtype not in GGUF_TENSOR_TYPES:
-            raise ModelLoadError(f"{path.name}: tensor {t.name} is {qtype}, a type this runtime does not load "
+        name = _hf_name(e.name, arch)
+        if e.qtype not in GGUF_TENSOR_TYPES:
+            raise ModelLoadError(f"{path.name}: tensor {e.name} is {e.qtype}, a type this runtime does not load "
                                  f"(supported: {', '.join(GGUF_TENSOR_TYPES)})")
-        logical = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims innermost first
-        weights[name] = _dense(t.data, qtype, logical)
-        if qtype not in ("F32", "F16", "BF16") and (name.endswith("proj.weight") or name in _HEAD_NAMES):
-            quantized[name] = QuantizedTensor(qtype, t.data, logical)  # a view of the mapped file
+        raw = mapped[e.offset : e.offset + e.nbytes]
+        if e.qtype in DENSE_TYPES:
+            weights[name] = _mapped_dense(raw, e.qtype, e.shape)
+            continue
+        block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[e.qtype]]
+        rows = int(np.prod(e.shape[:-1]))
+        qt = QuantizedTensor(e.qtype, raw.reshape(rows, e.shape[-1] // block * block_bytes), (rows, e.shape[-1]))
+        if len(e.shape) == 2 and (name.endswith("proj.weight") or name in _HEAD_NAMES):
+            quantized[name] = qt
+        else:  # a quantized vector or an unexpected tensor: small, dequantized
+            weights[name] = qt.dense().reshape(e.shape)
     if arch == "llama":  # llama.cpp stores Q/K rows permuted for its interleaved RoPE
         for key, heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):
             for name in [n for n in weights if f".{key}." in n]:
                 weights[name] = _unpermute(weights[name], heads)
-                if name in quantized:
-                    quantized[name] = _unpermute_rows(quantized[name], heads)
+            for name in [n for n in quantized if f".{key}." in n]:
+                quantized[name] = _unpermute_rows(quantized[name], heads)
     if arch == "phi3":  # fused q/k/v and gate/up, split into the common names
         _split_phi3(weights, quantized, config)
-    return Checkpoint(config, weights, tokenizer, meta.get("tokenizer.chat_template"), path, quantized)
+    return weights, quantized
 
 
 def _reader(path: Path):
@@ -288,19 +333,24 @@ def _reader(path: Path):
     return PlainReader(str(path))
 
 
-def _dense(data: np.ndarray, qtype: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """One GGUF tensor as fp32 [shape]: K-quants by kernels.kquant, the other block formats by gguf-py."""
+def _mapped_dense(raw: np.ndarray, qtype: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """An unquantized GGUF tensor as a tensor over the mapped file's bytes, uncopied (only ever read)."""
+    from stratum.kernels import kquant
+
+    dtype = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}[qtype]
+    return kquant.mapped_tensor(raw).view(dtype).reshape(shape)
+
+
+def _dequantize(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> torch.Tensor:
+    """Quantized GGUF rows as fp32 [shape]: K-quants by kernels.kquant, the other block formats by gguf-py."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     from stratum.kernels import kquant
 
-    if qtype == "F32":  # a view of the mapped file: a float32 model takes it as its parameter, uncopied
-        return kquant.mapped_tensor(data).view(torch.float32).reshape(shape)
     if qtype in kquant.BLOCK_BYTES:
-        return kquant.dequantize(qtype, data, (int(np.prod(shape[:-1])), shape[-1])).reshape(shape)
-    array = data if qtype == "F16" else dequantize(data, GGMLQuantizationType[qtype])
-    return torch.from_numpy(np.asarray(array, dtype=np.float32).reshape(shape))
+        return kquant.dequantize(qtype, raw, shape)
+    return torch.from_numpy(np.asarray(dequantize(np.asarray(raw), GGMLQuantizationType[qtype]), dtype=np.float32).reshape(shape))
 
 
 def _gguf_config(meta: dict, arch: str, tensors: dict, tokenizer, stem: str) -> ModelConfig:
@@ -375,10 +425,11 @@ def _split_phi3(weights: dict, quantized: dict, config: ModelConfig) -> None:
     for i in range(config.num_layers):
         for fused, parts in splits.items():
             name = f"model.layers.{i}.{fused}.weight"
-            dense, packed, row = weights.pop(name), quantized.pop(name, None), 0
+            dense, packed, row = weights.pop(name, None), quantized.pop(name, None), 0
             for part, rows in parts:
                 target = f"model.layers.{i}.{part}.weight"
-                weights[target] = dense[row : row + rows]
+                if dense is not None:
+                    weights[target] = dense[row : row + rows]
                 if packed is not None:
                     data = np.asarray(packed.data).reshape(packed.shape[0], -1)[row : row + rows]
                     quantized[target] = QuantizedTensor(packed.qtype, data, (rows, packed.shape[1]))
@@ -386,7 +437,9 @@ def _split_phi3(weights: dict, quantized: dict, config: ModelConfig) -> None:
 
 
 def _unpermute_rows(qt: QuantizedTensor, num_heads: int) -> QuantizedTensor:
-    rows = torch.from_numpy(qt.data)
+    from stratum.kernels.kquant import mapped_tensor
+
+    rows = mapped_tensor(qt.data)
     return QuantizedTensor(qt.qtype, _unpermute(rows, num_heads).numpy(), qt.shape)
 
 
