@@ -223,10 +223,16 @@ def _rss_mb() -> float:
 
 
 async def _take(queue: asyncio.Queue, timeout: float | None):
-    """The next item, or None when timeout passes first."""
+    """The next item, or None when timeout passes first. (asyncio.timeout, not wait_for: wait_for
+    wraps every get in a task of its own, a cost paid per streamed token.)"""
+    if not queue.empty():
+        return queue.get_nowait()
+    if not timeout:
+        return await queue.get()
     try:
-        return await asyncio.wait_for(queue.get(), timeout) if timeout else await queue.get()
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(timeout):
+            return await queue.get()
+    except TimeoutError:
         return None
 
 

@@ -104,7 +104,10 @@ class ModelRunner:
                         mask = grammar.wind_down(mask, self.grammars.closers)
                     allowed[i] = mask
                 out.mask_s = time.perf_counter() - t1
-            result = sample(logits[idx], [s.sampling for s in seqs], [s.generator for s in seqs], allowed)
+            # usually every row samples: no copy, unless grammar masks will write into the rows (the
+            # logits are an inference-mode tensor, not writable here)
+            rows = logits if allowed is None and idx == list(range(len(logits))) else logits[idx]
+            result = sample(rows, [s.sampling for s in seqs], [s.generator for s in seqs], allowed)
             out.sampled = {s.request_id: t for s, t in zip(seqs, result.tokens)}
             out.logprobs = {s.request_id: lp for s, lp in zip(seqs, result.logprobs) if lp is not None}
         out.sample_s = time.perf_counter() - t1
