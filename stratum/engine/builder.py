@@ -83,7 +83,8 @@ def _plan(config: EngineConfig, checkpoint: Checkpoint, device: str, threads: in
     if device != "cpu":
         dtype = "bfloat16" if config.dtype == "auto" else config.dtype
         return KernelPlan(device, dtype, threads, 0, source="default")
-    can_pack = any(is_packable(t.qtype) for t in checkpoint.quantized.values())
+    # the native step runs every PACKED_QTYPES format (int4, PyTorch's kernel, Q4_0 / Q4_1 among them)
+    can_pack = any(t.qtype in PACKED_QTYPES for t in checkpoint.quantized.values())
     if config.int4_max_tokens is not None and config.dtype != "auto":  # fully specified: nothing to measure
         plan = KernelPlan("cpu", config.dtype, threads, 0, source="configured")
     else:
@@ -127,7 +128,7 @@ def build_model(config: ResolvedConfig, checkpoint: Checkpoint) -> tuple[LlamaFo
 
 def attach_packed(model, quantized: dict, cache_dir: Path | None = None) -> bool:
     """Run every layer through the native step on the checkpoint's own blocks, when each projection
-    is Q4_0, Q4_1 or Q8_0 (and the output projection too, when it is one of those).
+    is in one of PACKED_QTYPES (and the output projection too, when it is).
 
     The repacked blocks are kept in cache_dir/packed-<layout version>.pt when a cache is given: repacking takes
     seconds at every start otherwise. The dense copies of the projections are dropped: the step
@@ -149,8 +150,9 @@ def attach_packed(model, quantized: dict, cache_dir: Path | None = None) -> bool
         name = "lm_head.weight" if model.lm_head is not None else "model.embed_tokens.weight"
         head = quantized.get(name)
         head = packed_weight(head.qtype, head.data, head.shape) if head is not None and head.qtype in PACKED_QTYPES else None
-        saved = {"layers": PackedStack.pack_layers(quantized, model.config.num_layers),
-                 "head": (head.data, head.scales, head.out_features, head.in_features) if head is not None else None}
+        layers = PackedStack.pack_layers(quantized, model.config.num_layers)
+        saved = {"layers": [[[w.saved() for w in segments] for segments in projections] for projections in layers]
+                 if layers is not None else None, "head": head.saved() if head is not None else None}
         if saved["layers"] is not None and cache is not None:
             try:
                 torch.save(saved, cache)
@@ -158,7 +160,8 @@ def attach_packed(model, quantized: dict, cache_dir: Path | None = None) -> bool
                 pass  # only costs the repacking on the next start
     if saved["layers"] is None:
         return False
-    model.packed = PackedStack(model, saved["layers"])
+    model.packed = PackedStack(model, [[[PackedWeight(*w) for w in segments] for segments in projections]
+                                       for projections in saved["layers"]])
     for layer in model.layers:
         for module in layer.modules():
             if isinstance(module, Linear):

@@ -62,7 +62,7 @@ class QuantizedTensor:
     """A GGUF tensor kept in its packed form, for kernels that run on it directly."""
 
     qtype: str  # gguf GGMLQuantizationType name, e.g. "Q4_1"
-    data: np.ndarray  # the raw blocks, [rows, bytes_per_row] uint8
+    data: np.ndarray  # the raw blocks, [rows, bytes_per_row] uint8 (F16: [rows, in_features] float16)
     shape: tuple[int, int]  # logical [out_features, in_features]
 
 
@@ -120,7 +120,7 @@ def _unpermute(w: torch.Tensor, num_heads: int) -> torch.Tensor:
 # tensor, so what the native step replaces is freed).
 # the output projection (or the tied embedding that serves as one), kept raw for the kernels that read it as stored
 _HEAD_NAMES = ("lm_head.weight", "model.embed_tokens.weight")
-CACHE_VERSION = 3  # 2: Q8_0 output projections are kept raw too; 3: more families, K-quants kept raw
+CACHE_VERSION = 4  # 2: Q8_0 output projections are kept raw too; 3: more families, K-quants kept raw; 4: F16/BF16 too
 
 
 def load_gguf(path: Path) -> Checkpoint:
@@ -258,7 +258,7 @@ def _read_gguf(path: Path) -> Checkpoint:
                                  f"(supported: {', '.join(GGUF_TENSOR_TYPES)})")
         logical = tuple(int(x) for x in reversed(t.shape))  # GGUF lists dims innermost first
         weights[name] = _dense(t.data, qtype, logical)
-        if qtype not in ("F32", "F16", "BF16") and (name.endswith("proj.weight") or name in _HEAD_NAMES):
+        if qtype != "F32" and (name.endswith("proj.weight") or name in _HEAD_NAMES):
             quantized[name] = QuantizedTensor(qtype, t.data, logical)  # a view of the mapped file
     if arch == "llama":  # llama.cpp stores Q/K rows permuted for its interleaved RoPE
         for key, heads in (("q_proj", config.num_heads), ("k_proj", config.num_kv_heads)):
