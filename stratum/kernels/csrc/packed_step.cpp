@@ -42,9 +42,11 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -67,14 +69,40 @@ namespace {
 
 constexpr int64_t kBlock = 32;   // QK4_0 == QK4_1 == QK8_0
 constexpr int64_t kTile = 16;    // outputs computed side by side
-constexpr int64_t kQ4Bytes = kTile * kBlock / 2;  // one tile-block of nibbles
-constexpr int64_t kQ8Bytes = kTile * kBlock;      // one tile-block of int8 values
+
+// How a packed segment stores its weights (kernels/packed.py FORMATS; the GGUF types each one takes):
+//   kQ4   4-bit q, fp16 d and m per block of 32: q d + m                      (Q4_0, Q4_1)
+//   kQ8   int8 q, fp16 d per block of 32: q d                                  (Q8_0, Q5_0)
+//   kQ4K  4-bit q, fp32 d and m per block of 32                                (Q4_K: d = d sc, m = -dmin m)
+//   kQ8K  int8 q, fp32 d_lo (inputs 0-15), d_hi (16-31) and m per block of 32  (Q5_K, Q6_K, Q5_1)
+//   kF16, kBF16  the 16-bit floats themselves, no scales                       (F16, BF16)
+// fp32 because a K-quant sub-block's scale, an fp16 times a 6- or 8-bit integer, is exact in fp32 only.
+enum Format : int64_t { kQ4 = 0, kQ8 = 1, kQ4K = 2, kQ8K = 3, kF16 = 4, kBF16 = 5 };
+constexpr bool is_4bit(Format f) { return f == kQ4 || f == kQ4K; }
+constexpr bool is_float(Format f) { return f == kF16 || f == kBF16; }
+constexpr bool fp32_scales(Format f) { return f == kQ4K || f == kQ8K; }
+// bytes of one tile-block (16 rows x 32 inputs) and its scales (values, fp16 or fp32)
+constexpr int64_t block_bytes(Format f) { return is_4bit(f) ? kTile * kBlock / 2 : is_float(f) ? kTile * kBlock * 2 : kTile * kBlock; }
+constexpr int64_t block_scales(Format f) {
+  return f == kQ8 ? kTile : f == kQ8K ? 3 * kTile : is_float(f) ? 0 : 2 * kTile;
+}
+template <Format kF>
+using ScaleType = std::conditional_t<fp32_scales(kF), float, uint16_t>;
 constexpr float kNoScore = -1e30f;
 // Weights stream through once per step: the next tiles are fetched this many bytes ahead, since
 // one core's hardware prefetcher alone left the step at ~60% of the read bandwidth (measured).
 constexpr int64_t kPrefetch = 2048;
 
 inline float half_to_float(uint16_t h) { return static_cast<float>(c10::Half(h, c10::Half::from_bits())); }
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float y;
+  std::memcpy(&y, &bits, sizeof y);
+  return y;
+}
+inline float wide_to_float(uint16_t h, bool bf16) { return bf16 ? bf16_to_float(h) : half_to_float(h); }
+inline float scale_value(uint16_t h) { return half_to_float(h); }
+inline float scale_value(float x) { return x; }
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }  // the top half of an fp32
 inline void store(float* p, float x) { *p = x; }
@@ -124,9 +152,11 @@ constexpr const char* kSimdPath = "portable";
 struct QuantRows {
   std::vector<int16_t> q;
   std::vector<float> d, s;
+  const float* x = nullptr;  // the fp32 rows themselves (fp16 / bf16 weights take them unquantized)
   int64_t k = 0, blocks = 0;
 
-  void quantize(const float* x, int64_t rows, int64_t k_dim) {
+  void quantize(const float* x_in, int64_t rows, int64_t k_dim) {
+    x = x_in;
     k = k_dim;
     blocks = k_dim / kBlock;
     q.resize(rows * k_dim);
@@ -134,7 +164,7 @@ struct QuantRows {
     s.resize(rows * blocks);
     at::parallel_for(0, rows * blocks, 64, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) {
-        const float* xb = x + i * kBlock;  // rows are contiguous, so block i of the flat array
+        const float* xb = x_in + i * kBlock;  // rows are contiguous, so block i of the flat array
         float amax = 0.f;
         for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
         const float dx = amax / 32767.f;
@@ -177,9 +207,14 @@ struct Simd {
   }
   static I widen8(const uint8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
   static F zerof() { return _mm512_setzero_ps(); }
+  static F add(F a, F b) { return _mm512_add_ps(a, b); }
+  static F scale(const float* p) { return _mm512_loadu_ps(p); }
+  static F scale(const uint16_t* p) { return fp16(p); }
+  static F wide(const uint16_t* p, bool bf16) { return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16)) : fp16(p); }  // 16-bit floats of L rows
   static F set1(float x) { return _mm512_set1_ps(x); }
   static F fp16(const uint16_t* p) { return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
-  static F to_f(I a, I b) { return _mm512_cvtepi32_ps(_mm512_add_epi32(a, b)); }
+  static I iadd(I a, I b) { return _mm512_add_epi32(a, b); }
+  static F to_f(I a) { return _mm512_cvtepi32_ps(a); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static F mul(F a, F b) { return _mm512_mul_ps(a, b); }
   static void store(float* out, F v, int64_t valid) {
@@ -208,9 +243,14 @@ struct Simd {
   }
   static I widen8(const uint8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
   static F zerof() { return _mm256_setzero_ps(); }
+  static F add(F a, F b) { return _mm256_add_ps(a, b); }
+  static F scale(const float* p) { return _mm256_loadu_ps(p); }
+  static F scale(const uint16_t* p) { return fp16(p); }
+  static F wide(const uint16_t* p, bool bf16) { return bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16)) : fp16(p); }  // 16-bit floats of L rows
   static F set1(float x) { return _mm256_set1_ps(x); }
   static F fp16(const uint16_t* p) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
-  static F to_f(I a, I b) { return _mm256_cvtepi32_ps(_mm256_add_epi32(a, b)); }
+  static I iadd(I a, I b) { return _mm256_add_epi32(a, b); }
+  static F to_f(I a) { return _mm256_cvtepi32_ps(a); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static F mul(F a, F b) { return _mm256_mul_ps(a, b); }
   static void store(float* out, F v, int64_t valid) {
@@ -239,9 +279,14 @@ struct Simd {
   }
   static I widen8(const uint8_t* p) { return vreinterpretq_s32_s16(vmovl_s8(vld1_s8(reinterpret_cast<const int8_t*>(p)))); }
   static F zerof() { return vdupq_n_f32(0.f); }
+  static F add(F a, F b) { return vaddq_f32(a, b); }
+  static F scale(const float* p) { return vld1q_f32(p); }
+  static F scale(const uint16_t* p) { return fp16(p); }
+  static F wide(const uint16_t* p, bool bf16) { return bf16 ? vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)) : fp16(p); }  // 16-bit floats of L rows
   static F set1(float x) { return vdupq_n_f32(x); }
   static F fp16(const uint16_t* p) { return vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(p))); }
-  static F to_f(I a, I b) { return vcvtq_f32_s32(vaddq_s32(a, b)); }
+  static I iadd(I a, I b) { return vaddq_s32(a, b); }
+  static F to_f(I a) { return vcvtq_f32_s32(a); }
   static F fma(F a, F b, F c) { return vfmaq_f32(c, a, b); }
   static F mul(F a, F b) { return vmulq_f32(a, b); }
   static void store(float* out, F v, int64_t valid) {
@@ -253,69 +298,107 @@ struct Simd {
 };
 #endif
 
-// One tile of 16 outputs for MR rows. w: the tile's blocks; sc: fp16 scales, per block 16 d (and,
-// for Q4, 16 m); xq, xd, xs: the first row's quantized inputs, scales and scaled sums (rows `k`
-// values and `nb` blocks apart). out: MR rows of `ld` floats, `valid` of 16 written.
-template <int MR, bool kQ4>
-inline void tile_dot(const uint8_t* w, const uint16_t* sc, int64_t blocks, const int16_t* xq, const float* xd,
-                     const float* xs, int64_t k, int64_t nb, float* out, int64_t ld, int64_t valid) {
+// One tile of 16 outputs for MR rows, in weight format kF. w: the tile's blocks; scales: its scales
+// (block_scales(kF) per block: fp16 d [, m], or fp32 d [, m] / d_lo, d_hi, m); xq, xd, xs: the first
+// row's quantized inputs, scales and scaled sums, xf its fp32 inputs (rows `k` values and `nb` blocks
+// apart). out: MR rows of `ld` floats, `valid` of 16 written.
+//
+// Per block of 32 inputs and output lane, every path computes, in this order:
+//   4-bit (kQ4, kQ4K):  f = fma(float(sum q x), d dx, f); f = fma(m, sx, f)
+//   8-bit (kQ8):        f = fma(float(sum q x), d dx, f)
+//   8-bit (kQ8K):       f = fma(float(sum_{j<16} q x), d_lo dx, f); f = fma(float(sum_{j>=16} q x), d_hi dx, f);
+//                       f = fma(m, sx, f)
+//   16-bit float:       a0 = fma chain over even inputs, a1 over odd inputs (from 0); f = f + (a0 + a1)
+// (integer sums are exact in any order; the float operations are the same ones in the same order).
+template <int MR, Format kF>
+inline void tile_dot(const uint8_t* w, const void* scales, int64_t blocks, const int16_t* xq, const float* xd,
+                     const float* xs, const float* xf, int64_t k, int64_t nb, float* out, int64_t ld, int64_t valid) {
+  using S = ScaleType<kF>;
+  const S* sc = static_cast<const S*>(scales);
+  constexpr int64_t kScales = block_scales(kF), kBytes = block_bytes(kF);
 #if STRATUM_AVX512 || STRATUM_AVX2 || STRATUM_NEON
   using F = Simd::F;
   using I = Simd::I;
   constexpr int L = Simd::kLanes;
   // two integer accumulators per row hide the latency of a dependent vpdpwssd, where registers allow
-  constexpr bool kTwo = Simd::kRegs >= 32 || MR <= 2;
+  constexpr bool kTwo = Simd::kRegs >= 32 || MR <= 2 || kF == kQ8K;
+  constexpr int64_t kScaleAhead = kScales ? kPrefetch * kScales * static_cast<int64_t>(sizeof(S)) / kBytes : 0;
   for (int part = 0; part < kTile / L; ++part) {  // the tile's lanes part*L .. part*L + L - 1
     F f[MR];
     for (int r = 0; r < MR; ++r) f[r] = Simd::zerof();
     for (int64_t b = 0; b < blocks; ++b) {
-      I a0[MR], a1[MR];
-      for (int r = 0; r < MR; ++r) a0[r] = a1[r] = Simd::zero();
-      const int16_t* xb = xq + b * kBlock;
-      if constexpr (kQ4) {
-        const uint8_t* wb = w + b * kQ4Bytes;
-        if (part == 0) __builtin_prefetch(reinterpret_cast<const char*>(sc + b * 2 * kTile) + kPrefetch / 4);
-        for (int g = 0; g < 4; ++g) {  // inputs 8g .. 8g+7 as four pairs, one pair per int32 lane and output
-          if (part == 0) __builtin_prefetch(reinterpret_cast<const char*>(wb + g * 64) + kPrefetch);
-          I p[4];
-          Simd::nibbles(wb + g * 64 + part * L * 4, p);
+      const uint8_t* wb = w + b * kBytes;
+      const S* sb = sc + b * kScales + part * L;
+      if constexpr (is_float(kF)) {
+        const uint16_t* wh = reinterpret_cast<const uint16_t*>(wb) + part * L;  // [input j][row]
+        F a0[MR], a1[MR];
+        for (int r = 0; r < MR; ++r) a0[r] = a1[r] = Simd::zerof();
+        for (int j = 0; j < kBlock; j += 2) {
+          if (part == 0) __builtin_prefetch(reinterpret_cast<const char*>(wb + j * 2 * kTile) + kPrefetch);
+          const F w0 = Simd::wide(wh + j * kTile, kF == kBF16), w1 = Simd::wide(wh + (j + 1) * kTile, kF == kBF16);
           for (int r = 0; r < MR; ++r) {
-            const int32_t* xr = reinterpret_cast<const int32_t*>(xb + r * k + g * 8);  // pairs of int16
-            if constexpr (kTwo) {
-              a0[r] = Simd::dot(a0[r], p[0], xr[0]);
-              a1[r] = Simd::dot(a1[r], p[1], xr[1]);
-              a0[r] = Simd::dot(a0[r], p[2], xr[2]);
-              a1[r] = Simd::dot(a1[r], p[3], xr[3]);
-            } else {
-              a0[r] = Simd::dot(Simd::dot(Simd::dot(Simd::dot(a0[r], p[0], xr[0]), p[1], xr[1]), p[2], xr[2]), p[3], xr[3]);
-            }
+            const float* xr = xf + r * k + b * kBlock;
+            a0[r] = Simd::fma(w0, Simd::set1(xr[j]), a0[r]);
+            a1[r] = Simd::fma(w1, Simd::set1(xr[j + 1]), a1[r]);
           }
         }
-        const uint16_t* sb = sc + b * 2 * kTile + part * L;
-        const F dw = Simd::fp16(sb), mw = Simd::fp16(sb + kTile);
-        for (int r = 0; r < MR; ++r) {
-          f[r] = Simd::fma(Simd::to_f(a0[r], a1[r]), Simd::mul(dw, Simd::set1(xd[r * nb + b])), f[r]);
-          f[r] = Simd::fma(mw, Simd::set1(xs[r * nb + b]), f[r]);
-        }
+        for (int r = 0; r < MR; ++r) f[r] = Simd::add(f[r], Simd::add(a0[r], a1[r]));
+        continue;
       } else {
-        const uint8_t* wb = w + b * kQ8Bytes;
-        if (part == 0) __builtin_prefetch(reinterpret_cast<const char*>(sc + b * kTile) + kPrefetch / 16);
-        for (int p = 0; p < 16; p += 2) {  // inputs 2p .. 2p+3: pairs p and p+1, int8 sign-extended
-          if (part == 0) __builtin_prefetch(reinterpret_cast<const char*>(wb + p * 32) + kPrefetch);
-          const I w0 = Simd::widen8(wb + p * 32 + part * L * 2), w1 = Simd::widen8(wb + p * 32 + 32 + part * L * 2);
+        if (part == 0) __builtin_prefetch(reinterpret_cast<const char*>(sc + b * kScales) + kScaleAhead);
+        I a0[MR], a1[MR];
+        for (int r = 0; r < MR; ++r) a0[r] = a1[r] = Simd::zero();
+        const int16_t* xb = xq + b * kBlock;
+        if constexpr (is_4bit(kF)) {
+          for (int g = 0; g < 4; ++g) {  // inputs 8g .. 8g+7 as four pairs, one pair per int32 lane and output
+            if (part == 0) __builtin_prefetch(reinterpret_cast<const char*>(wb + g * 64) + kPrefetch);
+            I p[4];
+            Simd::nibbles(wb + g * 64 + part * L * 4, p);
+            for (int r = 0; r < MR; ++r) {
+              const int32_t* xr = reinterpret_cast<const int32_t*>(xb + r * k + g * 8);  // pairs of int16
+              if constexpr (kTwo) {
+                a0[r] = Simd::dot(a0[r], p[0], xr[0]);
+                a1[r] = Simd::dot(a1[r], p[1], xr[1]);
+                a0[r] = Simd::dot(a0[r], p[2], xr[2]);
+                a1[r] = Simd::dot(a1[r], p[3], xr[3]);
+              } else {
+                a0[r] = Simd::dot(Simd::dot(Simd::dot(Simd::dot(a0[r], p[0], xr[0]), p[1], xr[1]), p[2], xr[2]), p[3], xr[3]);
+              }
+            }
+          }
+          const F dw = Simd::scale(sb), mw = Simd::scale(sb + kTile);
           for (int r = 0; r < MR; ++r) {
-            const int32_t* xr = reinterpret_cast<const int32_t*>(xb + r * k + p * 2);
-            if constexpr (kTwo) {
-              a0[r] = Simd::dot(a0[r], w0, xr[0]);
-              a1[r] = Simd::dot(a1[r], w1, xr[1]);
-            } else {
-              a0[r] = Simd::dot(Simd::dot(a0[r], w0, xr[0]), w1, xr[1]);
+            f[r] = Simd::fma(Simd::to_f(Simd::iadd(a0[r], a1[r])), Simd::mul(dw, Simd::set1(xd[r * nb + b])), f[r]);
+            f[r] = Simd::fma(mw, Simd::set1(xs[r * nb + b]), f[r]);
+          }
+        } else {
+          for (int p = 0; p < 8; ++p) {  // pair p of inputs 0..15 and pair p + 8 of 16..31, int8 sign-extended
+            if (part == 0) __builtin_prefetch(reinterpret_cast<const char*>(wb + p * 64) + kPrefetch);
+            const I w0 = Simd::widen8(wb + p * 32 + part * L * 2), w1 = Simd::widen8(wb + (p + 8) * 32 + part * L * 2);
+            for (int r = 0; r < MR; ++r) {
+              const int32_t* xr = reinterpret_cast<const int32_t*>(xb + r * k);
+              if constexpr (kTwo) {
+                a0[r] = Simd::dot(a0[r], w0, xr[p]);
+                a1[r] = Simd::dot(a1[r], w1, xr[p + 8]);
+              } else {
+                a0[r] = Simd::dot(Simd::dot(a0[r], w0, xr[p]), w1, xr[p + 8]);
+              }
+            }
+          }
+          if constexpr (kF == kQ8) {
+            const F dw = Simd::scale(sb);
+            for (int r = 0; r < MR; ++r)
+              f[r] = Simd::fma(Simd::to_f(Simd::iadd(a0[r], a1[r])), Simd::mul(dw, Simd::set1(xd[r * nb + b])), f[r]);
+          } else {
+            const F dlo = Simd::scale(sb), dhi = Simd::scale(sb + kTile), mw = Simd::scale(sb + 2 * kTile);
+            for (int r = 0; r < MR; ++r) {
+              const F dx = Simd::set1(xd[r * nb + b]);
+              f[r] = Simd::fma(Simd::to_f(a0[r]), Simd::mul(dlo, dx), f[r]);
+              f[r] = Simd::fma(Simd::to_f(a1[r]), Simd::mul(dhi, dx), f[r]);
+              f[r] = Simd::fma(mw, Simd::set1(xs[r * nb + b]), f[r]);
             }
           }
         }
-        const F dw = Simd::fp16(sc + b * kTile + part * L);
-        for (int r = 0; r < MR; ++r)
-          f[r] = Simd::fma(Simd::to_f(a0[r], a1[r]), Simd::mul(dw, Simd::set1(xd[r * nb + b])), f[r]);
       }
     }
     if (valid > part * L)
@@ -327,27 +410,49 @@ inline void tile_dot(const uint8_t* w, const uint16_t* sc, int64_t blocks, const
     float f[kTile] = {0.f};
     const int16_t* xrow = xq + r * k;
     for (int64_t b = 0; b < blocks; ++b) {
-      const float dx = xd[r * nb + b], sx = xs[r * nb + b];
-      const int16_t* xb = xrow + b * kBlock;
+      const uint8_t* wb = w + b * kBytes;
+      const S* sb = sc + b * kScales;
       for (int64_t lane = 0; lane < kTile; ++lane) {
-        int32_t sum = 0;
-        if constexpr (kQ4) {
-          const uint8_t* wb = w + b * kQ4Bytes;
-          const int64_t l = lane / 4, kk = lane % 4;
-          for (int g = 0; g < 4; ++g)
-            for (int h = 0; h < 2; ++h)
-              for (int e = 0; e < 2; ++e) {
-                const uint8_t byte = wb[g * 64 + l * 16 + h * 8 + kk * 2 + e];
-                sum += (byte & 0xF) * xb[g * 8 + 2 * h + e] + (byte >> 4) * xb[g * 8 + 4 + 2 * h + e];
-              }
-          const uint16_t* sb = sc + b * 2 * kTile;
-          f[lane] = std::fma(static_cast<float>(sum), half_to_float(sb[lane]) * dx, f[lane]);
-          f[lane] = std::fma(half_to_float(sb[kTile + lane]), sx, f[lane]);
+        if constexpr (is_float(kF)) {
+          const uint16_t* wh = reinterpret_cast<const uint16_t*>(wb);
+          const float* xr = xf + r * k + b * kBlock;
+          float a0 = 0.f, a1 = 0.f;
+          for (int j = 0; j < kBlock; j += 2) {
+            a0 = std::fma(wide_to_float(wh[j * kTile + lane], kF == kBF16), xr[j], a0);
+            a1 = std::fma(wide_to_float(wh[(j + 1) * kTile + lane], kF == kBF16), xr[j + 1], a1);
+          }
+          f[lane] = f[lane] + (a0 + a1);
+          continue;
         } else {
-          const int8_t* wb = reinterpret_cast<const int8_t*>(w + b * kQ8Bytes);
-          for (int p = 0; p < 16; ++p)
-            for (int e = 0; e < 2; ++e) sum += wb[p * 32 + lane * 2 + e] * xb[2 * p + e];
-          f[lane] = std::fma(static_cast<float>(sum), half_to_float(sc[b * kTile + lane]) * dx, f[lane]);
+          const float dx = xd[r * nb + b], sx = xs[r * nb + b];
+          const int16_t* xb = xrow + b * kBlock;
+          if constexpr (is_4bit(kF)) {
+            int32_t sum = 0;
+            const int64_t l = lane / 4, kk = lane % 4;
+            for (int g = 0; g < 4; ++g)
+              for (int h = 0; h < 2; ++h)
+                for (int e = 0; e < 2; ++e) {
+                  const uint8_t byte = wb[g * 64 + l * 16 + h * 8 + kk * 2 + e];
+                  sum += (byte & 0xF) * xb[g * 8 + 2 * h + e] + (byte >> 4) * xb[g * 8 + 4 + 2 * h + e];
+                }
+            f[lane] = std::fma(static_cast<float>(sum), scale_value(sb[lane]) * dx, f[lane]);
+            f[lane] = std::fma(scale_value(sb[kTile + lane]), sx, f[lane]);
+          } else {
+            const int8_t* w8 = reinterpret_cast<const int8_t*>(wb);
+            int32_t lo = 0, hi = 0;
+            for (int p = 0; p < 8; ++p)
+              for (int e = 0; e < 2; ++e) {
+                lo += w8[p * 32 + lane * 2 + e] * xb[2 * p + e];
+                hi += w8[(p + 8) * 32 + lane * 2 + e] * xb[16 + 2 * p + e];
+              }
+            if constexpr (kF == kQ8) {
+              f[lane] = std::fma(static_cast<float>(lo + hi), scale_value(sb[lane]) * dx, f[lane]);
+            } else {
+              f[lane] = std::fma(static_cast<float>(lo), scale_value(sb[lane]) * dx, f[lane]);
+              f[lane] = std::fma(static_cast<float>(hi), scale_value(sb[kTile + lane]) * dx, f[lane]);
+              f[lane] = std::fma(scale_value(sb[2 * kTile + lane]), sx, f[lane]);
+            }
+          }
         }
       }
     }
@@ -356,70 +461,87 @@ inline void tile_dot(const uint8_t* w, const uint16_t* sc, int64_t blocks, const
 #endif
 }
 
-// A packed weight: data [tiles, blocks, 256 or 512] uint8 (4-bit, or int8 values), scales [tiles, blocks, 32 or 16] fp16.
+// One segment of a projection: `rows` outputs in one format. data [tiles, blocks, block_bytes] uint8,
+// scales [tiles, blocks, block_scales] (fp32 for the K formats, else fp16; none for fp16/bf16 weights).
 struct Packed {
   const uint8_t* data;
-  const uint16_t* scales;
-  int64_t tiles, blocks;
-  bool q4;
+  const void* scales;
+  int64_t tiles, blocks, rows;
+  Format format;
 
-  static Packed of(const at::Tensor& data, const at::Tensor& scales) {
+  static Packed of(const at::Tensor& data, const at::Tensor& scales, int64_t format, int64_t rows) {
+    TORCH_CHECK(format >= kQ4 && format <= kBF16, "packed weight: unknown format ", format);
+    const auto f = static_cast<Format>(format);
     TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 3 && data.is_contiguous(), "packed weight: uint8 [tiles, blocks, bytes]");
-    TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.dim() == 3 && scales.is_contiguous(), "packed scales: fp16 [tiles, blocks, n]");
-    const bool q4 = data.size(2) == kQ4Bytes;
-    TORCH_CHECK(q4 || data.size(2) == kQ8Bytes, "packed weight: a tile-block is 256 (4-bit) or 512 (8-bit) bytes");
-    TORCH_CHECK(scales.size(0) == data.size(0) && scales.size(1) == data.size(1) && scales.size(2) == (q4 ? 2 : 1) * kTile,
-                "packed scales do not match the weight");
-    return {data.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()), data.size(0),
-            data.size(1), q4};
-  }
-  // The layers of a stacked [L, tiles, blocks, bytes] weight, checked once: `layer(l)` then moves the
-  // pointers, with no tensor made per layer and step (a select per weight cost ~6% of a decode step).
-  static Packed stacked(const at::Tensor& data, const at::Tensor& scales) {
-    TORCH_CHECK(data.dim() == 4 && data.is_contiguous() && scales.dim() == 4 && scales.is_contiguous(),
-                "packed weights: contiguous [layers, tiles, blocks, bytes]");
-    return of(data[0], scales[0]);
-  }
-  Packed layer(int64_t l) const {
-    return {data + l * tiles * bytes_per_tile(), scales + l * tiles * scales_per_tile(), tiles, blocks, q4};
+    TORCH_CHECK(data.size(2) == block_bytes(f), "packed weight: format ", format, " has ", block_bytes(f), "-byte tile-blocks, not ",
+                data.size(2));
+    TORCH_CHECK(scales.scalar_type() == (fp32_scales(f) ? at::kFloat : at::kHalf) && scales.dim() == 3 && scales.is_contiguous() &&
+                scales.size(0) == data.size(0) && scales.size(1) == data.size(1) && scales.size(2) == block_scales(f),
+                "packed scales do not match the weight's format ", format);
+    TORCH_CHECK(rows > (data.size(0) - 1) * kTile && rows <= data.size(0) * kTile, "packed weight: ", rows, " rows in ",
+                data.size(0), " tiles");
+    return {data.data_ptr<uint8_t>(), scales.data_ptr(), data.size(0), data.size(1), rows, f};
   }
   int64_t in_features() const { return blocks * kBlock; }
-  int64_t bytes_per_tile() const { return blocks * (q4 ? kQ4Bytes : kQ8Bytes); }
-  int64_t scales_per_tile() const { return blocks * (q4 ? 2 : 1) * kTile; }
+  int64_t bytes_per_tile() const { return blocks * block_bytes(format); }
+  int64_t scale_bytes_per_tile() const { return blocks * block_scales(format) * (fp32_scales(format) ? 4 : 2); }
 };
 
-template <bool kQ4>
-void linear_rows(const Packed& w, const QuantRows& x, int64_t rows, int64_t n_out, float* out) {
-  at::parallel_for(0, w.tiles, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const uint8_t* wt = w.data + t * w.bytes_per_tile();
-      const uint16_t* st = w.scales + t * w.scales_per_tile();
-      const int64_t valid = std::min(kTile, n_out - t * kTile);
-      float* o = out + t * kTile;
-      int64_t r = 0;
-#define STRATUM_TILE(MR) \
-  tile_dot<MR, kQ4>(wt, st, w.blocks, x.q.data() + r * x.k, x.d.data() + r * x.blocks, x.s.data() + r * x.blocks, \
-                    x.k, x.blocks, o + r * n_out, n_out, valid)
-      for (; r + 4 <= rows; r += 4) STRATUM_TILE(4);
-      switch (rows - r) {
-        case 3: STRATUM_TILE(3); break;
-        case 2: STRATUM_TILE(2); break;
-        case 1: STRATUM_TILE(1); break;
-        default: break;
-      }
-#undef STRATUM_TILE
-    }
-  });
+// A projection: its segments' outputs side by side (a fused projection whose parts differ in format).
+using Projection = std::vector<Packed>;
+
+int64_t out_features(const Projection& w) {
+  int64_t n = 0;
+  for (const auto& s : w) n += s.rows;
+  return n;
 }
 
-// out [rows, n_out] = quantized x @ w^T
-void linear(const Packed& w, const QuantRows& x, int64_t rows, int64_t n_out, float* out) {
-  TORCH_CHECK(x.k == w.in_features(), "packed linear: input has ", x.k, " features, the weight ", w.in_features());
-  TORCH_CHECK(n_out <= w.tiles * kTile, "packed linear: more outputs than the weight holds");
-  if (w.q4)
-    linear_rows<true>(w, x, rows, n_out, out);
-  else
-    linear_rows<false>(w, x, rows, n_out, out);
+template <Format kF>
+void tile_rows(const Packed& w, int64_t t, const QuantRows& x, int64_t rows, float* out, int64_t ld) {
+  const uint8_t* wt = w.data + t * w.bytes_per_tile();
+  const void* st = static_cast<const char*>(w.scales) + t * w.scale_bytes_per_tile();
+  const int64_t valid = std::min(kTile, w.rows - t * kTile);
+  float* o = out + t * kTile;
+  int64_t r = 0;
+#define STRATUM_TILE(MR)                                                                                                 \
+  tile_dot<MR, kF>(wt, st, w.blocks, x.q.data() + r * x.k, x.d.data() + r * x.blocks, x.s.data() + r * x.blocks, \
+                   x.x + r * x.k, x.k, x.blocks, o + r * ld, ld, valid)
+  for (; r + 4 <= rows; r += 4) STRATUM_TILE(4);
+  switch (rows - r) {
+    case 3: STRATUM_TILE(3); break;
+    case 2: STRATUM_TILE(2); break;
+    case 1: STRATUM_TILE(1); break;
+    default: break;
+  }
+#undef STRATUM_TILE
+}
+
+// out [rows, out_features(w)] = x @ w^T (x quantized, or fp32 for fp16/bf16 weights); the segments'
+// tiles are shared out among the threads together
+void linear(const Projection& w, const QuantRows& x, int64_t rows, float* out) {
+  const int64_t ld = out_features(w);
+  std::vector<int64_t> first{0}, column{0};
+  for (const auto& s : w) {
+    TORCH_CHECK(x.k == s.in_features(), "packed linear: input has ", x.k, " features, the weight ", s.in_features());
+    first.push_back(first.back() + s.tiles);
+    column.push_back(column.back() + s.rows);
+  }
+  at::parallel_for(0, first.back(), 1, [&](int64_t begin, int64_t end) {
+    size_t s = 0;
+    for (int64_t t = begin; t < end; ++t) {
+      while (t >= first[s + 1]) ++s;
+      const Packed& seg = w[s];
+      float* o = out + column[s];
+      switch (seg.format) {
+        case kQ4: tile_rows<kQ4>(seg, t - first[s], x, rows, o, ld); break;
+        case kQ8: tile_rows<kQ8>(seg, t - first[s], x, rows, o, ld); break;
+        case kQ4K: tile_rows<kQ4K>(seg, t - first[s], x, rows, o, ld); break;
+        case kQ8K: tile_rows<kQ8K>(seg, t - first[s], x, rows, o, ld); break;
+        case kF16: tile_rows<kF16>(seg, t - first[s], x, rows, o, ld); break;
+        case kBF16: tile_rows<kBF16>(seg, t - first[s], x, rows, o, ld); break;
+      }
+    }
+  });
 }
 
 // The residual add, in place: one rounding per element, so the same bits at any vector width (and a
@@ -667,15 +789,39 @@ void check_pool_access(const Step& s, const at::Tensor& tables, int64_t num_slot
   }
 }
 
-// The step's weights by name, from the list PackedStack.weights passes in this order.
+// The step's weights by name, from the list PackedStack.weights passes in this order: the norms,
+// biases and q/k norms, then every layer's projections (qkv, o, gate_up, down) as (data, scales)
+// pairs of their segments; `layout` gives, per layer and projection, the number of segments and each
+// one's (format, rows).
 struct StepWeights {
   at::Tensor in_norm, post_norm, final_norm;  // [L, hidden], [L, hidden], [hidden] fp32
-  at::Tensor qkv, qkv_scales, o, o_scales, gate_up, gate_up_scales, down, down_scales;  // stacked [L, ...] packed
   at::Tensor bias, q_norm, k_norm;  // qkv bias [L, n], q/k norms [L, D] fp32, or empty
+  std::vector<std::array<Projection, 4>> layers;  // qkv, o, gate_up, down
 
-  static StepWeights of(at::TensorList w) {
-    TORCH_CHECK(w.size() == 14, "packed_forward: 14 weight tensors expected");
-    return {w[0], w[1], w[2], w[3], w[4], w[5], w[6], w[7], w[8], w[9], w[10], w[11], w[12], w[13]};
+  static StepWeights of(at::TensorList w, at::IntArrayRef layout) {
+    TORCH_CHECK(w.size() >= 6, "packed_forward: norms, bias and q/k norms expected first");
+    StepWeights sw{w[0], w[1], w[2], w[3], w[4], w[5], {}};
+    const int64_t num_layers = sw.in_norm.size(0);
+    size_t t = 6, i = 0;
+    auto next = [&]() {
+      TORCH_CHECK(i < layout.size(), "packed_forward: the layout ends early");
+      return layout[i++];
+    };
+    for (int64_t l = 0; l < num_layers; ++l) {
+      sw.layers.emplace_back();
+      for (auto& proj : sw.layers.back()) {
+        const int64_t segments = next();
+        TORCH_CHECK(segments >= 1, "packed_forward: a projection without segments");
+        for (int64_t j = 0; j < segments; ++j) {
+          const int64_t format = next(), rows = next();
+          TORCH_CHECK(t + 2 <= w.size(), "packed_forward: fewer weight tensors than the layout names");
+          proj.push_back(Packed::of(w[t], w[t + 1], format, rows));
+          t += 2;
+        }
+      }
+    }
+    TORCH_CHECK(t == w.size() && i == layout.size(), "packed_forward: more weights than the layout names");
+    return sw;
   }
 };
 
@@ -686,10 +832,11 @@ struct StepWeights {
 std::tuple<at::Tensor, at::Tensor> packed_forward(const at::Tensor& x_in, const at::Tensor& positions, const at::Tensor& cos,
                                                   const at::Tensor& sin, const at::Tensor& slot_mapping, const at::Tensor& tables,
                                                   const at::Tensor& row_seq, at::TensorList k_caches, at::TensorList v_caches,
-                                                  at::TensorList weight_list, int64_t num_heads, int64_t num_kv_heads, double eps,
+                                                  at::TensorList weight_list, at::IntArrayRef layout, int64_t num_heads,
+                                                  int64_t num_kv_heads, double eps,
                                                   int64_t block_size, at::IntArrayRef probe_layers, const at::Tensor& probe_rows) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat && x_in.dim() == 2, "packed_forward: x must be [T, hidden] fp32");
-  const StepWeights w = StepWeights::of(weight_list);
+  const StepWeights w = StepWeights::of(weight_list, layout);
   const int64_t layers = w.in_norm.size(0), tokens = x_in.size(0), hidden = x_in.size(1);
   TORCH_CHECK(static_cast<int64_t>(k_caches.size()) == layers && static_cast<int64_t>(v_caches.size()) == layers,
               "packed_forward: one K and one V pool per layer");
@@ -715,11 +862,12 @@ std::tuple<at::Tensor, at::Tensor> packed_forward(const at::Tensor& x_in, const 
   for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(s.positions[t] < cos.size(0), "packed_forward: position beyond the rotary table");
 
   const int64_t q_size = num_heads * head_dim, qkv_size = (num_heads + 2 * num_kv_heads) * head_dim;
-  const int64_t inter2 = w.gate_up.size(1) * kTile;  // gate_up outputs (padded to the tile)
-  const Packed qkv_w = Packed::stacked(w.qkv, w.qkv_scales), o_w = Packed::stacked(w.o, w.o_scales);
-  const Packed gate_up_w = Packed::stacked(w.gate_up, w.gate_up_scales), down_w = Packed::stacked(w.down, w.down_scales);
-  const int64_t inter = down_w.in_features();
-  TORCH_CHECK(inter2 >= 2 * inter && gate_up_w.in_features() == hidden, "packed_forward: MLP shapes do not match");
+  const int64_t inter = w.layers[0][3][0].in_features();
+  for (const auto& proj : w.layers) {
+    TORCH_CHECK(out_features(proj[0]) == qkv_size && out_features(proj[1]) == hidden && out_features(proj[2]) == 2 * inter &&
+                out_features(proj[3]) == hidden && proj[0][0].in_features() == hidden && proj[2][0].in_features() == hidden,
+                "packed_forward: projection shapes do not match the model");
+  }
   for (const auto& norm : {w.in_norm, w.post_norm})
     TORCH_CHECK(norm.is_contiguous() && norm.sizes() == at::IntArrayRef({layers, hidden}), "packed_forward: norms [L, hidden]");
   const float* in_norm = w.in_norm.data_ptr<float>();
@@ -737,7 +885,7 @@ std::tuple<at::Tensor, at::Tensor> packed_forward(const at::Tensor& x_in, const 
   for (int64_t l = 0; l < layers; ++l) {
     rms_norm(xp, in_norm + l * hidden, tokens, hidden, s.eps, h.data_ptr<float>());
     xq.quantize(h.data_ptr<float>(), tokens, hidden);
-    linear(qkv_w.layer(l), xq, tokens, qkv_size, qkv.data_ptr<float>());
+    linear(w.layers[l][0], xq, tokens, qkv.data_ptr<float>());
     if (w.bias.numel()) qkv.add_(w.bias[l]);
     const float* qn = w.q_norm.numel() ? w.q_norm[l].data_ptr<float>() : nullptr;
     const float* kn = w.k_norm.numel() ? w.k_norm[l].data_ptr<float>() : nullptr;
@@ -755,11 +903,11 @@ std::tuple<at::Tensor, at::Tensor> packed_forward(const at::Tensor& x_in, const 
       if (probe_layers[p] == l)
         for (int64_t i = 0; i < probes; ++i) probe_q[p][i].view({-1}).copy_(q[probe_rows[i].item<int64_t>()]);
     xq.quantize(attn.data_ptr<float>(), tokens, q_size);
-    linear(o_w.layer(l), xq, tokens, hidden, proj.data_ptr<float>());
+    linear(w.layers[l][1], xq, tokens, proj.data_ptr<float>());
     add_into(xp, proj.data_ptr<float>(), tokens * hidden);
     rms_norm(xp, post_norm + l * hidden, tokens, hidden, s.eps, h.data_ptr<float>());
     xq.quantize(h.data_ptr<float>(), tokens, hidden);
-    linear(gate_up_w.layer(l), xq, tokens, 2 * inter, gu.data_ptr<float>());
+    linear(w.layers[l][2], xq, tokens, gu.data_ptr<float>());
     const float* g = gu.data_ptr<float>();
     float* a = act.data_ptr<float>();
     for (int64_t t = 0; t < tokens; ++t) {
@@ -769,23 +917,23 @@ std::tuple<at::Tensor, at::Tensor> packed_forward(const at::Tensor& x_in, const 
       for (int64_t i = 0; i < inter; ++i) at[i] = gt[i] / (1.f + exp_fp32(-gt[i])) * gt[inter + i];
     }
     xq.quantize(a, tokens, inter);
-    linear(down_w.layer(l), xq, tokens, hidden, proj.data_ptr<float>());
+    linear(w.layers[l][3], xq, tokens, proj.data_ptr<float>());
     add_into(xp, proj.data_ptr<float>(), tokens * hidden);
   }
   rms_norm(xp, w.final_norm.data_ptr<float>(), tokens, hidden, s.eps, h.data_ptr<float>());
   return {h, probe_q};
 }
 
-// x [M, K] fp32 -> [M, n_out] fp32 through one packed weight (the output projection, and tests).
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales, int64_t n_out) {
+// x [M, K] fp32 -> [M, rows] fp32 through one packed segment (the output projection, and tests).
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales, int64_t format, int64_t rows) {
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "packed_linear: x must be [M, K] fp32");
-  const Packed w = Packed::of(data, scales);
-  TORCH_CHECK(x.size(1) == w.in_features(), "packed_linear: x has ", x.size(1), " features, the weight ", w.in_features());
+  const Projection w{Packed::of(data, scales, format, rows)};
+  TORCH_CHECK(x.size(1) == w[0].in_features(), "packed_linear: x has ", x.size(1), " features, the weight ", w[0].in_features());
   const auto xc = x.contiguous();
   QuantRows xq;
   xq.quantize(xc.data_ptr<float>(), x.size(0), x.size(1));
-  auto out = at::empty({x.size(0), n_out}, x.options());
-  linear(w, xq, x.size(0), n_out, out.data_ptr<float>());
+  auto out = at::empty({x.size(0), rows}, x.options());
+  linear(w, xq, x.size(0), out.data_ptr<float>());
   return out;
 }
 
@@ -795,10 +943,10 @@ std::string packed_simd() { return kSimdPath; }
 
 TORCH_LIBRARY_FRAGMENT(stratum, m) {
   m.def("packed_simd() -> str", &packed_simd);
-  m.def("packed_linear(Tensor x, Tensor data, Tensor scales, int n_out) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor data, Tensor scales, int format, int rows) -> Tensor");
   m.impl("packed_linear", c10::DispatchKey::CPU, TORCH_FN(packed_linear));
   m.def("packed_forward(Tensor x, Tensor positions, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor tables, "
-        "Tensor row_seq, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor[] weights, int num_heads, "
+        "Tensor row_seq, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor[] weights, int[] layout, int num_heads, "
         "int num_kv_heads, float eps, int block_size, int[] probe_layers, Tensor probe_rows) -> (Tensor, Tensor)");
   m.impl("packed_forward", c10::DispatchKey::CPU, TORCH_FN(packed_forward));
 }
