@@ -39,7 +39,7 @@ SCRIPT = r"""
 import sys, torch
 from stratum.kernels import native
 native.build(native.STEP, native.build_dir(native.stratum_home(), native.STEP))
-from stratum.engine.builder import attach_packed
+from stratum.engine.builder import attach_packed, attach_quantized
 from stratum.layers.attention import AttentionMetadata
 from stratum.models.llama import LlamaForCausalLM
 from stratum.models.loader import load_checkpoint
@@ -53,6 +53,7 @@ for path in sys.argv[2:]:
     model.load_weights(dict(ckpt.weights), held=set(ckpt.quantized))
     model.eval()
     assert attach_packed(model, ckpt.quantized)
+    attach_quantized(model, ckpt.quantized, True, torch.float32)  # what the step does not take: the embedding
     bs, blocks = 16, 32
     caches = [(torch.zeros(blocks * bs, cfg.num_kv_heads, cfg.head_dim), torch.zeros(blocks * bs, cfg.num_kv_heads, cfg.head_dim))
               for _ in range(cfg.num_layers)]
