@@ -23,7 +23,7 @@ import gguf
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.kquants import quantize  # noqa: E402
+from tests.kquants import quantize, use_more_bits  # noqa: E402
 
 # Hugging Face config.json figures of each model (vocabulary aside: the donor's is used)
 SHAPES = {
@@ -34,10 +34,6 @@ SHAPES = {
     "llama-3.2-1b": dict(arch="llama", hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, bias=False,
                          rope_theta=500000.0, eps=1e-5, context=131072),
 }
-
-
-def use_more_bits(i: int, n: int) -> bool:
-    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
 
 
 def main() -> None:

@@ -67,3 +67,9 @@ def _q6_k(x: np.ndarray) -> np.ndarray:
                          (q[:, :, 1] & 0x0F) | ((q[:, :, 3] & 0x0F) << 4)], axis=2).reshape(n, 128)
     qh = ((q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6)).reshape(n, 64)
     return np.concatenate([ql, qh, sc.view(np.uint8), _fp16_bytes(d)], axis=1)
+
+
+def use_more_bits(i: int, n: int) -> bool:
+    """llama.cpp's choice of the layers whose attn_v and ffn_down get more bits in a _M mix
+    (src/llama-quant.cpp, use_more_bits): the first and last eighth, and every third layer between."""
+    return i < n // 8 or i >= 7 * n // 8 or (i - n // 8) % 3 == 2
