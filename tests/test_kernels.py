@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
+import shutil
 import subprocess
 import sys
 import time
@@ -257,3 +259,20 @@ def test_pull_prepares_the_kernels_and_the_plan_that_serve_then_loads(tmp_path, 
     assert plans
     if all(p["quiet"] for p in plans):  # a plan measured on a busy machine is measured again, by design
         assert "kernel plan (cache)" in second, second
+
+
+@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
+def test_a_build_killed_midway_does_not_hang_the_next():
+    """torch's build guard is a `lock` file, which a build killed midway (a timeout, kill -9) leaves
+    behind; every later load of the kernels then waited on it forever. Such a file is now cleared
+    under a lock the kernel releases with its holder."""
+    if os.environ.get("STRATUM_NATIVE", "1") == "0":
+        pytest.skip("native kernels disabled")
+    script = ("from stratum.kernels import native\n"
+              "d = native.build_dir(native.stratum_home(), native.STEP)\n"
+              "d.mkdir(parents=True, exist_ok=True)\n"
+              "(d / 'lock').touch()\n"  # what a killed build leaves
+              "native.build(native.STEP, d)\n"
+              "assert not (d / 'lock').exists()\n")
+    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]

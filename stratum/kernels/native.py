@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 import platform
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,8 +69,26 @@ def build(lib: Library, directory: Path) -> None:
 
     directory.mkdir(parents=True, exist_ok=True)
     flags = [*lib.cflags, f"-march={march()}"]
-    load(name=lib.name, sources=[str(CSRC / s) for s in lib.sources], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-         build_directory=str(directory), is_python_module=False, verbose=False)
+    with _exclusive(directory / "build.flock"):
+        # torch's own guard is a `lock` file that a build killed midway leaves behind, and every later
+        # load then waits on it forever; under this lock, which the kernel drops with its holder, no
+        # other process is building here, so such a file is stale
+        (directory / "lock").unlink(missing_ok=True)
+        load(name=lib.name, sources=[str(CSRC / s) for s in lib.sources], extra_cflags=flags, extra_ldflags=["-fopenmp"],
+             build_directory=str(directory), is_python_module=False, verbose=False)
+
+
+@contextmanager
+def _exclusive(path: Path):
+    """An exclusive flock on `path` for the block: released by the kernel if the process dies."""
+    import fcntl
+
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def is_built() -> bool:
