@@ -25,6 +25,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Callable
 
+from stratum.engine.config import ResolvedConfig
 from stratum.engine.outputs import EngineDeadError, OrchestrationError, RequestOutput, StepError
 from stratum.engine.protocol import (
     Abort, Accepted, AddRequest, Command, EngineDied, EngineInfo, EngineSnapshot, Event, HeldKeys, KVBlocks, ListHeld,
@@ -513,7 +514,17 @@ class EngineClient:
 
     def check_request(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
         """Raises InvalidRequestError when the request can never run on this engine."""
-        self.config.check_request(num_prompt_tokens, sampling)
+        self.limits().check_request(num_prompt_tokens, sampling)
+
+    def limits(self) -> ResolvedConfig:
+        """The configuration requests are checked against, with the KV pool the engine last published:
+        a cold start's switch from the PyTorch step to the native one reallocates the pool in another
+        dtype, so it holds more blocks than the engine started with. Behind a replica set, the
+        configuration every replica started with (the published pool is their sum)."""
+        blocks = self.snapshot.kv_blocks.total
+        if not self.replicas() and blocks and blocks != self.config.num_kv_blocks:
+            return replace(self.config, num_kv_blocks=blocks)
+        return self.config
 
     def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
                **options) -> RequestStream:

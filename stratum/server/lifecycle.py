@@ -230,14 +230,18 @@ class RequestLifecycle:
         Raises:
             InvalidRequest: the prompt leaves no room in the context.
         """
-        limit = self.rt.engine.config.max_model_len
+        config = self.rt.engine.limits()
+        limit = config.max_model_len
         if num_prompt_tokens > limit:
             raise InvalidRequest(f"prompt is too long: {num_prompt_tokens} tokens > {limit} maximum")
         room = limit - num_prompt_tokens
-        if sampling.max_tokens > room:
-            if room == 0:
-                raise InvalidRequest(f"prompt is too long: {num_prompt_tokens} tokens leave no room for output in the "
-                                     f"{limit}-token context")
+        if sampling.max_tokens > room and room == 0:
+            raise InvalidRequest(f"prompt is too long: {num_prompt_tokens} tokens leave no room for output in the "
+                                 f"{limit}-token context")
+        # one sequence holds at most the KV pool (smaller than the context while a cold start serves
+        # on the PyTorch step); a prompt beyond the pool is check_request's 400
+        room = min(room, config.num_kv_blocks * config.block_size - num_prompt_tokens)
+        if sampling.max_tokens > room > 0:
             sampling.max_tokens = room
             self.is_context_capped = True
 
