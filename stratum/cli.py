@@ -119,6 +119,7 @@ def cmd_serve(args) -> int:
                                    timeout_graceful_shutdown=5, loop="asyncio"),
                     None, args.drain_timeout_s)
     up: dict = {}  # what the start-up thread brought up: "client", or "error"
+    stopped = threading.Event()
 
     def bring_up() -> None:
         try:
@@ -144,6 +145,10 @@ def cmd_serve(args) -> int:
         later = "; preparing the native kernels in the background" if kernels.get("native_kernels") == "being prepared" else ""
         print(f"stratum: {name} ready in {time.perf_counter() - t0:.1f}s on {cfg.device}/{cfg.dtype} ({kernels['step']} "
               f"step), {cfg.num_kv_blocks} KV blocks, {cfg.num_threads} engine threads in {where}{later}", flush=True)
+        if args.replicas > 1:
+            # Ray spawns its own processes (the GCS, the raylet) with a parent-death signal, which Linux
+            # sends when the *thread* that spawned them exits: this one stays until the server stops
+            stopped.wait()
 
     threading.Thread(target=bring_up, name="stratum-start", daemon=True).start()
     print(f"stratum: listening on http://{args.host}:{args.port}; /health answers 503 until {name} is loaded",
@@ -151,6 +156,7 @@ def cmd_serve(args) -> int:
     try:
         server.run()
     finally:
+        stopped.set()
         client = up.get("client")
         if client is not None:
             client.shutdown()

@@ -104,7 +104,9 @@ class ReplicaSetTransport(Transport):
             num_preemptions=sum(s.num_preemptions for s in snaps), num_steps=steps,
             overhead_ratio=sum(s.overhead_ratio * s.num_steps for s in snaps) / steps if steps else 0.0,
             mean_step_s=max(s.mean_step_s for s in snaps), threads=sum(s.threads for s in snaps),
-            rss_mb=sum(s.rss_mb for s in snaps), published_at=min(s.published_at for s in snaps))
+            rss_mb=sum(s.rss_mb for s in snaps), step="+".join(sorted({s.step for s in alive if s.step})),
+            preparing="; ".join(f"{v.name}: {v.snapshot.preparing}" for v in views if v.snapshot.preparing) or None,
+            published_at=min(s.published_at for s in snaps))
 
     # ---- requests -----------------------------------------------------------------------------------
     def send(self, commands: list[AddRequest]) -> None:

@@ -44,7 +44,14 @@ def start(config: EngineConfig, replicas: int, ray_address: str | None = None, r
                      _node_ip_address="127.0.0.1", log_to_driver=True)
     cores = os.cpu_count() or 1
     threads = config.num_threads or int(os.environ.get("STRATUM_NUM_THREADS", 0) or 0) or max(1, (cores - 1) // replicas)
-    config = replace(config, num_threads=threads)
+    # Each replica starts on the prepared kernels (no PyTorch-first start and switch per replica):
+    # on this machine they are prepared once, here, rather than by every replica at once, each
+    # disturbing the others' measurements; a replica on another node measures its own as it starts.
+    config = replace(config, num_threads=threads, defer_kernels=False)
+    if not ray_address and config.device != "cuda":
+        from stratum.engine.prepare import prepare
+
+        prepare(config)
     sched = config.scheduler
     # Each replica's engine batches and queues by itself: Serve only has to let that many calls through.
     deployment = serve.deployment(
