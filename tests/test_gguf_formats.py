@@ -122,6 +122,12 @@ def test_native_step_runs_every_packed_format_as_the_pytorch_path_does(mix, qwen
     assert native_engine.model.packed_head is not None  # the output projection as stored too
     torch_engine = LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=32, int4_max_tokens=0,
                        native_step=False).engine
+    assert_native_matches_pytorch(torch_engine, native_engine)
+
+
+def assert_native_matches_pytorch(torch_engine, native_engine) -> None:
+    """Greedy tokens equal, and logits within the bound of the native step's int16 activations (as
+    tests/test_packed_step.py bounds them), on one prompt through each engine."""
     ids = native_engine.tokenizer.encode("The capital of Japan is Tokyo. def add(a, b):")
     outs = []
     for engine in (torch_engine, native_engine):
@@ -132,7 +138,7 @@ def test_native_step_runs_every_packed_format_as_the_pytorch_path_does(mix, qwen
         outs.append(seq)
     a, b = outs
     assert a.output_token_ids == b.output_token_ids
-    for p in a.logits:  # the int16 activations of the native step, as tests/test_packed_step.py bounds them
+    for p in a.logits:
         torch.testing.assert_close(b.logits[p], a.logits[p], rtol=1e-3, atol=1e-3 * float(a.logits[p].abs().max()))
 
 
@@ -244,17 +250,7 @@ def test_native_step_runs_only_the_families_it_computes(family, tmp_path):
         return
     assert native_engine.kernel_choices["step"] == "native, packed blocks"
     torch_engine = LLM(str(path), native_step=False, **kw).engine
-    ids = native_engine.tokenizer.encode("The capital of Japan is Tokyo. def add(a, b):")
-    outs = []
-    for engine in (torch_engine, native_engine):
-        seq = engine.add_request(ids, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, return_logits=True))
-        while engine.has_unfinished():
-            engine.step()
-        outs.append(seq)
-    a, b = outs
-    assert a.output_token_ids == b.output_token_ids
-    for p in a.logits:  # the int16 activations of the native step, as tests/test_packed_step.py bounds them
-        torch.testing.assert_close(b.logits[p], a.logits[p], rtol=1e-3, atol=1e-3 * float(a.logits[p].abs().max()))
+    assert_native_matches_pytorch(torch_engine, native_engine)
 
 
 # ---- stratum info FILE ---------------------------------------------------------------------------------
