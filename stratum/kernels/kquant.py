@@ -42,7 +42,7 @@ def mapped_tensor(array: np.ndarray) -> torch.Tensor:
 
 
 def _fp16(blocks: torch.Tensor, at: int) -> torch.Tensor:
-    return blocks[..., at : at + 2].contiguous().view(torch.float16)[..., 0].float()
+    return blocks[..., at : at + 2].contiguous().view(torch.float16)[..., 0]
 
 
 def _scale_min_k4(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,11 +52,23 @@ def _scale_min_k4(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     d, m, md = packed[..., 0:4], packed[..., 4:8], packed[..., 8:12]
     scale = torch.cat([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], dim=-1)
     mins = torch.cat([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], dim=-1)
-    return scale.float(), mins.float()
+    return scale, mins
 
 
-def unpack(qtype: str, raw: np.ndarray | torch.Tensor, shape: tuple[int, int]) -> Unpacked:
-    """Raw GGUF rows of a K-quant tensor of logical `shape` [N, K] (K a multiple of 256) -> Unpacked.
+class Parts(NamedTuple):
+    """A K-quant tensor's integers as stored, the super-block scales as their fp16 values:
+    weight[n, k] = d[n, k // 256] · sc[n, k // group] · (q[n, k] − centre) − dmin[n, k // 256] · mins[n, k // 32]."""
+
+    q: torch.Tensor  # [N, K] uint8: 0..15 (Q4_K), 0..31 (Q5_K), 0..63 (Q6_K, centre 32; else 0)
+    sc: torch.Tensor  # [N, K / group] uint8 6-bit (Q4_K, Q5_K) or int8 (Q6_K)
+    mins: torch.Tensor | None  # [N, K / 32] uint8 6-bit, or None (Q6_K)
+    d: torch.Tensor  # [N, K / 256] fp16
+    dmin: torch.Tensor | None  # [N, K / 256] fp16, or None (Q6_K)
+    group: int  # weights per sub-block: 32, or 16 for Q6_K
+
+
+def parts(qtype: str, raw: np.ndarray | torch.Tensor, shape: tuple[int, int]) -> Parts:
+    """Raw GGUF rows of a K-quant tensor of logical `shape` [N, K] (K a multiple of 256) -> Parts.
 
     Raises:
         ValueError: not a K-quant format handled here, or the bytes do not match the shape.
@@ -70,16 +82,13 @@ def unpack(qtype: str, raw: np.ndarray | torch.Tensor, shape: tuple[int, int]) -
     b = data.reshape(n, k // QK_K, BLOCK_BYTES[qtype])
     if qtype == "Q6_K":
         ql, qh, sc = b[..., :128], b[..., 128:192], b[..., 192:208].contiguous().view(torch.int8)
-        d = _fp16(b, 208)
         # per half of 128 weights: ql [64], qh [32]; output 32·j + l takes ql nibble j // 2 of byte
         # l + 32·(j % 2) and the 2-bit field j of qh byte l
         ql = ql.reshape(n, -1, 2, 2, 32)  # [N, S, half, byte group, l]
         low = torch.stack([ql[..., 0, :] & 0x0F, ql[..., 1, :] & 0x0F, ql[..., 0, :] >> 4, ql[..., 1, :] >> 4], dim=-2)
         qh = qh.reshape(n, -1, 2, 1, 32) >> torch.tensor([0, 2, 4, 6], dtype=torch.uint8).view(4, 1)
-        q = (low | ((qh & 0x03) << 4)).to(torch.int8) - 32  # [N, S, half, 4, 32]
-        scale = d[..., None] * sc.float()  # [N, S, 16]
-        return Unpacked(q.reshape(n, k), scale.reshape(n, -1), None, 16)
-    d, dmin = _fp16(b, 0), _fp16(b, 2)
+        q = low | ((qh & 0x03) << 4)  # [N, S, half, 4, 32]
+        return Parts(q.reshape(n, k), sc.reshape(n, -1), None, _fp16(b, 208), None, 16)
     sc, mins = _scale_min_k4(b[..., 4:16])
     qs = b[..., -128:].reshape(n, -1, 4, 1, 32)  # sub-blocks 2j, 2j + 1 share 32 bytes: low, high nibble
     q = (qs >> torch.tensor([0, 4], dtype=torch.uint8).view(2, 1)) & 0x0F  # [N, S, 4, 2, 32]
@@ -87,9 +96,22 @@ def unpack(qtype: str, raw: np.ndarray | torch.Tensor, shape: tuple[int, int]) -
     if qtype == "Q5_K":  # bit j of qh byte l is the fifth bit of weight l of sub-block j
         qh = b[..., 16:48].reshape(n, -1, 1, 32) >> torch.arange(8, dtype=torch.uint8).view(8, 1)
         q = q | ((qh & 0x01) << 4)
-    scale = d[..., None] * sc  # [N, S, 8]
-    offset = -(dmin[..., None] * mins)
-    return Unpacked(q.reshape(n, k), scale.reshape(n, -1), offset.reshape(n, -1), 32)
+    return Parts(q.reshape(n, k), sc.reshape(n, -1), mins.reshape(n, -1), _fp16(b, 0), _fp16(b, 2), 32)
+
+
+def unpack(qtype: str, raw: np.ndarray | torch.Tensor, shape: tuple[int, int]) -> Unpacked:
+    """Raw GGUF rows of a K-quant tensor of logical `shape` [N, K] (K a multiple of 256) -> Unpacked.
+
+    Raises:
+        ValueError: not a K-quant format handled here, or the bytes do not match the shape.
+    """
+    p = parts(qtype, raw, shape)
+    per_super = QK_K // p.group
+    scale = p.d.float().repeat_interleave(per_super, -1) * p.sc.float()  # an fp16 times a small integer: exact
+    if p.mins is None:
+        return Unpacked(p.q.to(torch.int8) - 32, scale, None, p.group)
+    offset = -(p.dmin.float().repeat_interleave(per_super, -1) * p.mins.float())
+    return Unpacked(p.q, scale, offset, p.group)
 
 
 def dequantize(qtype: str, raw: np.ndarray | torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:

@@ -1,17 +1,24 @@
 """GGUF tensors repacked for the native step (csrc/packed_step.cpp): tiles of 16 output rows.
 
 Every block format the step runs is first decoded into one affine form per block of 32 inputs,
-weight = q·d + m with integer q (kept as stored: no value is rounded), and written in one of six
-formats (FORMATS; the same numbers in packed_step.cpp's `Format`):
+weight = q·d + m with integer q (kept as stored: no value is rounded), and written in one of nine
+formats (FORMATS; the same numbers in packed_step.cpp's `Format`), each as close to the file's own
+bits per weight as the tiles allow:
 
-    Q4    4-bit q, fp16 d and m        Q4_0 (m = −8d, exact), Q4_1
-    Q8    int8 q, fp16 d               Q8_0, Q5_0 (q − 16)
-    Q4K   4-bit q, fp32 d and m        Q4_K (d = d·sc, m = −dmin·min of each sub-block of 32)
-    Q8K   int8 q, fp32 d_lo, d_hi, m   Q5_K, Q5_1 (d_lo = d_hi), Q6_K (q − 32; a scale per 16 inputs, m = 0)
+    Q4    4-bit q, fp16 d and m                                Q4_0 (m = −8d, exact), Q4_1
+    Q8    int8 q, fp16 d                                       Q8_0
+    Q5    5-bit q, fp16 d (m = −16d, computed)                 Q5_0
+    Q5M   5-bit q, fp16 d and m                                Q5_1
+    Q4K   4-bit q; per block the 6-bit sub-scale sc and min;   Q4_K (d = D·sc, m = −Dmin·min)
+          per super-block of 256 inputs fp16 D and Dmin
+    Q6K   6-bit q (centred: q − 32); per block two int8        Q6_K (d_lo = D·sc_lo, d_hi = D·sc_hi)
+          sub-scales (inputs 0-15, 16-31); fp16 D per 256
+    Q8K   int8 q, fp32 d_lo, d_hi, m                           Q5_K
     F16, BF16  the 16-bit floats as stored
 
 (block layouts: llama.cpp ggml-common.h, block_q4_0 ... block_q6_K; K-quant sub-blocks unpacked by
-kernels/kquant.py). A K-quant scale is an fp16 times a 6- or 8-bit integer: exact in fp32, not in fp16.
+kernels/kquant.py). A K-quant scale is an fp16 times a 6- or 8-bit integer: exact in fp32, so the
+kernel multiplies the two at run time and gets the scale ggml's dequantizer computes, bit for bit.
 
 The kernel computes 16 outputs at once, one per int32 lane, each lane taking a pair of inputs per
 instruction (int16 activations); so per tile of 16 rows and per block of 32 inputs:
@@ -19,11 +26,19 @@ instruction (int16 activations); so per tile of 16 rows and per block of 32 inpu
     8-bit, 512 bytes: [pair p][row i][e < 2] = q[i, 2p + e]  (int8, sign-extended in the kernel)
     4-bit, 256 bytes: [group g of 8 inputs][row quad L][h < 2][row k < 4][e < 2]
                       = q[4L + k, 8g + 2h + e] | q[4L + k, 8g + 4 + 2h + e] << 4
+    5-bit, 320 bytes: the 4-bit plane of q & 15, then per group 16 bytes of fifth bits: bit L of
+                      byte r is bit 4 of the low nibble's q in byte 16L + r of the group's 64,
+                      bit 4 + L that of its high nibble
+    6-bit, 384 bytes: the 4-bit plane, then per group 32 bytes of q >> 4: bits 2L, 2L + 1 of byte r
+                      (r < 16) for the low nibble's q in byte 16L + r, of byte 16 + r for the high one
     16-bit float, 1024 bytes: [input j][row i]
 
-(the 4-bit order is what the kernel's byte unpacking within 128-bit lanes turns into one pair
-of inputs per output lane), and the scales of a tile-block are 16 values of each of the format's
-scales in turn. Rows are padded to a multiple of 16 with zero weights.
+(the 4-bit order is what the kernel's byte unpacking within 128-bit lanes turns into one pair of
+inputs per output lane; the high planes are read with one shift per 128-bit lane L). The scales of a
+tile-block are 16 values of each of the format's scales in turn; for Q4K and Q6K, whose scales are
+integers under a super-block's fp16, a tile's eight blocks of a super-block store their integer
+scales (16 bytes each, 32 a block) and then the super-block's fp16 values (16 each), in one uint8
+row of 320 (Q4K) or 288 (Q6K) bytes. Rows are padded to a multiple of 16 with zero weights.
 
 A projection whose parts (q, k, v; gate, up) differ in format is run as segments, one per format,
 their outputs side by side: llama.cpp's Q4_K_M keeps some attn_v and ffn_down tensors in Q6_K.
@@ -40,12 +55,15 @@ from stratum.kernels import kquant
 from stratum.kernels.quant import GROUP_SIZE, Q8_0_BYTES
 
 TILE = 16
-Q4, Q8, Q4K, Q8K, F16, BF16 = range(6)  # FORMATS, as packed_step.cpp numbers them
-FORMATS = {"Q4_0": Q4, "Q4_1": Q4, "Q8_0": Q8, "Q5_0": Q8, "Q4_K": Q4K, "Q5_K": Q8K, "Q6_K": Q8K, "Q5_1": Q8K,
+Q4, Q8, Q4K, Q8K, F16, BF16, Q5, Q5M, Q6K = range(9)  # FORMATS, as packed_step.cpp numbers them
+FORMAT_NAMES = ("q4", "q8", "q4k", "q8k", "f16", "bf16", "q5", "q5m", "q6k")  # what `stratum info` calls them
+FORMATS = {"Q4_0": Q4, "Q4_1": Q4, "Q8_0": Q8, "Q5_0": Q5, "Q5_1": Q5M, "Q4_K": Q4K, "Q5_K": Q8K, "Q6_K": Q6K,
            "F16": F16, "BF16": BF16}
 PACKED_QTYPES = tuple(FORMATS)
-_FP32_SCALES = (Q4K, Q8K)
-LAYOUT_VERSION = 2  # of the tiles below and csrc/packed_step.cpp's reading of them; names the cached copy
+_FP32_SCALES = (Q8K,)
+_SUPER = {Q4K: 2, Q6K: 1}  # formats with fp16 scales per super-block of 256 inputs: how many
+_SUPER_BLOCKS = kquant.QK_K // GROUP_SIZE  # blocks of 32 in a super-block
+LAYOUT_VERSION = 3  # of the tiles below and csrc/packed_step.cpp's reading of them; names the cached copy
 
 
 def _fp16(blocks: np.ndarray, offset: int) -> np.ndarray:
@@ -70,23 +88,28 @@ def _q5_bits(blocks: np.ndarray, qh_at: int) -> np.ndarray:
 
 
 def decode(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> tuple[int, np.ndarray, list[np.ndarray]]:
-    """Raw GGUF rows of `shape` [N, K] -> (format, q [N, K], scales [N, K / 32] each, in the format's order).
+    """Raw GGUF rows of `shape` [N, K] -> (format, q [N, K], scales, in the format's order).
 
-    q is uint8 nibbles for the 4-bit formats, int8 for the 8-bit ones, the 16-bit floats' bits (uint16)
-    for F16 / BF16. Nothing is rounded: q·d + m is the GGUF's own value of every weight.
+    q is uint8 for the 4-, 5- and 6-bit formats (Q6K's not yet centred), int8 for the 8-bit ones, the
+    16-bit floats' bits (uint16) for F16 / BF16. Scales are [N, K / 32] each; for Q4K and Q6K, first
+    the integer sub-scales [N, K / 32] (Q4K: sc, min; Q6K: sc_lo, sc_hi), then the fp16 super-block
+    values [N, K / 256] (Q4K: D, Dmin; Q6K: D). Nothing is rounded: q·d + m is the GGUF's own value
+    of every weight.
     """
     n, k = shape
     fmt = FORMATS[qtype]
     if fmt in (F16, BF16):
         return fmt, np.ascontiguousarray(raw).view(np.uint16).reshape(n, k), []
-    if qtype in kquant.BLOCK_BYTES:
+    if qtype == "Q5_K":
         u = kquant.unpack(qtype, raw, shape)
-        q, scale = u.q.numpy(), u.scale.numpy()
+        scale = u.scale.numpy()
+        return fmt, u.q.numpy().astype(np.int8), [scale, scale, u.offset.numpy()]
+    if qtype in kquant.BLOCK_BYTES:
+        p = kquant.parts(qtype, raw, shape)
         if qtype == "Q4_K":
-            return fmt, q, [scale, u.offset.numpy()]
-        if qtype == "Q5_K":
-            return fmt, q.astype(np.int8), [scale, scale, u.offset.numpy()]
-        return fmt, q, [scale[:, 0::2], scale[:, 1::2], np.zeros_like(scale[:, 0::2])]  # Q6_K: d per 16
+            return fmt, p.q.numpy(), [p.sc.numpy(), p.mins.numpy(), p.d.numpy(), p.dmin.numpy()]
+        sc = p.sc.numpy()  # Q6_K: a scale per 16 inputs
+        return fmt, p.q.numpy(), [sc[:, 0::2], sc[:, 1::2], p.d.numpy()]
     nb = k // GROUP_SIZE
     blocks = np.asarray(raw, dtype=np.uint8).reshape(n, nb, -1)
     d = _fp16(blocks, 0)
@@ -94,15 +117,34 @@ def decode(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> tuple[int, np
         assert blocks.shape[-1] == Q8_0_BYTES
         return fmt, blocks[..., 2:].copy().view(np.int8).reshape(n, k), [d]
     if qtype == "Q5_0":
-        return fmt, (_q5_bits(blocks, 2).astype(np.int8) - 16).reshape(n, k), [d]
+        return fmt, _q5_bits(blocks, 2).reshape(n, k), [d]
     if qtype == "Q5_1":
-        d32 = d.astype(np.float32)
-        return fmt, _q5_bits(blocks, 4).astype(np.int8).reshape(n, k), [d32, d32, _fp16(blocks, 2).astype(np.float32)]
+        return fmt, _q5_bits(blocks, 4).reshape(n, k), [d, _fp16(blocks, 2)]
     if qtype == "Q4_1":
         m, qs = _fp16(blocks, 2), blocks[..., 4:]
     else:
         m, qs = (d.astype(np.float32) * -8).astype(np.float16), blocks[..., 2:]  # exact: a power of two
     return fmt, np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(n, k), [d, m]
+
+
+def block_scales(fmt: int, scales: list[np.ndarray]) -> list[np.ndarray]:
+    """decode's scales -> the fp64 values the kernel scales each block's integer sums by, [N, K / 32]
+    each: d, m (Q4, Q5, Q5M, Q4K), d (Q8), d_lo, d_hi (Q6K), d_lo, d_hi, m (Q8K)."""
+    s = [v.astype(np.float64) for v in scales]
+    if fmt == Q5:
+        return [s[0], -16 * s[0]]
+    if fmt in _SUPER:
+        ints, sup = s[: len(s) - _SUPER[fmt]], [np.repeat(v, _SUPER_BLOCKS, -1) for v in s[len(s) - _SUPER[fmt] :]]
+        return [sup[0] * ints[0], -sup[1] * ints[1]] if fmt == Q4K else [sup[0] * ints[0], sup[0] * ints[1]]
+    return s
+
+
+def _nibble_order(q: np.ndarray) -> np.ndarray:
+    """q [N, K] -> [tiles, K / 32, g, L, h, k, e, c]: the 4-bit layout's order, c the low / high nibble."""
+    n, k = q.shape
+    t = _tiles(q.reshape(n, k // GROUP_SIZE, 4, 2, 2, 2))  # [T, i, b, g, c, h, e]: input 8g + 4c + 2h + e
+    t = t.reshape(t.shape[0], 4, 4, k // GROUP_SIZE, 4, 2, 2, 2)  # [T, L, k, b, g, c, h, e]
+    return t.transpose(0, 3, 4, 1, 6, 2, 7, 5)  # [T, b, g, L, h, k, e, c]
 
 
 def _data(fmt: int, q: np.ndarray) -> np.ndarray:
@@ -115,18 +157,28 @@ def _data(fmt: int, q: np.ndarray) -> np.ndarray:
     if fmt in (Q8, Q8K):
         t = _tiles(np.ascontiguousarray(q).view(np.uint8).reshape(n, nb, 16, 2))  # [T, i, b, p, e], int8 bits as uint8
         return t.transpose(0, 2, 3, 1, 4).reshape(-1, nb, 16 * TILE * 2)
-    t = _tiles(q.reshape(n, nb, 4, 2, 2, 2))  # [T, i, b, g, c, h, e]: input 8g + 4c + 2h + e
-    t = t.reshape(t.shape[0], 4, 4, nb, 4, 2, 2, 2)  # [T, L, k, b, g, c, h, e]
-    t = t.transpose(0, 3, 4, 1, 6, 2, 7, 5)  # [T, b, g, L, h, k, e, c]
-    return (t[..., 0] | (t[..., 1] << 4)).reshape(-1, nb, 4 * TILE * 4)
+    t = _nibble_order(q)
+    low = t & 0xF
+    planes = [(low[..., 0] | (low[..., 1] << 4)).reshape(-1, nb, 4 * TILE * 4)]
+    if fmt in (Q5, Q5M, Q6K):
+        high = (t >> 4).reshape(*t.shape[:4], 16, 2).astype(np.uint16)  # [T, b, g, L, r, c]
+        lane = np.arange(4, dtype=np.uint16).reshape(4, 1)  # L
+        if fmt == Q6K:  # 2 bits, at 2L: the low nibbles' bytes, then the high ones'
+            plane = np.concatenate([np.bitwise_or.reduce(high[..., c] << (2 * lane), axis=3) for c in (0, 1)], -1)
+        else:  # 1 bit, at L for the low nibble, 4 + L for the high one
+            plane = np.bitwise_or.reduce((high[..., 0] << lane) | (high[..., 1] << (4 + lane)), axis=3)
+        planes.append(plane.astype(np.uint8).reshape(-1, nb, plane.shape[-1] * 4))
+    return np.concatenate(planes, axis=-1)
 
 
 @dataclass
 class PackedWeight:
     """One segment of a projection in the native kernel's layout; `matmul` runs it on its own."""
 
-    data: torch.Tensor  # [tiles, blocks, 256 | 512 | 1024] uint8
-    scales: torch.Tensor  # [tiles, blocks, 16 per scale] fp16 (Q4, Q8, F16, BF16: none) or fp32 (Q4K, Q8K)
+    data: torch.Tensor  # [tiles, blocks, 256 | 320 | 384 | 512 | 1024] uint8
+    # [tiles, blocks, 16 per scale] fp16 (Q4, Q8, Q5, Q5M; F16, BF16: none) or fp32 (Q8K);
+    # Q4K, Q6K: [tiles, blocks / 8, 320 | 288] uint8 (module docstring)
+    scales: torch.Tensor
     out_features: int
     in_features: int
     format: int  # FORMATS
@@ -147,9 +199,15 @@ class PackedWeight:
 
 def _packed(fmt: int, q: np.ndarray, scales: list[np.ndarray]) -> PackedWeight:
     n, k = q.shape
-    dtype = np.float32 if fmt in _FP32_SCALES else np.float16
-    tiles = [_tiles(s.astype(dtype)).transpose(0, 2, 1) for s in scales]  # [T, b, i] each
-    scale = np.concatenate(tiles, axis=-1) if tiles else np.zeros((-(-n // TILE), k // GROUP_SIZE, 0), dtype)
+    if fmt in _SUPER:  # per super-block: its 8 blocks' integer scales, then its fp16 values (module docstring)
+        ints, sup = scales[: len(scales) - _SUPER[fmt]], scales[len(scales) - _SUPER[fmt] :]
+        ints = np.concatenate([_tiles(s.view(np.uint8)).transpose(0, 2, 1) for s in ints], axis=-1)  # [T, b, 32]
+        sup = [_tiles(s.astype(np.float16)).transpose(0, 2, 1).copy().view(np.uint8) for s in sup]  # [T, b / 8, 32]
+        scale = np.concatenate([ints.reshape(ints.shape[0], -1, _SUPER_BLOCKS * ints.shape[-1]), *sup], axis=-1)
+    else:
+        dtype = np.float32 if fmt in _FP32_SCALES else np.float16
+        tiles = [_tiles(s.astype(dtype)).transpose(0, 2, 1) for s in scales]  # [T, b, i] each
+        scale = np.concatenate(tiles, axis=-1) if tiles else np.zeros((-(-n // TILE), k // GROUP_SIZE, 0), dtype)
     return PackedWeight(torch.from_numpy(np.ascontiguousarray(_data(fmt, q))), torch.from_numpy(np.ascontiguousarray(scale)),
                         n, k, fmt)
 
@@ -163,7 +221,7 @@ def pack(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> PackedWeight:
 
 def reference_matmul(qtype: str, raw: np.ndarray, shape: tuple[int, int], x: torch.Tensor) -> torch.Tensor:
     """What the native kernel computes, in float64 PyTorch: x quantized to int16 per block of 32
-    (scale max|x| / 32767, round half to even), exact integer block sums (half-block sums for Q8K),
+    (scale max|x| / 32767, round half to even), exact integer block sums (half-block sums for Q8K and Q6K),
     each scaled once; F16 / BF16 weights times x as it is. For tests of the kernel; the model's own
     reference is the dequantized fp32 path."""
     n, k = shape
@@ -177,12 +235,14 @@ def reference_matmul(qtype: str, raw: np.ndarray, shape: tuple[int, int], x: tor
     amax = xb.abs().amax(-1, keepdim=True)
     dx = (amax.float() / 32767).double()[..., 0]  # [M, b]
     xq = torch.where(amax > 0, torch.round(xb.float() * torch.where(amax > 0, 32767 / amax.float(), 0)).double(), 0.0)
-    qd = torch.from_numpy(q.astype(np.float64)).view(n, nb, GROUP_SIZE)
-    s = [torch.from_numpy(v.astype(np.float64)) for v in scales]  # [N, b] each
-    if fmt == Q8K:
+    qd = torch.from_numpy(q.astype(np.float64) - (32 if fmt == Q6K else 0)).view(n, nb, GROUP_SIZE)
+    s = [torch.from_numpy(v) for v in block_scales(fmt, scales)]  # [N, b] each
+    if fmt in (Q8K, Q6K):
         lo = torch.einsum("mbj,nbj->mnb", xq[..., :16], qd[..., :16])
         hi = torch.einsum("mbj,nbj->mnb", xq[..., 16:], qd[..., 16:])
-        out = (lo * s[0][None] + hi * s[1][None]) * dx[:, None, :] + s[2][None] * (dx * xq.sum(-1))[:, None, :]
+        out = (lo * s[0][None] + hi * s[1][None]) * dx[:, None, :]
+        if fmt == Q8K:
+            out = out + s[2][None] * (dx * xq.sum(-1))[:, None, :]
         return out.sum(-1)
     out = torch.einsum("mbj,nbj->mnb", xq, qd) * s[0][None] * dx[:, None, :]
     if len(s) > 1:  # the offset term: m · dx · sum(xq)

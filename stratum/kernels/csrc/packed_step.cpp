@@ -72,22 +72,40 @@ constexpr int64_t kTile = 16;    // outputs computed side by side
 
 // How a packed segment stores its weights (kernels/packed.py FORMATS; the GGUF types each one takes):
 //   kQ4   4-bit q, fp16 d and m per block of 32: q d + m                      (Q4_0, Q4_1)
-//   kQ8   int8 q, fp16 d per block of 32: q d                                  (Q8_0, Q5_0)
-//   kQ4K  4-bit q, fp32 d and m per block of 32                                (Q4_K: d = d sc, m = -dmin m)
-//   kQ8K  int8 q, fp32 d_lo (inputs 0-15), d_hi (16-31) and m per block of 32  (Q5_K, Q6_K, Q5_1)
+//   kQ8   int8 q, fp16 d per block of 32: q d                                  (Q8_0)
+//   kQ5   5-bit q (the 4-bit plane, then a plane of fifth bits), fp16 d per block of 32: m = -16 d
+//                                                                              (Q5_0)
+//   kQ5M  5-bit q, fp16 d and m per block of 32                                (Q5_1)
+//   kQ4K  4-bit q; 6-bit sc and min per block of 32; fp16 D, Dmin per super-block of 256:
+//         d = D sc, m = -Dmin min                                              (Q4_K)
+//   kQ6K  6-bit q (the 4-bit plane, then a plane of the top two bits), centred (q - 32); int8 sc_lo
+//         (inputs 0-15), sc_hi (16-31) per block of 32; fp16 D per 256: d_lo = D sc_lo, d_hi = D sc_hi
+//                                                                              (Q6_K)
+//   kQ8K  int8 q, fp32 d_lo (inputs 0-15), d_hi (16-31) and m per block of 32  (Q5_K)
 //   kF16, kBF16  the 16-bit floats themselves, no scales                       (F16, BF16)
-// fp32 because a K-quant sub-block's scale, an fp16 times a 6- or 8-bit integer, is exact in fp32 only.
-enum Format : int64_t { kQ4 = 0, kQ8 = 1, kQ4K = 2, kQ8K = 3, kF16 = 4, kBF16 = 5 };
-constexpr bool is_4bit(Format f) { return f == kQ4 || f == kQ4K; }
+// A K-quant sub-block's scale, an fp16 times a 6- or 8-bit integer, is exact in fp32 (not in fp16): kQ4K
+// and kQ6K keep the integers and the fp16 and multiply them in fp32 here, which gives that value.
+enum Format : int64_t { kQ4 = 0, kQ8 = 1, kQ4K = 2, kQ8K = 3, kF16 = 4, kBF16 = 5, kQ5 = 6, kQ5M = 7, kQ6K = 8 };
+constexpr bool is_4bit(Format f) { return f == kQ4 || f == kQ4K || f == kQ5 || f == kQ5M || f == kQ6K; }  // a nibble plane
+constexpr int high_bits(Format f) { return f == kQ5 || f == kQ5M ? 1 : f == kQ6K ? 2 : 0; }  // a plane of them after it
 constexpr bool is_float(Format f) { return f == kF16 || f == kBF16; }
-constexpr bool fp32_scales(Format f) { return f == kQ4K || f == kQ8K; }
-// bytes of one tile-block (16 rows x 32 inputs) and its scales (values, fp16 or fp32)
-constexpr int64_t block_bytes(Format f) { return is_4bit(f) ? kTile * kBlock / 2 : is_float(f) ? kTile * kBlock * 2 : kTile * kBlock; }
-constexpr int64_t block_scales(Format f) {
-  return f == kQ8 ? kTile : f == kQ8K ? 3 * kTile : is_float(f) ? 0 : 2 * kTile;
+constexpr bool fp32_scales(Format f) { return f == kQ8K; }
+// kQ4K, kQ6K: per tile and super-block of 8 blocks, the blocks' integer scales (2 x 16 bytes each) and
+// then the super-block's fp16 D [, Dmin] (16 each): 320 or 288 bytes
+constexpr int64_t kSuper = 8;
+constexpr bool super_scales(Format f) { return f == kQ4K || f == kQ6K; }
+constexpr int64_t super_bytes(Format f) { return kSuper * 2 * kTile + (f == kQ4K ? 2 : 1) * kTile * 2; }
+// bytes of one tile-block (16 rows x 32 inputs) and its scales (values, fp16 or fp32; for the
+// super-block formats the bytes a block takes on average)
+constexpr int64_t block_bytes(Format f) {
+  return is_4bit(f) ? kTile * kBlock / 8 * (4 + high_bits(f)) : is_float(f) ? kTile * kBlock * 2 : kTile * kBlock;
 }
+constexpr int64_t block_scales(Format f) {
+  return super_scales(f) ? super_bytes(f) / kSuper : f == kQ8 || f == kQ5 ? kTile : f == kQ8K ? 3 * kTile : is_float(f) ? 0 : 2 * kTile;
+}
+constexpr int64_t scale_size(Format f) { return fp32_scales(f) ? 4 : super_scales(f) ? 1 : 2; }
 template <Format kF>
-using ScaleType = std::conditional_t<fp32_scales(kF), float, uint16_t>;
+using ScaleType = std::conditional_t<fp32_scales(kF), float, std::conditional_t<super_scales(kF), uint8_t, uint16_t>>;
 constexpr float kNoScore = -1e30f;
 // Weights stream through once per step: the next tiles are fetched this many bytes ahead, since
 // one core's hardware prefetcher alone left the step at ~60% of the read bandwidth (measured).
@@ -206,6 +224,32 @@ struct Simd {
     out[2] = _mm512_unpacklo_epi8(hi, z), out[3] = _mm512_unpackhi_epi8(hi, z);
   }
   static I widen8(const uint8_t* p) { return _mm512_cvtepi8_epi16(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))); }
+  // a 5-bit group's fifth bits (16 bytes at h) as 0x10 in the bytes of its low and high nibbles:
+  // 128-bit lane L holds rows 4L..4L+3, whose bits are bit L and bit 4 + L of each byte
+  static void high1(const uint8_t* h, int, I& lo, I& hi) {
+    const __m512i b = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))), m = _mm512_set1_epi8(0x10);
+    lo = _mm512_and_si512(_mm512_sllv_epi64(b, _mm512_set_epi64(1, 1, 2, 2, 3, 3, 4, 4)), m);
+    hi = _mm512_and_si512(_mm512_srlv_epi64(b, _mm512_set_epi64(3, 3, 2, 2, 1, 1, 0, 0)), m);
+  }
+  // a 6-bit group's top two bits (32 bytes at h: low nibbles', high nibbles') as 0x00..0x30: lane L's at bits 2L, 2L + 1
+  static void high2(const uint8_t* h, int, I& lo, I& hi) {
+    const __m512i count = _mm512_set_epi64(0, 0, 2, 2, 4, 4, 6, 6), m = _mm512_set1_epi8(static_cast<char>(0xC0));
+    const auto top = [&](const uint8_t* p) {  // to bits 6-7 of each byte, then 4-5
+      const __m512i b = _mm512_broadcast_i32x4(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      return _mm512_srli_epi16(_mm512_and_si512(_mm512_sllv_epi64(b, count), m), 2);
+    };
+    lo = top(h), hi = top(h + 16);
+  }
+  static void nibbles_with(const uint8_t* p, I hlo, I hhi, I out[4]) {  // nibbles, each or-ed with its high bits
+    const __m512i raw = _mm512_loadu_si512(p), low = _mm512_set1_epi8(0x0F), z = _mm512_setzero_si512();
+    const __m512i lo = _mm512_or_si512(_mm512_and_si512(raw, low), hlo);
+    const __m512i hi = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(raw, 4), low), hhi);
+    out[0] = _mm512_unpacklo_epi8(lo, z), out[1] = _mm512_unpackhi_epi8(lo, z);
+    out[2] = _mm512_unpacklo_epi8(hi, z), out[3] = _mm512_unpackhi_epi8(hi, z);
+  }
+  static I sub16(I a, int16_t v) { return _mm512_sub_epi16(a, _mm512_set1_epi16(v)); }
+  static __m512 bytes(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
+  static __m512 sbytes(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
   static F zerof() { return _mm512_setzero_ps(); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
   static F scale(const float* p) { return _mm512_loadu_ps(p); }
@@ -242,6 +286,33 @@ struct Simd {
     out[2] = _mm256_unpacklo_epi8(hi, z), out[3] = _mm256_unpackhi_epi8(hi, z);
   }
   static I widen8(const uint8_t* p) { return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+  // as the AVX-512 ones, for the part's two 128-bit lanes L = 2 part, 2 part + 1
+  static void high1(const uint8_t* h, int part, I& lo, I& hi) {
+    const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h))), m = _mm256_set1_epi8(0x10);
+    const int l = 2 * part;
+    lo = _mm256_and_si256(_mm256_sllv_epi64(b, _mm256_set_epi64x(3 - l, 3 - l, 4 - l, 4 - l)), m);
+    hi = _mm256_and_si256(_mm256_srlv_epi64(b, _mm256_set_epi64x(l + 1, l + 1, l, l)), m);
+  }
+  static void high2(const uint8_t* h, int part, I& lo, I& hi) {
+    const int l = 2 * part;
+    const __m256i count = _mm256_set_epi64x(4 - 2 * l, 4 - 2 * l, 6 - 2 * l, 6 - 2 * l), m = _mm256_set1_epi8(static_cast<char>(0xC0));
+    const auto top = [&](const uint8_t* p) {
+      const __m256i b = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+      return _mm256_srli_epi16(_mm256_and_si256(_mm256_sllv_epi64(b, count), m), 2);
+    };
+    lo = top(h), hi = top(h + 16);
+  }
+  static void nibbles_with(const uint8_t* p, I hlo, I hhi, I out[4]) {
+    const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), low = _mm256_set1_epi8(0x0F);
+    const __m256i z = _mm256_setzero_si256();
+    const __m256i lo = _mm256_or_si256(_mm256_and_si256(raw, low), hlo);
+    const __m256i hi = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(raw, 4), low), hhi);
+    out[0] = _mm256_unpacklo_epi8(lo, z), out[1] = _mm256_unpackhi_epi8(lo, z);
+    out[2] = _mm256_unpacklo_epi8(hi, z), out[3] = _mm256_unpackhi_epi8(hi, z);
+  }
+  static I sub16(I a, int16_t v) { return _mm256_sub_epi16(a, _mm256_set1_epi16(v)); }
+  static __m256 bytes(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
+  static __m256 sbytes(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
   static F zerof() { return _mm256_setzero_ps(); }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
   static F scale(const float* p) { return _mm256_loadu_ps(p); }
@@ -278,6 +349,30 @@ struct Simd {
     out[2] = vreinterpretq_s32_u16(vmovl_u8(vget_low_u8(hi))), out[3] = vreinterpretq_s32_u16(vmovl_high_u8(hi));
   }
   static I widen8(const uint8_t* p) { return vreinterpretq_s32_s16(vmovl_s8(vld1_s8(reinterpret_cast<const int8_t*>(p)))); }
+  // as the AVX-512 ones, for the part's one 128-bit lane L = part (per-byte shifts: no lane counts)
+  static void high1(const uint8_t* h, int part, I& lo, I& hi) {
+    const uint8x16_t b = vld1q_u8(h), m = vdupq_n_u8(0x10);
+    lo = vreinterpretq_s32_u8(vandq_u8(vshlq_u8(b, vdupq_n_s8(static_cast<int8_t>(4 - part))), m));
+    hi = vreinterpretq_s32_u8(vandq_u8(vshlq_u8(b, vdupq_n_s8(static_cast<int8_t>(-part))), m));
+  }
+  static void high2(const uint8_t* h, int part, I& lo, I& hi) {
+    const int8x16_t count = vdupq_n_s8(static_cast<int8_t>(4 - 2 * part));
+    const uint8x16_t m = vdupq_n_u8(0x30);
+    lo = vreinterpretq_s32_u8(vandq_u8(vshlq_u8(vld1q_u8(h), count), m));
+    hi = vreinterpretq_s32_u8(vandq_u8(vshlq_u8(vld1q_u8(h + 16), count), m));
+  }
+  static void nibbles_with(const uint8_t* p, I hlo, I hhi, I out[4]) {
+    const uint8x16_t raw = vld1q_u8(p);
+    const uint8x16_t lo = vorrq_u8(vandq_u8(raw, vdupq_n_u8(0x0F)), vreinterpretq_u8_s32(hlo));
+    const uint8x16_t hi = vorrq_u8(vshrq_n_u8(raw, 4), vreinterpretq_u8_s32(hhi));
+    out[0] = vreinterpretq_s32_u16(vmovl_u8(vget_low_u8(lo))), out[1] = vreinterpretq_s32_u16(vmovl_high_u8(lo));
+    out[2] = vreinterpretq_s32_u16(vmovl_u8(vget_low_u8(hi))), out[3] = vreinterpretq_s32_u16(vmovl_high_u8(hi));
+  }
+  static I sub16(I a, int16_t v) { return vreinterpretq_s32_s16(vsubq_s16(vreinterpretq_s16_s32(a), vdupq_n_s16(v))); }
+  static float32x4_t bytes(const uint8_t* p) { return vcvtq_f32_u32(vmovl_u16(vget_low_u16(vmovl_u8(vld1_u8(p))))); }
+  static float32x4_t sbytes(const uint8_t* p) {
+    return vcvtq_f32_s32(vmovl_s16(vget_low_s16(vmovl_s8(vld1_s8(reinterpret_cast<const int8_t*>(p))))));
+  }
   static F zerof() { return vdupq_n_f32(0.f); }
   static F add(F a, F b) { return vaddq_f32(a, b); }
   static F scale(const float* p) { return vld1q_f32(p); }
@@ -298,16 +393,87 @@ struct Simd {
 };
 #endif
 
+// A block's two scale values of one output lane in fp32, read as the format stores them: d and m
+// (kQ6K: d_lo and d_hi); the K-quant ones multiplied out here, exactly.
+template <Format kF>
+inline void lane_scales(const ScaleType<kF>* sc, int64_t b, int64_t lane, float& s0, float& s1) {
+  if constexpr (super_scales(kF)) {
+    const uint8_t* sup = sc + b / kSuper * super_bytes(kF);
+    const uint8_t* ints = sup + b % kSuper * 2 * kTile;
+    uint16_t d[2];
+    std::memcpy(&d[0], sup + kSuper * 2 * kTile + lane * 2, 2);
+    if constexpr (kF == kQ4K) {
+      std::memcpy(&d[1], sup + kSuper * 2 * kTile + (kTile + lane) * 2, 2);
+      s0 = half_to_float(d[0]) * static_cast<float>(ints[lane]);
+      s1 = -half_to_float(d[1]) * static_cast<float>(ints[kTile + lane]);
+    } else {
+      s0 = half_to_float(d[0]) * static_cast<float>(static_cast<int8_t>(ints[lane]));
+      s1 = half_to_float(d[0]) * static_cast<float>(static_cast<int8_t>(ints[kTile + lane]));
+    }
+  } else {
+    const ScaleType<kF>* sb = sc + b * block_scales(kF);
+    s0 = scale_value(sb[lane]);
+    s1 = kF == kQ5 ? s0 * -16.f : scale_value(sb[kTile + lane]);
+  }
+}
+
+#if STRATUM_AVX512 || STRATUM_AVX2 || STRATUM_NEON
+// lane_scales for the lanes part*L .. part*L + L - 1, the same products
+template <Format kF>
+inline void part_scales(const ScaleType<kF>* sc, int64_t b, int part, Simd::F& s0, Simd::F& s1) {
+  constexpr int L = Simd::kLanes;
+  if constexpr (super_scales(kF)) {
+    const uint8_t* sup = sc + b / kSuper * super_bytes(kF);
+    const uint8_t* ints = sup + b % kSuper * 2 * kTile + part * L;
+    const uint16_t* d = reinterpret_cast<const uint16_t*>(sup + kSuper * 2 * kTile) + part * L;
+    if constexpr (kF == kQ4K) {
+      s0 = Simd::mul(Simd::fp16(d), Simd::bytes(ints));
+      s1 = Simd::mul(Simd::mul(Simd::fp16(d + kTile), Simd::set1(-1.f)), Simd::bytes(ints + kTile));
+    } else {
+      s0 = Simd::mul(Simd::fp16(d), Simd::sbytes(ints));
+      s1 = Simd::mul(Simd::fp16(d), Simd::sbytes(ints + kTile));
+    }
+  } else {
+    const ScaleType<kF>* sb = sc + b * block_scales(kF) + part * L;
+    s0 = Simd::scale(sb);
+    s1 = kF == kQ5 ? Simd::mul(s0, Simd::set1(-16.f)) : Simd::scale(sb + kTile);
+  }
+}
+
+// The values of a part's lanes of group g (inputs 8g .. 8g+7) of a nibble-plane tile-block as four
+// int16 pair vectors: the nibbles, with the high plane's bits above them (kQ6K: centred, q - 32).
+template <Format kF>
+inline void group_values(const uint8_t* wb, int g, int part, Simd::I p[4]) {
+  const uint8_t* nib = wb + g * 64 + part * Simd::kLanes * 4;
+  if constexpr (high_bits(kF) == 0) {
+    Simd::nibbles(nib, p);
+  } else {
+    constexpr int64_t kPlane = kTile * kBlock / 2;  // the high plane follows the 256 bytes of nibbles
+    Simd::I lo, hi;
+    if constexpr (high_bits(kF) == 1) {
+      Simd::high1(wb + kPlane + g * 16, part, lo, hi);
+    } else {
+      Simd::high2(wb + kPlane + g * 32, part, lo, hi);
+    }
+    Simd::nibbles_with(nib, lo, hi, p);
+    if constexpr (kF == kQ6K)
+      for (int c = 0; c < 4; ++c) p[c] = Simd::sub16(p[c], 32);
+  }
+}
+#endif
+
 // One tile of 16 outputs for MR rows, in weight format kF. w: the tile's blocks; scales: its scales
 // (block_scales(kF) per block: fp16 d [, m], or fp32 d [, m] / d_lo, d_hi, m); xq, xd, xs: the first
 // row's quantized inputs, scales and scaled sums, xf its fp32 inputs (rows `k` values and `nb` blocks
 // apart). out: MR rows of `ld` floats, `valid` of 16 written.
 //
 // Per block of 32 inputs and output lane, every path computes, in this order:
-//   4-bit (kQ4, kQ4K):  f = fma(float(sum q x), d dx, f); f = fma(m, sx, f)
+//   4-, 5-bit (kQ4, kQ4K, kQ5, kQ5M):  f = fma(float(sum q x), d dx, f); f = fma(m, sx, f)
 //   8-bit (kQ8):        f = fma(float(sum q x), d dx, f)
 //   8-bit (kQ8K):       f = fma(float(sum_{j<16} q x), d_lo dx, f); f = fma(float(sum_{j>=16} q x), d_hi dx, f);
 //                       f = fma(m, sx, f)
+//   6-bit (kQ6K):       as kQ8K without the m term (q centred)
+// (d and m as lane_scales gives them)
 //   16-bit float:       a0 = fma chain over even inputs, a1 over odd inputs (from 0); f = f + (a0 + a1)
 // (integer sums are exact in any order; the float operations are the same ones in the same order).
 template <int MR, Format kF>
@@ -352,11 +518,15 @@ inline void tile_dot(const uint8_t* w, const void* scales, int64_t blocks, const
         if constexpr (is_4bit(kF)) {
           for (int g = 0; g < 4; ++g) {  // inputs 8g .. 8g+7 as four pairs, one pair per int32 lane and output
             if (part == 0) __builtin_prefetch(reinterpret_cast<const char*>(wb + g * 64) + kPrefetch);
+            if (part == 0 && g < high_bits(kF)) __builtin_prefetch(reinterpret_cast<const char*>(wb + 256 + g * 64) + kPrefetch);
             I p[4];
-            Simd::nibbles(wb + g * 64 + part * L * 4, p);
+            group_values<kF>(wb, g, part, p);
             for (int r = 0; r < MR; ++r) {
               const int32_t* xr = reinterpret_cast<const int32_t*>(xb + r * k + g * 8);  // pairs of int16
-              if constexpr (kTwo) {
+              if constexpr (kF == kQ6K) {  // a scale per 16 inputs: groups 0-1 and 2-3 summed apart
+                I& a = g < 2 ? a0[r] : a1[r];
+                a = Simd::dot(Simd::dot(Simd::dot(Simd::dot(a, p[0], xr[0]), p[1], xr[1]), p[2], xr[2]), p[3], xr[3]);
+              } else if constexpr (kTwo) {
                 a0[r] = Simd::dot(a0[r], p[0], xr[0]);
                 a1[r] = Simd::dot(a1[r], p[1], xr[1]);
                 a0[r] = Simd::dot(a0[r], p[2], xr[2]);
@@ -366,10 +536,19 @@ inline void tile_dot(const uint8_t* w, const void* scales, int64_t blocks, const
               }
             }
           }
-          const F dw = Simd::scale(sb), mw = Simd::scale(sb + kTile);
-          for (int r = 0; r < MR; ++r) {
-            f[r] = Simd::fma(Simd::to_f(Simd::iadd(a0[r], a1[r])), Simd::mul(dw, Simd::set1(xd[r * nb + b])), f[r]);
-            f[r] = Simd::fma(mw, Simd::set1(xs[r * nb + b]), f[r]);
+          F dw, mw;
+          part_scales<kF>(sc, b, part, dw, mw);
+          if constexpr (kF == kQ6K) {  // dw, mw: d_lo, d_hi
+            for (int r = 0; r < MR; ++r) {
+              const F dx = Simd::set1(xd[r * nb + b]);
+              f[r] = Simd::fma(Simd::to_f(a0[r]), Simd::mul(dw, dx), f[r]);
+              f[r] = Simd::fma(Simd::to_f(a1[r]), Simd::mul(mw, dx), f[r]);
+            }
+          } else {
+            for (int r = 0; r < MR; ++r) {
+              f[r] = Simd::fma(Simd::to_f(Simd::iadd(a0[r], a1[r])), Simd::mul(dw, Simd::set1(xd[r * nb + b])), f[r]);
+              f[r] = Simd::fma(mw, Simd::set1(xs[r * nb + b]), f[r]);
+            }
           }
         } else {
           for (int p = 0; p < 8; ++p) {  // pair p of inputs 0..15 and pair p + 8 of 16..31, int8 sign-extended
@@ -427,16 +606,33 @@ inline void tile_dot(const uint8_t* w, const void* scales, int64_t blocks, const
           const float dx = xd[r * nb + b], sx = xs[r * nb + b];
           const int16_t* xb = xrow + b * kBlock;
           if constexpr (is_4bit(kF)) {
-            int32_t sum = 0;
+            int32_t sum[2] = {0, 0};  // inputs 0-15, 16-31
             const int64_t l = lane / 4, kk = lane % 4;
+            constexpr int64_t kPlane = kTile * kBlock / 2;
             for (int g = 0; g < 4; ++g)
               for (int h = 0; h < 2; ++h)
                 for (int e = 0; e < 2; ++e) {
-                  const uint8_t byte = wb[g * 64 + l * 16 + h * 8 + kk * 2 + e];
-                  sum += (byte & 0xF) * xb[g * 8 + 2 * h + e] + (byte >> 4) * xb[g * 8 + 4 + 2 * h + e];
+                  const int64_t r = h * 8 + kk * 2 + e;  // the byte within its 16 (module docstring of packed.py)
+                  const uint8_t byte = wb[g * 64 + l * 16 + r];
+                  int32_t lo = byte & 0xF, hi = byte >> 4;
+                  if constexpr (high_bits(kF) == 1) {
+                    const uint8_t bits = wb[kPlane + g * 16 + r];
+                    lo |= ((bits >> l) & 1) << 4, hi |= ((bits >> (4 + l)) & 1) << 4;
+                  } else if constexpr (high_bits(kF) == 2) {
+                    lo |= ((wb[kPlane + g * 32 + r] >> (2 * l)) & 3) << 4, hi |= ((wb[kPlane + g * 32 + 16 + r] >> (2 * l)) & 3) << 4;
+                  }
+                  if constexpr (kF == kQ6K) lo -= 32, hi -= 32;
+                  sum[g / 2] += lo * xb[g * 8 + 2 * h + e] + hi * xb[g * 8 + 4 + 2 * h + e];
                 }
-            f[lane] = std::fma(static_cast<float>(sum), scale_value(sb[lane]) * dx, f[lane]);
-            f[lane] = std::fma(scale_value(sb[kTile + lane]), sx, f[lane]);
+            float s0, s1;
+            lane_scales<kF>(sc, b, lane, s0, s1);
+            if constexpr (kF == kQ6K) {
+              f[lane] = std::fma(static_cast<float>(sum[0]), s0 * dx, f[lane]);
+              f[lane] = std::fma(static_cast<float>(sum[1]), s1 * dx, f[lane]);
+            } else {
+              f[lane] = std::fma(static_cast<float>(sum[0] + sum[1]), s0 * dx, f[lane]);
+              f[lane] = std::fma(s1, sx, f[lane]);
+            }
           } else {
             const int8_t* w8 = reinterpret_cast<const int8_t*>(wb);
             int32_t lo = 0, hi = 0;
@@ -470,13 +666,16 @@ struct Packed {
   Format format;
 
   static Packed of(const at::Tensor& data, const at::Tensor& scales, int64_t format, int64_t rows) {
-    TORCH_CHECK(format >= kQ4 && format <= kBF16, "packed weight: unknown format ", format);
+    TORCH_CHECK(format >= kQ4 && format <= kQ6K, "packed weight: unknown format ", format);
     const auto f = static_cast<Format>(format);
     TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 3 && data.is_contiguous(), "packed weight: uint8 [tiles, blocks, bytes]");
     TORCH_CHECK(data.size(2) == block_bytes(f), "packed weight: format ", format, " has ", block_bytes(f), "-byte tile-blocks, not ",
                 data.size(2));
-    TORCH_CHECK(scales.scalar_type() == (fp32_scales(f) ? at::kFloat : at::kHalf) && scales.dim() == 3 && scales.is_contiguous() &&
-                scales.size(0) == data.size(0) && scales.size(1) == data.size(1) && scales.size(2) == block_scales(f),
+    const int64_t per = super_scales(f) ? kSuper : 1;  // blocks per row of scales
+    TORCH_CHECK(data.size(1) % per == 0, "packed weight: format ", format, " takes whole super-blocks of ", per * kBlock, " inputs");
+    TORCH_CHECK(scales.scalar_type() == (fp32_scales(f) ? at::kFloat : super_scales(f) ? at::kByte : at::kHalf) &&
+                scales.dim() == 3 && scales.is_contiguous() && scales.size(0) == data.size(0) &&
+                scales.size(1) == data.size(1) / per && scales.size(2) == block_scales(f) * per,
                 "packed scales do not match the weight's format ", format);
     TORCH_CHECK(rows > (data.size(0) - 1) * kTile && rows <= data.size(0) * kTile, "packed weight: ", rows, " rows in ",
                 data.size(0), " tiles");
@@ -484,7 +683,7 @@ struct Packed {
   }
   int64_t in_features() const { return blocks * kBlock; }
   int64_t bytes_per_tile() const { return blocks * block_bytes(format); }
-  int64_t scale_bytes_per_tile() const { return blocks * block_scales(format) * (fp32_scales(format) ? 4 : 2); }
+  int64_t scale_bytes_per_tile() const { return blocks * block_scales(format) * scale_size(format); }
 };
 
 // A projection: its segments' outputs side by side (a fused projection whose parts differ in format).
@@ -539,6 +738,9 @@ void linear(const Projection& w, const QuantRows& x, int64_t rows, float* out) {
         case kQ8K: tile_rows<kQ8K>(seg, t - first[s], x, rows, o, ld); break;
         case kF16: tile_rows<kF16>(seg, t - first[s], x, rows, o, ld); break;
         case kBF16: tile_rows<kBF16>(seg, t - first[s], x, rows, o, ld); break;
+        case kQ5: tile_rows<kQ5>(seg, t - first[s], x, rows, o, ld); break;
+        case kQ5M: tile_rows<kQ5M>(seg, t - first[s], x, rows, o, ld); break;
+        case kQ6K: tile_rows<kQ6K>(seg, t - first[s], x, rows, o, ld); break;
       }
     }
   });
