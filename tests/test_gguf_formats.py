@@ -292,7 +292,7 @@ def test_info_tells_architecture_tensor_types_and_what_runs_packed(qwen_dir, tmp
     assert ck["native_step_refused"] is None
     if ck["step"] != "pytorch":  # the measured plan chose the native step: each projection names its formats
         # layer 0's q, k (Q4_K) and v (Q6_K), one projection of two formats
-        assert ck["projections"]["Q4_K: native step, as stored + Q6_K: native step, as stored"] == 1
+        assert ck["projections"]["Q4_K: native step, as stored in q4k tiles + Q6_K: native step, as stored in q6k tiles"] == 1
 
     f32 = write_family_gguf(qwen_dir, tmp_path / "qwen-f32.gguf")
     assert main(["info", str(f32), "--threads", "1"]) == 0

@@ -47,6 +47,24 @@ def test_packed_linear_matches_the_reference_arithmetic_and_the_dequantized_weig
     assert ((y - x.double() @ dense.T).abs() <= quantization + rounding).all()
 
 
+# bits per weight the tiles hold against the GGUF block's own: Q4_0's m = -8d is stored (one fp16 more
+# per block), a K-quant's 6-bit sub-scales take a byte each
+TILE_BITS = {"Q4_0": (5.0, 4.5), "Q4_1": (5.0, 5.0), "Q8_0": (8.5, 8.5), "Q5_0": (5.5, 5.5), "Q5_1": (6.0, 6.0),
+             "Q4_K": (4.625, 4.5), "Q5_K": (5.625, 5.5), "Q6_K": (6.5625, 6.5625), "F16": (16.0, 16.0), "BF16": (16.0, 16.0)}
+
+
+@pytest.mark.parametrize("qtype", PACKED_QTYPES)
+def test_packed_tiles_are_about_as_small_as_the_file(qtype):
+    """A decode step reads every weight once, so the tiles' bytes are its cost: the 5- and 6-bit
+    formats keep their bits (not int8), the K-quants their integer sub-scales (not fp32)."""
+    rng = np.random.default_rng(2)
+    n, k = 32, 512
+    raw = _raw(qtype, rng, n, k)
+    tiles, file = TILE_BITS[qtype]
+    assert raw.nbytes * 8 / (n * k) == file
+    assert pack(qtype, raw, (n, k)).nbytes * 8 / (n * k) == tiles
+
+
 def test_packed_linear_rows_do_not_depend_on_the_batch_or_the_threads():
     rng = np.random.default_rng(1)
     n, k = 64, 128

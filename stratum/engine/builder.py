@@ -21,7 +21,7 @@ from stratum.kernels import native
 from stratum.kernels import KernelPlan
 from stratum.kernels.plan import Shapes, select_plan
 from stratum.kernels.packed import LAYOUT_VERSION as PACKED_LAYOUT
-from stratum.kernels.packed import FUSED, PACKED_QTYPES, PackedStack, PackedWeight, native_step_refusal
+from stratum.kernels.packed import FUSED, PACKED_QTYPES, PackedStack, PackedWeight, native_form, native_step_refusal
 from stratum.kernels.packed import pack as packed_weight
 from stratum.kernels.quant import DenseWeight, Int4Weight, Int8Weight, Parts, Q8Weight, is_packable, unpack_q4, unpack_q8_0
 from stratum.layers.linear import Linear
@@ -202,10 +202,10 @@ def attach_packed(model, quantized: dict, cache_dir: Path | None = None) -> bool
         for module in layer.modules():
             if isinstance(module, Linear):
                 module.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
-    model.weight_forms.update({n: "native step, as stored" for n in quantized if n.startswith("model.layers.")})
+    model.weight_forms.update({n: native_form(q.qtype) for n, q in quantized.items() if n.startswith("model.layers.")})
     if saved["head"] is not None:
         model.packed_head = PackedWeight(*saved["head"])
-        model.weight_forms[name] = "native step, as stored"
+        model.weight_forms[name] = native_form(quantized[name].qtype)
     attach_q8_embedding(model, quantized)
     if model.lm_head is not None and model.packed_head is not None:
         model.lm_head.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)

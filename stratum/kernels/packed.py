@@ -1,7 +1,7 @@
 """GGUF tensors repacked for the native step (csrc/packed_step.cpp): tiles of 16 output rows.
 
 Every block format the step runs is first decoded into one affine form per block of 32 inputs,
-weight = q·d + m with integer q (kept as stored: no value is rounded), and written in one of nine
+weight = q·d + m with integer q (kept as stored: no value is rounded), and written in one of the
 formats (FORMATS; the same numbers in packed_step.cpp's `Format`), each as close to the file's own
 bits per weight as the tiles allow:
 
@@ -11,9 +11,10 @@ bits per weight as the tiles allow:
     Q5M   5-bit q, fp16 d and m                                Q5_1
     Q4K   4-bit q; per block the 6-bit sub-scale sc and min;   Q4_K (d = D·sc, m = −Dmin·min)
           per super-block of 256 inputs fp16 D and Dmin
+    Q5K   5-bit q, scales as Q4K                               Q5_K
     Q6K   6-bit q (centred: q − 32); per block two int8        Q6_K (d_lo = D·sc_lo, d_hi = D·sc_hi)
           sub-scales (inputs 0-15, 16-31); fp16 D per 256
-    Q8K   int8 q, fp32 d_lo, d_hi, m                           Q5_K
+    Q8K   int8 q, fp32 d_lo, d_hi, m                           none now (Q5_K's before Q5K)
     F16, BF16  the 16-bit floats as stored
 
 (block layouts: llama.cpp ggml-common.h, block_q4_0 ... block_q6_K; K-quant sub-blocks unpacked by
@@ -35,10 +36,10 @@ instruction (int16 activations); so per tile of 16 rows and per block of 32 inpu
 
 (the 4-bit order is what the kernel's byte unpacking within 128-bit lanes turns into one pair of
 inputs per output lane; the high planes are read with one shift per 128-bit lane L). The scales of a
-tile-block are 16 values of each of the format's scales in turn; for Q4K and Q6K, whose scales are
+tile-block are 16 values of each of the format's scales in turn; for Q4K, Q5K and Q6K, whose scales are
 integers under a super-block's fp16, a tile's eight blocks of a super-block store their integer
 scales (16 bytes each, 32 a block) and then the super-block's fp16 values (16 each), in one uint8
-row of 320 (Q4K) or 288 (Q6K) bytes. Rows are padded to a multiple of 16 with zero weights.
+row of 320 (Q4K, Q5K) or 288 (Q6K) bytes. Rows are padded to a multiple of 16 with zero weights.
 
 A projection whose parts (q, k, v; gate, up) differ in format is run as segments, one per format,
 their outputs side by side: llama.cpp's Q4_K_M keeps some attn_v and ffn_down tensors in Q6_K.
@@ -55,13 +56,13 @@ from stratum.kernels import kquant
 from stratum.kernels.quant import GROUP_SIZE, Q8_0_BYTES
 
 TILE = 16
-Q4, Q8, Q4K, Q8K, F16, BF16, Q5, Q5M, Q6K = range(9)  # FORMATS, as packed_step.cpp numbers them
-FORMAT_NAMES = ("q4", "q8", "q4k", "q8k", "f16", "bf16", "q5", "q5m", "q6k")  # what `stratum info` calls them
-FORMATS = {"Q4_0": Q4, "Q4_1": Q4, "Q8_0": Q8, "Q5_0": Q5, "Q5_1": Q5M, "Q4_K": Q4K, "Q5_K": Q8K, "Q6_K": Q6K,
+Q4, Q8, Q4K, Q8K, F16, BF16, Q5, Q5M, Q6K, Q5K = range(10)  # FORMATS, as packed_step.cpp numbers them
+FORMAT_NAMES = ("q4", "q8", "q4k", "q8k", "f16", "bf16", "q5", "q5m", "q6k", "q5k")  # what `stratum info` calls them
+FORMATS = {"Q4_0": Q4, "Q4_1": Q4, "Q8_0": Q8, "Q5_0": Q5, "Q5_1": Q5M, "Q4_K": Q4K, "Q5_K": Q5K, "Q6_K": Q6K,
            "F16": F16, "BF16": BF16}
 PACKED_QTYPES = tuple(FORMATS)
 _FP32_SCALES = (Q8K,)
-_SUPER = {Q4K: 2, Q6K: 1}  # formats with fp16 scales per super-block of 256 inputs: how many
+_SUPER = {Q4K: 2, Q5K: 2, Q6K: 1}  # formats with fp16 scales per super-block of 256 inputs: how many
 _SUPER_BLOCKS = kquant.QK_K // GROUP_SIZE  # blocks of 32 in a super-block
 LAYOUT_VERSION = 3  # of the tiles below and csrc/packed_step.cpp's reading of them; names the cached copy
 
@@ -91,22 +92,18 @@ def decode(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> tuple[int, np
     """Raw GGUF rows of `shape` [N, K] -> (format, q [N, K], scales, in the format's order).
 
     q is uint8 for the 4-, 5- and 6-bit formats (Q6K's not yet centred), int8 for the 8-bit ones, the
-    16-bit floats' bits (uint16) for F16 / BF16. Scales are [N, K / 32] each; for Q4K and Q6K, first
-    the integer sub-scales [N, K / 32] (Q4K: sc, min; Q6K: sc_lo, sc_hi), then the fp16 super-block
-    values [N, K / 256] (Q4K: D, Dmin; Q6K: D). Nothing is rounded: q·d + m is the GGUF's own value
+    16-bit floats' bits (uint16) for F16 / BF16. Scales are [N, K / 32] each; for Q4K, Q5K and Q6K,
+    first the integer sub-scales [N, K / 32] (sc, min; Q6K: sc_lo, sc_hi), then the fp16 super-block
+    values [N, K / 256] (D, Dmin; Q6K: D). Nothing is rounded: q·d + m is the GGUF's own value
     of every weight.
     """
     n, k = shape
     fmt = FORMATS[qtype]
     if fmt in (F16, BF16):
         return fmt, np.ascontiguousarray(raw).view(np.uint16).reshape(n, k), []
-    if qtype == "Q5_K":
-        u = kquant.unpack(qtype, raw, shape)
-        scale = u.scale.numpy()
-        return fmt, u.q.numpy().astype(np.int8), [scale, scale, u.offset.numpy()]
     if qtype in kquant.BLOCK_BYTES:
         p = kquant.parts(qtype, raw, shape)
-        if qtype == "Q4_K":
+        if qtype != "Q6_K":
             return fmt, p.q.numpy(), [p.sc.numpy(), p.mins.numpy(), p.d.numpy(), p.dmin.numpy()]
         sc = p.sc.numpy()  # Q6_K: a scale per 16 inputs
         return fmt, p.q.numpy(), [sc[:, 0::2], sc[:, 1::2], p.d.numpy()]
@@ -127,15 +124,20 @@ def decode(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> tuple[int, np
     return fmt, np.concatenate([qs & 0xF, qs >> 4], axis=-1).reshape(n, k), [d, m]
 
 
+def native_form(qtype: str) -> str:
+    """How the native step holds a tensor of this GGUF type, as `stratum info` names it."""
+    return f"native step, as stored in {FORMAT_NAMES[FORMATS[qtype]]} tiles"
+
+
 def block_scales(fmt: int, scales: list[np.ndarray]) -> list[np.ndarray]:
     """decode's scales -> the fp64 values the kernel scales each block's integer sums by, [N, K / 32]
-    each: d, m (Q4, Q5, Q5M, Q4K), d (Q8), d_lo, d_hi (Q6K), d_lo, d_hi, m (Q8K)."""
+    each: d, m (Q4, Q5, Q5M, Q4K, Q5K), d (Q8), d_lo, d_hi (Q6K), d_lo, d_hi, m (Q8K)."""
     s = [v.astype(np.float64) for v in scales]
     if fmt == Q5:
         return [s[0], -16 * s[0]]
     if fmt in _SUPER:
         ints, sup = s[: len(s) - _SUPER[fmt]], [np.repeat(v, _SUPER_BLOCKS, -1) for v in s[len(s) - _SUPER[fmt] :]]
-        return [sup[0] * ints[0], -sup[1] * ints[1]] if fmt == Q4K else [sup[0] * ints[0], sup[0] * ints[1]]
+        return [sup[0] * ints[0], sup[0] * ints[1]] if fmt == Q6K else [sup[0] * ints[0], -sup[1] * ints[1]]
     return s
 
 
@@ -160,7 +162,7 @@ def _data(fmt: int, q: np.ndarray) -> np.ndarray:
     t = _nibble_order(q)
     low = t & 0xF
     planes = [(low[..., 0] | (low[..., 1] << 4)).reshape(-1, nb, 4 * TILE * 4)]
-    if fmt in (Q5, Q5M, Q6K):
+    if fmt in (Q5, Q5M, Q5K, Q6K):
         high = (t >> 4).reshape(*t.shape[:4], 16, 2).astype(np.uint16)  # [T, b, g, L, r, c]
         lane = np.arange(4, dtype=np.uint16).reshape(4, 1)  # L
         if fmt == Q6K:  # 2 bits, at 2L: the low nibbles' bytes, then the high ones'
@@ -177,7 +179,7 @@ class PackedWeight:
 
     data: torch.Tensor  # [tiles, blocks, 256 | 320 | 384 | 512 | 1024] uint8
     # [tiles, blocks, 16 per scale] fp16 (Q4, Q8, Q5, Q5M; F16, BF16: none) or fp32 (Q8K);
-    # Q4K, Q6K: [tiles, blocks / 8, 320 | 288] uint8 (module docstring)
+    # Q4K, Q5K, Q6K: [tiles, blocks / 8, 320 | 288] uint8 (module docstring)
     scales: torch.Tensor
     out_features: int
     in_features: int

@@ -78,23 +78,25 @@ constexpr int64_t kTile = 16;    // outputs computed side by side
 //   kQ5M  5-bit q, fp16 d and m per block of 32                                (Q5_1)
 //   kQ4K  4-bit q; 6-bit sc and min per block of 32; fp16 D, Dmin per super-block of 256:
 //         d = D sc, m = -Dmin min                                              (Q4_K)
+//   kQ5K  5-bit q (as kQ5), scales as kQ4K                                     (Q5_K)
 //   kQ6K  6-bit q (the 4-bit plane, then a plane of the top two bits), centred (q - 32); int8 sc_lo
 //         (inputs 0-15), sc_hi (16-31) per block of 32; fp16 D per 256: d_lo = D sc_lo, d_hi = D sc_hi
 //                                                                              (Q6_K)
-//   kQ8K  int8 q, fp32 d_lo (inputs 0-15), d_hi (16-31) and m per block of 32  (Q5_K)
+//   kQ8K  int8 q, fp32 d_lo (inputs 0-15), d_hi (16-31) and m per block of 32  (none now: Q5_K's
+//         before kQ5K)
 //   kF16, kBF16  the 16-bit floats themselves, no scales                       (F16, BF16)
-// A K-quant sub-block's scale, an fp16 times a 6- or 8-bit integer, is exact in fp32 (not in fp16): kQ4K
-// and kQ6K keep the integers and the fp16 and multiply them in fp32 here, which gives that value.
-enum Format : int64_t { kQ4 = 0, kQ8 = 1, kQ4K = 2, kQ8K = 3, kF16 = 4, kBF16 = 5, kQ5 = 6, kQ5M = 7, kQ6K = 8 };
-constexpr bool is_4bit(Format f) { return f == kQ4 || f == kQ4K || f == kQ5 || f == kQ5M || f == kQ6K; }  // a nibble plane
-constexpr int high_bits(Format f) { return f == kQ5 || f == kQ5M ? 1 : f == kQ6K ? 2 : 0; }  // a plane of them after it
+// A K-quant sub-block's scale, an fp16 times a 6- or 8-bit integer, is exact in fp32 (not in fp16): kQ4K,
+// kQ5K and kQ6K keep the integers and the fp16 and multiply them in fp32 here, which gives that value.
+enum Format : int64_t { kQ4 = 0, kQ8 = 1, kQ4K = 2, kQ8K = 3, kF16 = 4, kBF16 = 5, kQ5 = 6, kQ5M = 7, kQ6K = 8, kQ5K = 9 };
+constexpr bool is_4bit(Format f) { return f == kQ4 || f == kQ4K || f == kQ5 || f == kQ5M || f == kQ6K || f == kQ5K; }  // a nibble plane
+constexpr int high_bits(Format f) { return f == kQ5 || f == kQ5M || f == kQ5K ? 1 : f == kQ6K ? 2 : 0; }  // a plane of them after it
 constexpr bool is_float(Format f) { return f == kF16 || f == kBF16; }
 constexpr bool fp32_scales(Format f) { return f == kQ8K; }
-// kQ4K, kQ6K: per tile and super-block of 8 blocks, the blocks' integer scales (2 x 16 bytes each) and
+// kQ4K, kQ5K, kQ6K: per tile and super-block of 8 blocks, the blocks' integer scales (2 x 16 bytes each) and
 // then the super-block's fp16 D [, Dmin] (16 each): 320 or 288 bytes
 constexpr int64_t kSuper = 8;
-constexpr bool super_scales(Format f) { return f == kQ4K || f == kQ6K; }
-constexpr int64_t super_bytes(Format f) { return kSuper * 2 * kTile + (f == kQ4K ? 2 : 1) * kTile * 2; }
+constexpr bool super_scales(Format f) { return f == kQ4K || f == kQ5K || f == kQ6K; }
+constexpr int64_t super_bytes(Format f) { return kSuper * 2 * kTile + (f == kQ6K ? 1 : 2) * kTile * 2; }
 // bytes of one tile-block (16 rows x 32 inputs) and its scales (values, fp16 or fp32; for the
 // super-block formats the bytes a block takes on average)
 constexpr int64_t block_bytes(Format f) {
@@ -402,7 +404,7 @@ inline void lane_scales(const ScaleType<kF>* sc, int64_t b, int64_t lane, float&
     const uint8_t* ints = sup + b % kSuper * 2 * kTile;
     uint16_t d[2];
     std::memcpy(&d[0], sup + kSuper * 2 * kTile + lane * 2, 2);
-    if constexpr (kF == kQ4K) {
+    if constexpr (kF != kQ6K) {
       std::memcpy(&d[1], sup + kSuper * 2 * kTile + (kTile + lane) * 2, 2);
       s0 = half_to_float(d[0]) * static_cast<float>(ints[lane]);
       s1 = -half_to_float(d[1]) * static_cast<float>(ints[kTile + lane]);
@@ -426,7 +428,7 @@ inline void part_scales(const ScaleType<kF>* sc, int64_t b, int part, Simd::F& s
     const uint8_t* sup = sc + b / kSuper * super_bytes(kF);
     const uint8_t* ints = sup + b % kSuper * 2 * kTile + part * L;
     const uint16_t* d = reinterpret_cast<const uint16_t*>(sup + kSuper * 2 * kTile) + part * L;
-    if constexpr (kF == kQ4K) {
+    if constexpr (kF != kQ6K) {
       s0 = Simd::mul(Simd::fp16(d), Simd::bytes(ints));
       s1 = Simd::mul(Simd::mul(Simd::fp16(d + kTile), Simd::set1(-1.f)), Simd::bytes(ints + kTile));
     } else {
@@ -468,7 +470,7 @@ inline void group_values(const uint8_t* wb, int g, int part, Simd::I p[4]) {
 // apart). out: MR rows of `ld` floats, `valid` of 16 written.
 //
 // Per block of 32 inputs and output lane, every path computes, in this order:
-//   4-, 5-bit (kQ4, kQ4K, kQ5, kQ5M):  f = fma(float(sum q x), d dx, f); f = fma(m, sx, f)
+//   4-, 5-bit (kQ4, kQ4K, kQ5, kQ5M, kQ5K):  f = fma(float(sum q x), d dx, f); f = fma(m, sx, f)
 //   8-bit (kQ8):        f = fma(float(sum q x), d dx, f)
 //   8-bit (kQ8K):       f = fma(float(sum_{j<16} q x), d_lo dx, f); f = fma(float(sum_{j>=16} q x), d_hi dx, f);
 //                       f = fma(m, sx, f)
@@ -666,7 +668,7 @@ struct Packed {
   Format format;
 
   static Packed of(const at::Tensor& data, const at::Tensor& scales, int64_t format, int64_t rows) {
-    TORCH_CHECK(format >= kQ4 && format <= kQ6K, "packed weight: unknown format ", format);
+    TORCH_CHECK(format >= kQ4 && format <= kQ5K, "packed weight: unknown format ", format);
     const auto f = static_cast<Format>(format);
     TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 3 && data.is_contiguous(), "packed weight: uint8 [tiles, blocks, bytes]");
     TORCH_CHECK(data.size(2) == block_bytes(f), "packed weight: format ", format, " has ", block_bytes(f), "-byte tile-blocks, not ",
@@ -741,6 +743,7 @@ void linear(const Projection& w, const QuantRows& x, int64_t rows, float* out) {
         case kQ5: tile_rows<kQ5>(seg, t - first[s], x, rows, o, ld); break;
         case kQ5M: tile_rows<kQ5M>(seg, t - first[s], x, rows, o, ld); break;
         case kQ6K: tile_rows<kQ6K>(seg, t - first[s], x, rows, o, ld); break;
+        case kQ5K: tile_rows<kQ5K>(seg, t - first[s], x, rows, o, ld); break;
       }
     }
   });
