@@ -465,7 +465,8 @@ inline void group_values(const uint8_t* wb, int g, int part, Simd::I p[4]) {
 #endif
 
 // One tile of 16 outputs for MR rows, in weight format kF. w: the tile's blocks; scales: its scales
-// (block_scales(kF) per block: fp16 d [, m], or fp32 d [, m] / d_lo, d_hi, m); xq, xd, xs: the first
+// (block_scales(kF) per block: fp16 d [, m], or fp32 d_lo, d_hi, m; or per super-block, its integer
+// scales and fp16 values: `Format`); xq, xd, xs: the first
 // row's quantized inputs, scales and scaled sums, xf its fp32 inputs (rows `k` values and `nb` blocks
 // apart). out: MR rows of `ld` floats, `valid` of 16 written.
 //
@@ -475,9 +476,9 @@ inline void group_values(const uint8_t* wb, int g, int part, Simd::I p[4]) {
 //   8-bit (kQ8K):       f = fma(float(sum_{j<16} q x), d_lo dx, f); f = fma(float(sum_{j>=16} q x), d_hi dx, f);
 //                       f = fma(m, sx, f)
 //   6-bit (kQ6K):       as kQ8K without the m term (q centred)
-// (d and m as lane_scales gives them)
 //   16-bit float:       a0 = fma chain over even inputs, a1 over odd inputs (from 0); f = f + (a0 + a1)
-// (integer sums are exact in any order; the float operations are the same ones in the same order).
+// (d, m as lane_scales gives them; integer sums are exact in any order; the float operations are the
+// same ones in the same order).
 template <int MR, Format kF>
 inline void tile_dot(const uint8_t* w, const void* scales, int64_t blocks, const int16_t* xq, const float* xd,
                      const float* xs, const float* xf, int64_t k, int64_t nb, float* out, int64_t ld, int64_t valid) {
@@ -520,7 +521,8 @@ inline void tile_dot(const uint8_t* w, const void* scales, int64_t blocks, const
         if constexpr (is_4bit(kF)) {
           for (int g = 0; g < 4; ++g) {  // inputs 8g .. 8g+7 as four pairs, one pair per int32 lane and output
             if (part == 0) __builtin_prefetch(reinterpret_cast<const char*>(wb + g * 64) + kPrefetch);
-            if (part == 0 && g < high_bits(kF)) __builtin_prefetch(reinterpret_cast<const char*>(wb + 256 + g * 64) + kPrefetch);
+            if (part == 0 && g < high_bits(kF))  // the high plane's 64 or 128 bytes after the nibbles
+              __builtin_prefetch(reinterpret_cast<const char*>(wb + kTile * kBlock / 2 + g * 64) + kPrefetch);
             I p[4];
             group_values<kF>(wb, g, part, p);
             for (int r = 0; r < MR; ++r) {
