@@ -9,8 +9,10 @@ Each format is a super-block of 256 weights (QK_K) split into sub-blocks that sh
     Q6_K, 210 bytes: 128 bytes of low nibbles (ql), 64 bytes of high 2-bit pairs (qh), 16 int8 scales
                      for sub-blocks of 16, fp16 d; weight = d·sc·(q − 32), q in 0..63
 
-`unpack` turns any of them into the one form q·scale + offset per sub-block — the form Q4_0 / Q4_1 / Q8_0
-already have — so a kernel can take K-quant weights as blocks of 32 (or 16) with fp32 scales.
+`parts` reads the integers as stored (q, the sub-block scales and mins) and the super-block's fp16 d and
+dmin: what the native step's tiles keep (kernels/packed.py). `unpack` turns them into the one form
+q·scale + offset per sub-block — the form Q4_0 / Q4_1 / Q8_0 already have — with fp32 scales, exact
+(an fp16 times a 6- or 8-bit integer), for the PyTorch path.
 """
 
 from __future__ import annotations
