@@ -159,6 +159,157 @@ def test_forced_prompt_ends_with_the_family_opening(tokenizer, family, forced):
     assert text == rendered + prompt.prefill
 
 
+# ---- tool turns in the history ------------------------------------------------------------------------
+# A description, a parameter's description, arguments and a result with quotes, backslashes and newlines:
+# each must come out as the template writes it (valid JSON where it is written with tojson).
+TRICKY = 'Weather "now"\nfor a city \\ or a region'
+HISTORY_TOOL = {"name": "get_weather", "description": TRICKY,
+                "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": 'a "quoted"\tname'}},
+                               "required": ["city"]}}
+CALL_ID, MISTRAL_ID = "call_4f8Zq2Lm9x", "f8Zq2Lm9x"  # Mistral's templates take 9 letters and digits: the id's last
+ARGS = {"city": 'Pa"ris\\\n'}
+RESULT = '{"temp": "20 C", "sky": "clear\\nand \\"calm\\""}'
+
+
+def history_requests() -> dict:
+    """One conversation (a question, the model's call, the tool's result) as each API writes it."""
+    from stratum.server.protocol import ChatCompletionRequest, MessagesRequest, ResponsesRequest
+
+    question = "  Weather in Paris? "
+    return {
+        "anthropic": MessagesRequest(model="m", max_tokens=8, tools=[
+            {"name": HISTORY_TOOL["name"], "description": TRICKY, "input_schema": HISTORY_TOOL["parameters"]}],
+            messages=[user(question),
+                      {"role": "assistant", "content": [{"type": "tool_use", "id": CALL_ID, "name": "get_weather", "input": ARGS}]},
+                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": CALL_ID, "content": RESULT}]}]),
+        "openai": ChatCompletionRequest(model="m", tools=[{"type": "function", "function": HISTORY_TOOL}], messages=[
+            user(question),
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": CALL_ID, "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(ARGS)}}]},
+            {"role": "tool", "tool_call_id": CALL_ID, "content": RESULT}]),
+        "responses": ResponsesRequest(model="m", tools=[{"type": "function", **HISTORY_TOOL}], input=[
+            user(question),
+            {"type": "function_call", "call_id": CALL_ID, "name": "get_weather", "arguments": json.dumps(ARGS)},
+            {"type": "function_call_output", "call_id": CALL_ID, "output": RESULT}]),
+    }
+
+
+def hf_history(family: str) -> list[dict]:
+    """The same conversation as Hugging Face chat templates take it (transformers' tool-use docs)."""
+    call_id = MISTRAL_ID if family == "mistral-v3" else CALL_ID
+    return [user("  Weather in Paris? "),
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"id": call_id, "type": "function", "function": {"name": "get_weather", "arguments": ARGS}}]},
+            {"role": "tool", "tool_call_id": call_id, "name": "get_weather", "content": RESULT}]
+
+
+def render_like_transformers(source: str, tokenizer, messages: list[dict], tools: list[dict] | None) -> str:
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    return render_jinja_template(conversations=[messages], tools=tools, chat_template=source, add_generation_prompt=True,
+                                 bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)[0][0]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("api", ["anthropic", "openai", "responses"])
+def test_tool_turns_reach_the_template_natively(tokenizer, family, api):
+    """Calls and results from every API reach the template as `tool_calls` and `tool` turns: the prompt is
+    what transformers renders for the conversation in Hugging Face's form, quotes and newlines included."""
+    from stratum.server.chat import anthropic_input, openai_input, responses_input
+
+    source = (TEMPLATES / f"{family}.jinja").read_text()
+    read = {"anthropic": anthropic_input, "openai": openai_input, "responses": responses_input}[api]
+    prompt = build_prompt(ChatTemplate(source, tokenizer), read(history_requests()[api]))
+    text = tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
+    tools = [{"type": "function", "function": HISTORY_TOOL}]
+    assert text == render_like_transformers(source, tokenizer, hf_history(family), tools)
+    call = {"qwen2.5": '<tool_call>\n{"name": "get_weather", "arguments": ' + json.dumps(ARGS),
+            "llama3.1": '{"name": "get_weather", "parameters": ' + json.dumps(ARGS),
+            "mistral-v3": '[TOOL_CALLS] [{"name": "get_weather", "arguments": ' + json.dumps(ARGS)}[family]
+    assert call in text
+    if family == "qwen2.5":  # the tool definitions, one JSON object a line, read back as given
+        lines = text.split("<tools>\n")[1].split("\n</tools>")[0].splitlines()
+        assert [json.loads(line) for line in lines] == tools
+    if family == "llama3.1":
+        shown = text.split("Do not use variables.\n\n")[1].split("\n\n")[0]
+        assert json.loads(shown) == tools[0]
+
+
+def test_tool_turns_as_text_for_a_template_without_tools(tokenizer):
+    """A template that knows no tool turns (SmolLM2's ChatML) reads calls and results in the Hermes form its
+    system prompt teaches; a result and the text after it make one user turn, so a template that wants
+    roles to alternate still renders, and a cache_control mark stays on its message."""
+    from stratum.server.chat import anthropic_input
+    from stratum.server.protocol import MessagesRequest
+
+    alternating = ("{% for m in messages %}{% if loop.first != (m.role == 'system') or "
+                   "not loop.first and (m.role == 'user') != (loop.index0 % 2 == 1) %}"
+                   "{{ raise_exception('roles must alternate') }}{% endif %}"
+                   "{{ '<|im_start|>' + m.role + '\n' + m.content + '<|im_end|>\n' }}{% endfor %}"
+                   "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    req = MessagesRequest(model="m", max_tokens=8, tools=[
+        {"name": "get_weather", "description": TRICKY, "input_schema": HISTORY_TOOL["parameters"]}], messages=[
+        user("Weather in Paris?"),
+        {"role": "assistant", "content": [{"type": "text", "text": "Let me check."},
+                                          {"type": "tool_use", "id": CALL_ID, "name": "get_weather", "input": ARGS}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": CALL_ID, "content": RESULT},
+                                     {"type": "text", "text": "And tomorrow?", "cache_control": {"type": "ephemeral"}}]}])
+    chat = anthropic_input(req)
+    assert [m["role"] for m in chat.messages] == ["user", "assistant", "tool", "user"] and chat.pinned == {3: None}
+    prompt = build_prompt(ChatTemplate(alternating, tokenizer), chat)
+    text = tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
+    assert ("<|im_start|>assistant\nLet me check.\n<tool_call>\n" + json.dumps({"name": "get_weather", "arguments": ARGS})
+            + "\n</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\n" + RESULT
+            + "\n</tool_response>\nAnd tomorrow?<|im_end|>\n<|im_start|>assistant\n") in text
+    assert chat.pinned == {2: None}  # the mark moved with its text into the merged user turn
+    assert text.startswith("<|im_start|>system\n") and "<tools>" in text
+
+
+# (format, one call, two calls): literal outputs, as in OUTPUTS
+PARALLEL = [
+    (tools.HERMES, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>',
+     '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+     '<tool_call>\n{"name": "get_time", "arguments": {"tz": "CET"}}\n</tool_call>'),
+    (tools.MISTRAL, '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]',
+     '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, {"name": "get_time", "arguments": {"tz": "CET"}}]'),
+    (tools.MISTRAL_NAME_ARGS, '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
+     '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{"tz": "CET"}'),
+    (tools.LLAMA3_JSON, '{"name": "get_weather", "parameters": {"city": "Paris"}}',
+     '{"name": "get_weather", "parameters": {"city": "Paris"}}; {"name": "get_time", "parameters": {"tz": "CET"}}'),
+]
+
+
+@pytest.mark.parametrize("fmt,one,two", PARALLEL, ids=[p[0].name for p in PARALLEL])
+@pytest.mark.parametrize("forced", [False, True, "get_weather"])
+def test_grammar_takes_several_calls_unless_parallel_is_off(tokenizer, fmt, one, two, forced):
+    """Auto or forced, the grammar takes one or more calls in the family's form, and exactly one when the
+    request turns parallel calls off; Llama 3.1's template has no form for several, so one there. A call
+    forced by name is to that tool each time."""
+    from stratum.engine.grammar import GrammarCompiler
+    from stratum.server.structured import tool_grammar
+
+    def accepts(answer: str, parallel: bool) -> bool:
+        if forced is not False:  # the prompt ends with the forced opening: the answer is the rest
+            prefix = fmt.forced_prefix(forced if isinstance(forced, str) else None)
+            assert answer.startswith(prefix)
+            answer = answer[len(prefix):]
+        matcher = GrammarCompiler(tokenizer, tokenizer.vocab_size).matcher(
+            tool_grammar(TOOL_DEFS, forced, fmt=fmt, parallel=parallel))
+        return matcher.consume_tokens(tokenizer.encode(answer)) and matcher.is_accepting()
+
+    assert accepts(one, True) and accepts(one, False)
+    assert not accepts(two, False)
+    assert accepts(two, True) == (fmt.parallel and forced != "get_weather")
+    twice = two.replace('"get_time"', '"get_weather"').replace("]get_time[", "]get_weather[").replace(
+        '{"tz": "CET"}', '{"city": "Lyon"}')
+    assert accepts(twice, True) == fmt.parallel
+    assert parse_two(fmt, two) and parse_two(fmt, twice)
+
+
+def parse_two(fmt: tools.ToolFormat, answer: str) -> bool:
+    return len(tools.parse_tool_calls(answer, KNOWN, fmt)[1]) == 2
+
+
 # ---- end to end --------------------------------------------------------------------------------------
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def family_server(request, tmp_path_factory):

@@ -195,7 +195,8 @@ class RequestLifecycle:
         if fit_context:
             self._fit_context(len(prompt.token_ids), sampling)
         for ids in self.prompt_ids:
-            check_request(self.rt, Prompt(ids, tool_names=prompt.tool_names, tool_format=prompt.tool_format), sampling)
+            check_request(self.rt, Prompt(ids, tool_names=prompt.tool_names, tool_format=prompt.tool_format,
+                                          parallel_calls=prompt.parallel_calls), sampling)
         self._reserve(sum(map(len, self.prompt_ids)), len(self.prompt_ids) * n * sampling.max_tokens)
         if chat is not None and chat.pinned:
             self.pins = await asyncio.to_thread(pins_for, engine.chat_template, chat.messages, chat.pinned,
