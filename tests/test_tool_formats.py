@@ -171,26 +171,27 @@ ARGS = {"city": 'Pa"ris\\\n'}
 RESULT = '{"temp": "20 C", "sky": "clear\\nand \\"calm\\""}'
 
 
-def history_requests() -> dict:
-    """One conversation (a question, the model's call, the tool's result) as each API writes it."""
-    from stratum.server.protocol import ChatCompletionRequest, MessagesRequest, ResponsesRequest
-
+def history_bodies() -> dict[str, dict]:
+    """One conversation (a question, the model's call, the tool's result) as each API's body writes it."""
     question = "  Weather in Paris? "
     return {
-        "anthropic": MessagesRequest(model="m", max_tokens=8, tools=[
-            {"name": HISTORY_TOOL["name"], "description": TRICKY, "input_schema": HISTORY_TOOL["parameters"]}],
-            messages=[user(question),
-                      {"role": "assistant", "content": [{"type": "tool_use", "id": CALL_ID, "name": "get_weather", "input": ARGS}]},
-                      {"role": "user", "content": [{"type": "tool_result", "tool_use_id": CALL_ID, "content": RESULT}]}]),
-        "openai": ChatCompletionRequest(model="m", tools=[{"type": "function", "function": HISTORY_TOOL}], messages=[
-            user(question),
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": CALL_ID, "type": "function", "function": {"name": "get_weather", "arguments": json.dumps(ARGS)}}]},
-            {"role": "tool", "tool_call_id": CALL_ID, "content": RESULT}]),
-        "responses": ResponsesRequest(model="m", tools=[{"type": "function", **HISTORY_TOOL}], input=[
-            user(question),
-            {"type": "function_call", "call_id": CALL_ID, "name": "get_weather", "arguments": json.dumps(ARGS)},
-            {"type": "function_call_output", "call_id": CALL_ID, "output": RESULT}]),
+        "anthropic": {"tools": [{"name": "get_weather", "description": TRICKY, "input_schema": HISTORY_TOOL["parameters"]}],
+                      "messages": [user(question),
+                                   {"role": "assistant", "content": [
+                                       {"type": "tool_use", "id": CALL_ID, "name": "get_weather", "input": ARGS}]},
+                                   {"role": "user", "content": [
+                                       {"type": "tool_result", "tool_use_id": CALL_ID, "content": RESULT}]}]},
+        "openai": {"tools": [{"type": "function", "function": HISTORY_TOOL}],
+                   "messages": [user(question),
+                                {"role": "assistant", "content": None, "tool_calls": [
+                                    {"id": CALL_ID, "type": "function",
+                                     "function": {"name": "get_weather", "arguments": json.dumps(ARGS)}}]},
+                                {"role": "tool", "tool_call_id": CALL_ID, "content": RESULT}]},
+        "responses": {"tools": [{"type": "function", **HISTORY_TOOL}],
+                      "input": [user(question),
+                                {"type": "function_call", "call_id": CALL_ID, "name": "get_weather",
+                                 "arguments": json.dumps(ARGS)},
+                                {"type": "function_call_output", "call_id": CALL_ID, "output": RESULT}]},
     }
 
 
@@ -216,10 +217,14 @@ def test_tool_turns_reach_the_template_natively(tokenizer, family, api):
     """Calls and results from every API reach the template as `tool_calls` and `tool` turns: the prompt is
     what transformers renders for the conversation in Hugging Face's form, quotes and newlines included."""
     from stratum.server.chat import anthropic_input, openai_input, responses_input
+    from stratum.server.protocol import ChatCompletionRequest, MessagesRequest, ResponsesRequest
 
     source = (TEMPLATES / f"{family}.jinja").read_text()
-    read = {"anthropic": anthropic_input, "openai": openai_input, "responses": responses_input}[api]
-    prompt = build_prompt(ChatTemplate(source, tokenizer), read(history_requests()[api]))
+    body = history_bodies()[api]
+    chat = {"anthropic": lambda: anthropic_input(MessagesRequest(model="m", max_tokens=8, **body)),
+            "openai": lambda: openai_input(ChatCompletionRequest(model="m", **body)),
+            "responses": lambda: responses_input(ResponsesRequest(model="m", **body))}[api]()
+    prompt = build_prompt(ChatTemplate(source, tokenizer), chat)
     text = tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
     tools = [{"type": "function", "function": HISTORY_TOOL}]
     assert text == render_like_transformers(source, tokenizer, hf_history(family), tools)
@@ -327,7 +332,7 @@ def family_server(request, tmp_path_factory):
                                       chat_template=source))
         shutil.rmtree(folder)
     server = ServerProcess(model, "--served-model-name", "tiny", "--kv-cache-mb", "8").wait_ready()
-    yield family, server
+    yield family, server, model
     server.stop()
 
 
@@ -341,15 +346,25 @@ OPENAI_TOOLS = [{"type": "function", "function": t} for t in TOOL_DEFS]
 
 @pytest.mark.parametrize("seed", range(2))
 def test_anthropic_forced_calls_parse(family_server, seed):
-    _, server = family_server
+    _, server, _ = family_server
     claude = anthropic.Anthropic(base_url=server.url, api_key="test", max_retries=0)
     msg = claude.messages.create(model="tiny", max_tokens=80, messages=[user("weather?")], tools=ANTHROPIC_TOOLS,
-                                 tool_choice={"type": "any"}, extra_body={"seed": seed})
+                                 tool_choice={"type": "any", "disable_parallel_tool_use": True}, extra_body={"seed": seed})
     assert msg.stop_reason == "tool_use" and [b.type for b in msg.content] == ["tool_use"]
     jsonschema.validate(msg.content[0].input, SCHEMAS[msg.content[0].name])
 
+    # one call or several; the random model, unlike a trained one, may go on calling until max_tokens
+    # cuts the last call short
+    msg = claude.messages.create(model="tiny", max_tokens=160, messages=[user("weather?")], tools=ANTHROPIC_TOOLS,
+                                 tool_choice={"type": "any"}, extra_body={"seed": seed})
+    assert msg.stop_reason in ("tool_use", "max_tokens") and msg.content
+    assert {b.type for b in msg.content} == {"tool_use"}
+    for block in msg.content[: -1 if msg.stop_reason == "max_tokens" else None]:
+        jsonschema.validate(block.input, SCHEMAS[block.name])
+
     with claude.messages.stream(model="tiny", max_tokens=80, messages=[user("time?")], tools=ANTHROPIC_TOOLS,
-                                tool_choice={"type": "tool", "name": "get_weather"}, extra_body={"seed": seed}) as stream:
+                                tool_choice={"type": "tool", "name": "get_weather", "disable_parallel_tool_use": True},
+                                extra_body={"seed": seed}) as stream:
         events = list(stream)
         final = stream.get_final_message()
     deltas = [e.delta.partial_json for e in events if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
@@ -361,10 +376,10 @@ def test_anthropic_forced_calls_parse(family_server, seed):
 
 @pytest.mark.parametrize("seed", range(2))
 def test_openai_forced_calls_parse(family_server, seed):
-    _, server = family_server
+    _, server, _ = family_server
     oai = openai.OpenAI(base_url=server.url + "/v1", api_key="test", max_retries=0)
     r = oai.chat.completions.create(model="tiny", messages=[user("weather?")], tools=OPENAI_TOOLS,
-                                    tool_choice="required", max_tokens=80, seed=seed)
+                                    tool_choice="required", parallel_tool_calls=False, max_tokens=80, seed=seed)
     choice = r.choices[0]
     assert choice.finish_reason == "tool_calls" and len(choice.message.tool_calls) == 1
     call = choice.message.tool_calls[0].function
@@ -372,7 +387,7 @@ def test_openai_forced_calls_parse(family_server, seed):
 
     stream = oai.chat.completions.create(model="tiny", messages=[user("time?")], tools=OPENAI_TOOLS, max_tokens=80,
                                          tool_choice={"type": "function", "function": {"name": "get_time"}},
-                                         stream=True, seed=seed)
+                                         parallel_tool_calls=False, stream=True, seed=seed)
     names, args, finish = [], "", None
     for chunk in stream:
         for c in chunk.choices:
@@ -386,9 +401,56 @@ def test_openai_forced_calls_parse(family_server, seed):
     jsonschema.validate(json.loads(args), SCHEMAS["get_time"])
 
 
+def test_openai_parallel_calls_stream_each_whole(family_server):
+    """With parallel calls allowed (the default), a forced answer holds one or more calls, each streamed
+    under its own index, each valid (but one cut short by max_tokens: the random model may call until
+    then); a call forced by name is to that tool every time."""
+    _, server, _ = family_server
+    oai = openai.OpenAI(base_url=server.url + "/v1", api_key="test", max_retries=0)
+    for seed, choice in enumerate(["required", {"type": "function", "function": {"name": "get_time"}}]):
+        stream = oai.chat.completions.create(model="tiny", messages=[user("weather and time?")], tools=OPENAI_TOOLS,
+                                             tool_choice=choice, max_tokens=160, stream=True, seed=seed)
+        calls: dict[int, list] = {}
+        finish = None
+        for chunk in stream:
+            for c in chunk.choices:
+                for delta in c.delta.tool_calls or []:
+                    call = calls.setdefault(delta.index, [None, ""])
+                    call[0] = delta.function.name or call[0]
+                    call[1] += delta.function.arguments or ""
+                finish = c.finish_reason or finish
+        assert finish in ("tool_calls", "length") and calls and sorted(calls) == list(range(len(calls)))
+        assert all(name == "get_time" for name, _ in calls.values()) or choice == "required"
+        whole = [calls[i] for i in sorted(calls)][: -1 if finish == "length" else None]  # the last may be cut short
+        for name, args in whole:
+            jsonschema.validate(json.loads(args), SCHEMAS[name])
+
+
+def test_history_with_tool_turns_counts_as_transformers_renders_it(family_server):
+    """A conversation with a call and its result, sent through each official SDK, is prompted as
+    transformers' apply_chat_template renders and tokenizes it for this family's template (counted by
+    the server's usage; the Mistral family's GGUF has no Hugging Face tokenizer to compare with)."""
+    family, server, model = family_server
+    if family == "mistral-v3":
+        pytest.skip("no Hugging Face tokenizer for the SentencePiece GGUF")
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(model)
+    ids = hf.apply_chat_template(hf_history(family), tools=[{"type": "function", "function": HISTORY_TOOL}],
+                                 add_generation_prompt=True, tokenize=True)
+    expected = len(ids["input_ids"] if hasattr(ids, "keys") else ids)
+    bodies = history_bodies()
+    claude = anthropic.Anthropic(base_url=server.url, api_key="test", max_retries=0)
+    counted = claude.messages.count_tokens(model="tiny", **bodies["anthropic"])
+    oai = openai.OpenAI(base_url=server.url + "/v1", api_key="test", max_retries=0)
+    chat = oai.chat.completions.create(model="tiny", max_tokens=1, **bodies["openai"])
+    resp = oai.responses.create(model="tiny", max_output_tokens=16, **bodies["responses"])
+    assert (counted.input_tokens, chat.usage.prompt_tokens, resp.usage.input_tokens) == (expected,) * 3
+
+
 def test_auto_choice_answers_text_or_a_valid_call(family_server):
     """Without forcing, the answer is text or a call in the family's format, never an error."""
-    _, server = family_server
+    _, server, _ = family_server
     claude = anthropic.Anthropic(base_url=server.url, api_key="test", max_retries=0)
     for seed in range(3):
         msg = claude.messages.create(model="tiny", max_tokens=40, messages=[user("hello")], tools=ANTHROPIC_TOOLS,
