@@ -102,7 +102,8 @@ class ChatTemplate:
         continue_final: bool = False,
         suffix: str = "",
     ) -> list[int]:
-        """Render and tokenize, treating every message string as plain text.
+        """Render and tokenize, treating every message string as plain text; the ids begin with BOS
+        once where the tokenizer adds it (`TextTokenizer.add_bos`), whether or not the template writes it.
 
         Args:
             continue_final: the last message is an assistant prefill; the prompt stops right after
@@ -151,7 +152,8 @@ class ChatTemplate:
                 for op in parts[i + 2]:
                     piece = _OPS[op](piece)
                 run += piece
-        return ids + self.tokenizer.encode(run)
+        # one BOS where the tokenizer adds it, as llama-server does: none more if the template wrote it
+        return self.tokenizer.with_bos(ids + self.tokenizer.encode(run))
 
 
 _NAMES = ("role", "type", "name", "id", "tool_call_id")

@@ -178,7 +178,7 @@ class RequestLifecycle:
         prompts = None
         if chat is None:
             self.controls = controls_of(self.request, "", self.is_batch)
-            prompts = [list(p) if isinstance(p, list) else await asyncio.to_thread(engine.tokenizer.encode, p)
+            prompts = [list(p) if isinstance(p, list) else await asyncio.to_thread(engine.tokenizer.encode_prompt, p)
                        for p in raw]
             prompt, self.prompt_text = Prompt(prompts[0]), "\n".join(p for p in raw if isinstance(p, str))
         else:
