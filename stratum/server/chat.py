@@ -216,7 +216,7 @@ def openai_input(req: ChatCompletionRequest) -> ChatInput:
     for m in req.messages:
         text = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
         if m.role == "tool":
-            _append(messages, _result(m.tool_call_id or "", text, names if m.name is None else {m.tool_call_id: m.name}))
+            _append(messages, {**_result(m.tool_call_id or "", text, names), **({"name": m.name} if m.name else {})})
             continue
         turn = {"role": "system" if m.role == "developer" else m.role, "content": text}
         if m.tool_calls:
