@@ -8,13 +8,16 @@ between special tokens is encoded on its own, with its own dummy prefix (llama-v
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import gguf
+import openai
 import pytest
 
 from stratum.engine.detokenizer import Detokenizer
 from stratum.models.loader import load_checkpoint, read_gguf_metadata
 from stratum.models.tokenizer import TextTokenizer, tokenizer_from_gguf, tokenizer_from_sentencepiece
+from tests.conftest import ServerProcess
 from tests.factories import add_sentencepiece_vocab, make_family_dir, make_sentencepiece_model, write_family_gguf
 
 sentencepiece = pytest.importorskip("sentencepiece")
@@ -196,10 +199,76 @@ CHATML_TEMPLATE = (
 @pytest.mark.parametrize("template", [LLAMA2_TEMPLATE, CHATML_TEMPLATE])
 def test_chat_prompt_tokenized_as_one_text(gguf_tokenizer, sp, template):
     """A rendered chat prompt gets the ids llama.cpp gives the whole rendered text: no dummy prefix where
-    a user's text meets the template's text."""
+    a user's text meets the template's text, and one BOS first (the vocabulary adds it), whether or not
+    the template writes it (llama.cpp's common_chat_templates_apply drops a rendered BOS, then tokenizes
+    with add_special)."""
     from stratum.models.chat_template import ChatTemplate
 
+    assert gguf_tokenizer.add_bos
     chat = ChatTemplate(template, gguf_tokenizer)
     messages = [{"role": "user", "content": "Hello there, friend"}, {"role": "assistant", "content": "Hi 🙂"},
                 {"role": "user", "content": "  two spaces\nand a line"}]
-    assert chat.encode(messages) == reference_with_specials(sp, chat.render(messages))
+    rendered = chat.render(messages)
+    assert rendered.startswith("<s>") == (template == LLAMA2_TEMPLATE)
+    expected = [sp.bos_id()] + reference_with_specials(sp, rendered.removeprefix("<s>"))
+    assert chat.encode(messages) == expected
+
+
+# ---- BOS, as llama.cpp adds it ------------------------------------------------------------------------
+def test_add_bos_read_as_llama_cpp_reads_it(gguf_tokenizer, tmp_path):
+    """A GGUF's tokenizer.ggml.add_bos_token says whether prompts begin with BOS; where it is left out,
+    llama.cpp's default for the vocabulary (SentencePiece and Llama 3's BPE yes, other BPE no). A
+    folder's tokenizer_config.json add_bos_token says it too; left out, the tokenizer.json's
+    post-processor does (Llama 3's adds <|begin_of_text|>)."""
+    from tokenizers import Tokenizer, models, processors
+
+    from stratum.models.tokenizer import tokenizer_from_file
+
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["<s>", "a", "b", "ab"], "tokenizer.ggml.merges": ["a b"],
+            "tokenizer.ggml.token_type": [3, 1, 1, 1], "tokenizer.ggml.bos_token_id": 0}
+    assert not tokenizer_from_gguf({**meta, "tokenizer.ggml.pre": "smollm"}).add_bos
+    assert tokenizer_from_gguf({**meta, "tokenizer.ggml.pre": "llama-bpe"}).add_bos
+    assert tokenizer_from_gguf({**meta, "tokenizer.ggml.add_bos_token": True}).add_bos
+    assert not tokenizer_from_gguf({**meta, "tokenizer.ggml.pre": "llama-bpe", "tokenizer.ggml.add_bos_token": False}).add_bos
+    assert gguf_tokenizer.add_bos and gguf_tokenizer.encode_prompt("Hello") == [1] + gguf_tokenizer.encode("Hello")
+
+    backend = Tokenizer(models.BPE({"<s>": 0, "a": 1}, []))
+    backend.add_special_tokens(["<s>"])
+    path = tmp_path / "tokenizer.json"
+    for post, config, expected in [(False, None, False), (True, None, True), (True, False, False), (False, True, True)]:
+        backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)]) if post else None
+        backend.save(str(path))
+        assert tokenizer_from_file(str(path), [], "<s>", config).add_bos == expected
+
+
+MISTRAL_V3 = (Path(__file__).parent / "data" / "chat_templates" / "mistral-v3.jinja").read_text()
+
+
+@pytest.fixture(scope="module")
+def spm_server(model_bytes, tmp_path_factory, module_stratum_home):
+    """The tiny model as a SentencePiece GGUF (add_bos_token true) with Mistral v3's template, which writes BOS."""
+    root = tmp_path_factory.mktemp("bos")
+    folder = make_family_dir(root / "hf", "mistral", max_position_embeddings=1024)
+    path = write_family_gguf(folder, root / "m.gguf", sentencepiece=model_bytes, chat_template=MISTRAL_V3)
+    server = ServerProcess(str(path), "--served-model-name", "tiny", "--kv-cache-mb", "8").wait_ready()
+    yield server
+    server.stop()
+
+
+def test_bos_added_once_as_llama_server_does(spm_server, sp):
+    """/v1/completions begins a text prompt with BOS (a token-id prompt is taken as it is), and an echo's
+    offsets stay on the text; a chat prompt has one BOS, though Mistral's template writes one too."""
+    oai = openai.OpenAI(base_url=spm_server.url + "/v1", api_key="test", max_retries=0)
+    text = "Hello world"
+    r = oai.completions.create(model="tiny", prompt=text, max_tokens=1, echo=True, logprobs=0, temperature=0)
+    assert r.usage.prompt_tokens == 1 + len(sp.encode(text))
+    logprobs = r.choices[0].logprobs
+    assert logprobs.tokens[0] == "<s>" and logprobs.token_logprobs[0] is None
+    assert r.choices[0].text.startswith(text) and logprobs.text_offset[:2] == [0, 0]
+    assert oai.completions.create(model="tiny", prompt=sp.encode(text), max_tokens=1).usage.prompt_tokens == len(sp.encode(text))
+
+    messages = [{"role": "user", "content": "Hello there"}]
+    rendered = "[INST] Hello there[/INST]"  # Mistral v3's template after its BOS
+    expected = [sp.bos_id()] + reference_with_specials(sp, rendered)
+    r = oai.chat.completions.create(model="tiny", messages=messages, max_tokens=1)
+    assert r.usage.prompt_tokens == len(expected)

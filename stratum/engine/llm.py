@@ -25,7 +25,7 @@ class LLM:
         params = sampling if isinstance(sampling, list) else [sampling] * len(prompts)
         order = []
         for i, prompt in enumerate(prompts):
-            ids = self.engine.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            ids = self.engine.tokenizer.encode_prompt(prompt) if isinstance(prompt, str) else list(prompt)
             rid = f"offline-{next(self._ids)}"
             self.engine.add_request(ids, params[i], request_id=rid, priority=priorities[i] if priorities else 0)
             order.append(rid)

@@ -249,7 +249,7 @@ def decode_info(d: dict) -> EngineInfo:
 def encode_tokenizer(tok, chat_template: str | None) -> dict:
     """A model's tokenizer (TextTokenizer) and chat template source as plain data, for a serving side elsewhere."""
     return {"json": tok.backend.to_str(), "bos_token": tok.bos_token, "eos_token": tok.eos_token,
-            "bos_token_id": tok.bos_token_id, "eos_token_ids": list(tok.eos_token_ids),
+            "bos_token_id": tok.bos_token_id, "eos_token_ids": list(tok.eos_token_ids), "add_bos": tok.add_bos,
             "chat_template": chat_template}
 
 
@@ -261,5 +261,5 @@ def decode_tokenizer(d: dict):
     from stratum.models.tokenizer import TextTokenizer
 
     tokenizer = TextTokenizer(Tokenizer.from_str(d["json"]), d["bos_token"], d["eos_token"], d["bos_token_id"],
-                              tuple(d["eos_token_ids"]))
+                              tuple(d["eos_token_ids"]), d["add_bos"])
     return tokenizer, ChatTemplate(d["chat_template"], tokenizer)

@@ -3,7 +3,8 @@
 Message text is never spliced into the template's output as a string to be re-tokenized with
 special tokens on. Each piece of user-supplied text is rendered as a unique placeholder; special
 tokens are then read from the template's own text only, and the text between them is encoded as
-plain text.
+plain text. What the template does to a placeholder that must reach its text (escaping it into JSON
+with `tojson`, `trim`) is recorded on the placeholder and done to the text when it is put back.
 """
 
 from __future__ import annotations
@@ -34,8 +35,39 @@ def _raise(message: str):
     raise TemplateError(message)
 
 
-def _tojson(value: Any, indent: int | None = None, ensure_ascii: bool = False, sort_keys: bool = False) -> str:
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, sort_keys=sort_keys)
+# A placeholder: @@<marker><index><ops>@@, ops being what to do to its text, in order (see _OPS).
+_PLACEHOLDER = re.compile(r"@@([0-9a-f]{32}\d+)([a-z]*)@@")
+_OPS = {
+    "j": lambda text: json.dumps(text, ensure_ascii=False)[1:-1],  # inside a JSON string (tojson)
+    "a": lambda text: json.dumps(text, ensure_ascii=True)[1:-1],  # the same, tojson(ensure_ascii=true)
+    "l": str.lstrip,  # at the start of a trimmed string
+    "r": str.rstrip,  # at its end
+}
+
+
+def _mark(text: str, op: str) -> str:
+    return _PLACEHOLDER.sub(lambda m: f"@@{m.group(1)}{m.group(2)}{op}@@", text)
+
+
+def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators=None,
+            sort_keys: bool = False) -> str:
+    """transformers' tojson; the placeholders in value end up inside JSON strings, so their text is escaped."""
+    out = json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return _mark(out, "a" if ensure_ascii else "j")
+
+
+def _trim(value: Any, chars: str | None = None) -> str:
+    """jinja's trim, reaching into the text of a placeholder at either end."""
+    text = str(value).strip(chars)
+    if chars is None:
+        last = None
+        for last in _PLACEHOLDER.finditer(text):
+            pass
+        if last is not None and last.end() == len(text):
+            text = text[: last.start()] + _mark(last.group(0), "r")
+        if first := _PLACEHOLDER.match(text):
+            text = _mark(first.group(0), "l") + text[first.end():]
+    return text
 
 
 class ChatTemplate:
@@ -44,6 +76,7 @@ class ChatTemplate:
         self.tokenizer = tokenizer
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = _tojson
+        env.filters["trim"] = _trim
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self._template = env.from_string(self.source)
@@ -69,7 +102,8 @@ class ChatTemplate:
         continue_final: bool = False,
         suffix: str = "",
     ) -> list[int]:
-        """Render and tokenize, treating every message string as plain text.
+        """Render and tokenize, treating every message string as plain text; the ids begin with BOS
+        once where the tokenizer adds it (`TextTokenizer.add_bos`), whether or not the template writes it.
 
         Args:
             continue_final: the last message is an assistant prefill; the prompt stops right after
@@ -80,19 +114,24 @@ class ChatTemplate:
         marker = uuid.uuid4().hex
         pieces: dict[str, str] = {}
 
-        def hide(text: str) -> str:
-            key = f"@@{marker}{len(pieces)}@@"
-            pieces[key] = text
-            return key
+        def hide(key: str | None, text: str) -> str:
+            # names, roles, types and ids stay themselves (templates compare them, and Mistral's checks
+            # an id's length) unless they hold a special token's text; empty text stays empty (falsy)
+            if not text or key in _NAMES and len(self.tokenizer.split_special(text)) == 1:
+                return text
+            index = str(len(pieces))
+            pieces[index] = text
+            return f"@@{marker}{index}@@"
 
         hidden = [_hide_strings(m, hide) for m in messages]
-        tail_key = None
-        if continue_final and hidden:
-            tail_key = hidden[-1].get("content") if isinstance(hidden[-1].get("content"), str) else None
+        tail = None
+        if continue_final and hidden and str(hidden[-1].get("content")).startswith("@@"):
+            tail = re.escape(hidden[-1]["content"][:-2]) + "[a-z]*@@"  # the prefill's text, whatever ops it got
         text = self.render(hidden, tools=_hide_strings(tools, hide) if tools else None,
                            add_generation_prompt=add_generation_prompt and not continue_final)
-        if tail_key is not None:
-            text = text[: text.rindex(tail_key) + len(tail_key)]
+        if tail is not None:
+            ends = [m.end() for m in re.finditer(tail, text)]
+            text = text[: ends[-1]] if ends else text
         text += suffix
         # Special tokens are read from the template's text only. The text between two of them (template
         # text and user text alike) is encoded as one run, as tokenizing the whole rendered prompt would:
@@ -100,25 +139,32 @@ class ChatTemplate:
         # dummy-prefix space, and any vocabulary could lose a merge across the cut.
         ids: list[int] = []
         run = ""
-        for part in re.split(f"(@@{marker}\\d+@@)", text):
-            if part in pieces:
-                run += pieces[part]
-                continue
-            for before, special_id in self.tokenizer.split_special(part):
+        parts = re.split(f"@@{marker}(\\d+)([a-z]*)@@", text)
+        for i in range(0, len(parts), 3):
+            for before, special_id in self.tokenizer.split_special(parts[i]):
                 run += before
                 if special_id is not None:
                     ids += self.tokenizer.encode(run)
                     ids.append(special_id)
                     run = ""
-        return ids + self.tokenizer.encode(run)
+            if i + 1 < len(parts):
+                piece = pieces[parts[i + 1]]
+                for op in parts[i + 2]:
+                    piece = _OPS[op](piece)
+                run += piece
+        # one BOS where the tokenizer adds it, as llama-server does: none more if the template wrote it
+        return self.tokenizer.with_bos(ids + self.tokenizer.encode(run))
 
 
-def _hide_strings(value: Any, hide) -> Any:
-    """Replace message and tool strings (not role names or keys) with placeholders."""
+_NAMES = ("role", "type", "name", "id", "tool_call_id")
+
+
+def _hide_strings(value: Any, hide, key: str | None = None) -> Any:
+    """Replace message and tool strings (not keys) with placeholders: `hide(key, text)`."""
     if isinstance(value, dict):
-        return {k: (v if k in ("role", "type", "name") else _hide_strings(v, hide)) for k, v in value.items()}
+        return {k: _hide_strings(v, hide, k) for k, v in value.items()}
     if isinstance(value, list):
         return [_hide_strings(v, hide) for v in value]
     if isinstance(value, str):
-        return hide(value)
+        return hide(key, value)
     return value

@@ -138,8 +138,9 @@ _HEAD_NAMES = ("lm_head.weight", "model.embed_tokens.weight")
 # tensor lies in the file), and later loads map the file's tensors straight from those offsets. No
 # tensor is ever copied into the cache: every weight is a view of the mapped GGUF, as stored.
 # Versions: 2, Q8_0 output projections kept raw too; 3, more families, K-quants kept raw; 4, no tensor
-# data, only each tensor's place in the mapped file; 5, F16 / BF16 projections held as stored too
-CACHE_VERSION = 5
+# data, only each tensor's place in the mapped file; 5, F16 / BF16 projections held as stored too; 6, the
+# tokenizer's add_bos
+CACHE_VERSION = 6
 DENSE_TYPES = ("F32", "F16", "BF16")  # stored unquantized: taken as mapped views
 
 
@@ -212,7 +213,7 @@ def _write_cache(tmp: Path, ck: Checkpoint, entries: list[_Entry]) -> None:
         "chat_template": ck.chat_template,
         "tensors": [asdict(e) for e in entries],
         "tokenizer": {"bos_token": tok.bos_token, "eos_token": tok.eos_token, "bos_token_id": tok.bos_token_id,
-                      "eos_token_ids": list(tok.eos_token_ids)},
+                      "eos_token_ids": list(tok.eos_token_ids), "add_bos": tok.add_bos},
     }
     (tmp / "tokenizer.json").write_text(tok.backend.to_str())
     (tmp / "meta.json").write_text(json.dumps(meta))
@@ -228,7 +229,7 @@ def _load_cached(cache_dir: Path, path: Path) -> Checkpoint:
     config = ModelConfig(**cfg)
     t = meta["tokenizer"]
     tokenizer = TextTokenizer(Tokenizer.from_str((cache_dir / "tokenizer.json").read_text()), t["bos_token"],
-                              t["eos_token"], t["bos_token_id"], tuple(t["eos_token_ids"]))
+                              t["eos_token"], t["bos_token_id"], tuple(t["eos_token_ids"]), t["add_bos"])
     entries = [_Entry(e["name"], e["qtype"], tuple(e["shape"]), e["offset"], e["nbytes"]) for e in meta["tensors"]]
     weights, quantized = _tensors(path, np.memmap(path, dtype=np.uint8, mode="r"), entries, config)
     return Checkpoint(config, weights, tokenizer, meta["chat_template"], path, quantized, cache_dir)
@@ -483,11 +484,13 @@ def load_hf_folder(path: Path) -> Checkpoint:
 
     eos = token_str(tok_cfg.get("eos_token"))
     eos_tokens, bos = [eos] if eos else [], token_str(tok_cfg.get("bos_token"))
+    add_bos = tok_cfg.get("add_bos_token")  # left out: as the tokenizer.json's post-processor does, or
     if (path / "tokenizer.json").exists():
-        tokenizer = tokenizer_from_file(str(path / "tokenizer.json"), eos_tokens, bos)
+        tokenizer = tokenizer_from_file(str(path / "tokenizer.json"), eos_tokens, bos, add_bos)
     else:
-        try:
-            tokenizer = tokenizer_from_sentencepiece(str(path / "tokenizer.model"), eos_tokens, bos)
+        try:  # transformers' LlamaTokenizer default for a SentencePiece model
+            tokenizer = tokenizer_from_sentencepiece(str(path / "tokenizer.model"), eos_tokens, bos,
+                                                     True if add_bos is None else add_bos)
         except ValueError as e:
             raise ModelLoadError(str(e)) from e
     try:

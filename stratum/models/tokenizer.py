@@ -49,6 +49,7 @@ class TextTokenizer:
     eos_token: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    add_bos: bool = False  # a prompt begins with BOS (the GGUF's tokenizer.ggml.add_bos_token, or the folder's add_bos_token)
     _plain: Tokenizer | None = field(default=None, init=False, repr=False)  # see `plain`
     _helper: "_HelperProcess | None" = field(default=None, init=False, repr=False)  # see offload_large_texts
     _offload_chars: int = field(default=0, init=False, repr=False)
@@ -99,6 +100,17 @@ class TextTokenizer:
                 log.warning("tokenizer helper failed (%s); encoding in this process", e)
                 self._helper = None
         return (self.backend if allow_special else self.plain).encode_batch([text], add_special_tokens=False)[0].ids
+
+    def encode_prompt(self, text: str) -> list[int]:
+        """A whole prompt's ids (a raw completions prompt): BOS first where the model's tokenizer adds it,
+        as llama-server does, then the text with special-token strings as plain text."""
+        return self.with_bos(self.encode(text))
+
+    def with_bos(self, ids: list[int]) -> list[int]:
+        """ids beginning with one BOS where the tokenizer adds it (none added where they already begin with it)."""
+        if self.add_bos and self.bos_token_id is not None and ids[:1] != [self.bos_token_id]:
+            return [self.bos_token_id, *ids]
+        return ids
 
     def split_special(self, text: str) -> list[tuple[str, int | None]]:
         """Text cut after each added token (special or not): [(text before it, its id)], then (the rest, None)."""
@@ -243,11 +255,15 @@ def _serve_helper() -> None:
             sys.stdout.buffer.flush()
 
 
-def tokenizer_from_file(path: str, eos_tokens: list[str], bos_token: str | None) -> TextTokenizer:
+def tokenizer_from_file(path: str, eos_tokens: list[str], bos_token: str | None, add_bos: bool | None = None) -> TextTokenizer:
+    """A tokenizer.json; add_bos as the folder's tokenizer_config.json says, else as the file's post-processor
+    does (Llama 3's adds <|begin_of_text|>)."""
     backend = Tokenizer.from_file(path)
     eos_ids = tuple(i for i in (backend.token_to_id(t) for t in eos_tokens) if i is not None)
     bos_id = backend.token_to_id(bos_token) if bos_token else None
-    return TextTokenizer(backend, bos_token, eos_tokens[0] if eos_tokens else None, bos_id, eos_ids)
+    if add_bos is None:
+        add_bos = bos_id is not None and backend.encode("a", add_special_tokens=True).ids[:1] == [bos_id]
+    return TextTokenizer(backend, bos_token, eos_tokens[0] if eos_tokens else None, bos_id, eos_ids, add_bos)
 
 
 def tokenizer_from_gguf(meta: dict) -> TextTokenizer:
@@ -278,16 +294,21 @@ def tokenizer_from_gguf(meta: dict) -> TextTokenizer:
     eot = meta.get("tokenizer.ggml.eot_token_id")
     if eot is not None and eot not in eos_ids:
         eos_ids.append(eot)
+    # llama.cpp's default where the file does not say (llama-vocab.cpp): SentencePiece and Llama 3's
+    # byte-level BPE add BOS, other byte-level BPE vocabularies do not
+    add_bos = meta.get("tokenizer.ggml.add_bos_token",
+                       kind == "llama" or meta.get("tokenizer.ggml.pre") in ("llama3", "llama-v3", "llama-bpe"))
     return TextTokenizer(
         backend,
         bos_token=tokens[bos_id] if bos_id is not None else None,
         eos_token=tokens[eos_id] if eos_id is not None else None,
         bos_token_id=bos_id,
         eos_token_ids=tuple(eos_ids),
+        add_bos=bool(add_bos) and bos_id is not None,
     )
 
 
-def tokenizer_from_sentencepiece(path: str, eos_tokens: list[str], bos_token: str | None) -> TextTokenizer:
+def tokenizer_from_sentencepiece(path: str, eos_tokens: list[str], bos_token: str | None, add_bos: bool = True) -> TextTokenizer:
     """A Hugging Face folder's SentencePiece `tokenizer.model` (a folder without tokenizer.json), built as
     `tokenizer_from_gguf` builds a "llama" vocabulary. Needs the `sentencepiece` package to read the file.
 
@@ -314,7 +335,8 @@ def tokenizer_from_sentencepiece(path: str, eos_tokens: list[str], bos_token: st
     _add_special_tokens(backend, [p for p, _, _ in pieces], [t for _, _, t in pieces])
     eos_ids = tuple(i for i in (backend.token_to_id(t) for t in eos_tokens) if i is not None)
     bos_id = backend.token_to_id(bos_token) if bos_token else None
-    return TextTokenizer(backend, bos_token, eos_tokens[0] if eos_tokens else None, bos_id, eos_ids)
+    return TextTokenizer(backend, bos_token, eos_tokens[0] if eos_tokens else None, bos_id, eos_ids,
+                         add_bos and bos_id is not None)
 
 
 def _byte_level_bpe(tokens: list[str], merges: list[str], pre: str) -> Tokenizer:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,6 +26,7 @@ class ChatInput:
     system_text: str = ""
     pinned: dict[int, str | None] = field(default_factory=dict)  # message index -> cache_control ttl
     output_schema: dict[str, Any] | None = None  # structured outputs: the answer is JSON matching it
+    parallel_calls: bool = True  # the answer may hold several tool calls (OpenAI's parallel_tool_calls)
 
     def fold_late_system(self) -> bool:
         """Folds each system turn after the first message into the user turn before it (or makes it a
@@ -44,6 +47,33 @@ class ChatInput:
         self.pinned = {where[i]: ttl for i, ttl in self.pinned.items()}
         return True
 
+    def write_tools_as_text(self) -> bool:
+        """Writes tool calls and results into the turns' text in the Hermes form (the form the system
+        prompt teaches a model whose template knows no tools): calls after their assistant turn's text,
+        results as user turns, merged with the turns of their role around them. False when there is
+        none to write."""
+        if not any(m["role"] == "tool" or m.get("tool_calls") for m in self.messages):
+            return False
+        written: list[dict[str, Any]] = []
+        where = {}
+        for i, m in enumerate(self.messages):
+            if m["role"] == "tool":
+                turn = {"role": "user", "content": "<tool_response>\n" + m["content"] + "\n</tool_response>"}
+            else:
+                calls = [tool_fmt.HERMES.open + "\n" + json.dumps({"name": c["function"]["name"],
+                                                                  "arguments": c["function"]["arguments"]},
+                                                                 ensure_ascii=False) + "\n" + tool_fmt.HERMES.stop
+                         for c in m.get("tool_calls", ())]
+                turn = {"role": m["role"], "content": "\n".join(t for t in (m["content"], *calls) if t)}
+            if written and written[-1]["role"] == turn["role"]:
+                written[-1]["content"] += "\n" + turn["content"]
+            else:
+                written.append(turn)
+            where[i] = len(written) - 1
+        self.messages = written
+        self.pinned = {where[i]: ttl for i, ttl in self.pinned.items()}
+        return True
+
     @property
     def text(self) -> str:
         return "\n".join(m["content"] for m in self.messages)
@@ -59,21 +89,23 @@ class Prompt:
     forced_name: str | None = None  # the tool a forced call must name, when the request (or a lone tool) fixes it
     grammar: str | None = None  # what the answer must follow (`structured`), for the engine's sampler
     tool_format: tool_fmt.ToolFormat = tool_fmt.HERMES  # how the model writes tool calls (its family's format)
+    parallel_calls: bool = True  # the answer may hold several calls (the request allows it, and the format has a form for it)
 
 
-def _tool_call_text(name: str, arguments: Any) -> str:
-    return tool_fmt.OPEN + "\n" + json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False) + "\n" + tool_fmt.CLOSE
+def _call(call_id: str, name: str, arguments: Any) -> dict[str, Any]:
+    """A tool call in an assistant turn, as Hugging Face chat templates read `tool_calls`."""
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def _tool_response_text(content: str) -> str:
-    return "<tool_response>\n" + content + "\n</tool_response>"
+def _result(call_id: str, content: str, names: dict[str, str]) -> dict[str, Any]:
+    """A tool's result as a `tool` turn, naming the call it answers (and, where known, its tool)."""
+    return {"role": "tool", "tool_call_id": call_id, "name": names.get(call_id, ""), "content": content}
 
 
 def _block_text(block) -> str:
-    """One content block as the model reads it. The rules (README, "Content blocks"): text as is;
-    documents and search results as their title, context and text; tool calls and results (Anthropic's
-    server tools' too) in the Hermes form the model is prompted with; thinking and container uploads
-    add nothing."""
+    """One content block as the model reads it, for all but tool calls and results (README, "Content
+    blocks"): text as is; documents and search results as their title, context and text; thinking and
+    container uploads add nothing."""
     kind = block.type
     if kind in ("thinking", "redacted_thinking", "container_upload"):  # a recorded model's reasoning is not prompt
         return ""
@@ -88,21 +120,42 @@ def _block_text(block) -> str:
         return "\n".join([block.title, block.source, *(b.text for b in block.content)])
     if kind == "tool_reference":
         return f"Tool: {block.tool_name}"
-    if kind in ("tool_use", "server_tool_use", "mcp_tool_use"):
-        return _tool_call_text(block.name, block.input)
-    if kind == "tool_result":
-        content = block.content if isinstance(block.content, str) else "\n".join(map(_block_text, block.content))
-        return _tool_response_text(content)
-    # a server tool's result (web search, code execution...): its content as JSON
-    return _tool_response_text(json.dumps(block.content, ensure_ascii=False))
+    raise AssertionError(f"{kind} is a tool call or result")
 
 
-def _append(messages: list[dict[str, Any]], role: str, text: str) -> None:
-    """Add a turn; consecutive turns of one role are merged, as the Messages API does."""
-    if messages and messages[-1]["role"] == role:
-        messages[-1]["content"] += "\n" + text
-    else:
-        messages.append({"role": role, "content": text})
+def _anthropic_turns(role: str, blocks, names: dict[str, str]) -> list[dict[str, Any]]:
+    """One Anthropic message's blocks as chat turns: an assistant's tool calls (its server tools' too) as
+    its `tool_calls`; each tool result (a server tool's as the JSON of its content) as a `tool` turn,
+    before the rest of the message's text."""
+    texts, calls, results = [], [], []
+    for block in blocks:
+        if block.type in ("tool_use", "server_tool_use", "mcp_tool_use"):
+            names[block.id] = block.name
+            calls.append(_call(block.id, block.name, block.input))
+        elif block.type == "tool_result":
+            content = block.content if isinstance(block.content, str) else "\n".join(map(_block_text, block.content))
+            results.append(_result(block.tool_use_id, content, names))
+        elif hasattr(block, "tool_use_id"):  # a server tool's result (web search, code execution...)
+            results.append(_result(block.tool_use_id, json.dumps(block.content, ensure_ascii=False), names))
+        elif text := _block_text(block):
+            texts.append(text)
+    turns = results
+    if texts or calls or not results:
+        turns.append({"role": role, "content": "\n".join(texts), **({"tool_calls": calls} if calls else {})})
+    return turns
+
+
+def _append(messages: list[dict[str, Any]], turn: dict[str, Any]) -> None:
+    """Add a turn; consecutive turns of one role are merged, as the Messages API does: their text joined,
+    their tool calls in order (text after an assistant's calls starts a turn of its own). Tool results
+    stay one turn each."""
+    last = messages[-1] if messages else None
+    if last is None or last["role"] != turn["role"] or turn["role"] == "tool" or (last.get("tool_calls") and turn["content"]):
+        messages.append(dict(turn))
+        return
+    last["content"] = "\n".join(t for t in (last["content"], turn["content"]) if t)
+    if turn.get("tool_calls"):
+        last["tool_calls"] = last.get("tool_calls", []) + turn["tool_calls"]
 
 
 def _marks(blocks) -> list:
@@ -139,30 +192,37 @@ def anthropic_input(req: MessagesRequest | CountTokensRequest) -> ChatInput:
     elif choice is not None and choice.type == "tool":
         forced = choice.name
     system_texts = [system_text] if system_text else []
+    names: dict[str, str] = {}  # tool call id -> the tool's name
     for m in req.messages:
         blocks = [] if isinstance(m.content, str) else m.content
-        text = m.content if isinstance(m.content, str) else "\n".join(t for t in map(_block_text, blocks) if t)
+        turns = [{"role": m.role, "content": m.content}] if isinstance(m.content, str) else _anthropic_turns(m.role, blocks, names)
         if m.role == "system":
-            system_texts.append(text)
-        _append(messages, m.role, text)
+            system_texts.append(turns[0]["content"])
+        for turn in turns:
+            _append(messages, turn)
         marks = _marks(blocks) + ([m.cache_control] if m.cache_control else [])
         if marks:
             pinned[len(messages) - 1] = marks[-1].ttl
     if req.cache_control is not None:  # automatic caching: a breakpoint after the last message
         pinned[len(messages) - 1] = req.cache_control.ttl
-    return ChatInput(messages, tools, forced, "\n".join(system_texts), pinned, output_schema=req.output_schema)
+    parallel = not (choice is not None and choice.disable_parallel_tool_use)
+    return ChatInput(messages, tools, forced, "\n".join(system_texts), pinned, output_schema=req.output_schema,
+                     parallel_calls=parallel)
 
 
 def openai_input(req: ChatCompletionRequest) -> ChatInput:
     messages: list[dict[str, Any]] = []
+    names: dict[str, str] = {}
     for m in req.messages:
-        role = "system" if m.role == "developer" else m.role
         text = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
-        if role == "tool":
-            role, text = "user", _tool_response_text(text)
-        for call in m.tool_calls or []:
-            text += _tool_call_text(call.function.name, _args(call.function.arguments))
-        _append(messages, role, text)
+        if m.role == "tool":
+            _append(messages, {**_result(m.tool_call_id or "", text, names), **({"name": m.name} if m.name else {})})
+            continue
+        turn = {"role": "system" if m.role == "developer" else m.role, "content": text}
+        if m.tool_calls:
+            names.update((c.id, c.function.name) for c in m.tool_calls)
+            turn["tool_calls"] = [_call(c.id, c.function.name, _args(c.function.arguments)) for c in m.tool_calls]
+        _append(messages, turn)
     choice = req.tool_choice
     tools = None
     if req.tools and choice != "none":
@@ -172,26 +232,30 @@ def openai_input(req: ChatCompletionRequest) -> ChatInput:
     forced = _forced_function(choice, named, tools)
     system_text = "\n".join(m["content"] for m in messages if m["role"] == "system")
     schema = req.response_format.schema if req.response_format else None
-    return ChatInput(messages, tools, forced, system_text, output_schema=schema)
+    return ChatInput(messages, tools, forced, system_text, output_schema=schema,
+                     parallel_calls=req.parallel_tool_calls is not False)
 
 
 def responses_input(req: ResponsesRequest) -> ChatInput:
     """A Responses API request as chat messages: `instructions` first as a system message, developer
-    messages as system ones, function calls and their outputs in the Hermes form, as chat completions'
-    tool calls are."""
+    messages as system ones, function calls as an assistant turn's tool calls and their outputs as tool
+    turns, as chat completions' are."""
     messages: list[dict[str, Any]] = []
     if req.instructions:
-        _append(messages, "system", req.instructions)
+        _append(messages, {"role": "system", "content": req.instructions})
     items = [RespMessage(role="user", content=req.input)] if isinstance(req.input, str) else req.input
+    names: dict[str, str] = {}
     for item in items:
         if item.type == "message":
             text = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
-            _append(messages, "system" if item.role == "developer" else item.role, text)
+            _append(messages, {"role": "system" if item.role == "developer" else item.role, "content": text})
         elif item.type == "function_call":
-            _append(messages, "assistant", _tool_call_text(item.name, _args(item.arguments)))
+            names[item.call_id] = item.name
+            _append(messages, {"role": "assistant", "content": "",
+                               "tool_calls": [_call(item.call_id, item.name, _args(item.arguments))]})
         elif item.type == "function_call_output":
             output = item.output if isinstance(item.output, str) else "".join(p.text for p in item.output)
-            _append(messages, "user", _tool_response_text(output))
+            _append(messages, _result(item.call_id, output, names))
     choice = req.tool_choice
     tools = None
     if req.tools and choice != "none":
@@ -202,7 +266,8 @@ def responses_input(req: ResponsesRequest) -> ChatInput:
     if not messages:
         raise InvalidRequest("input holds no message to answer")
     system_text = "\n".join(m["content"] for m in messages if m["role"] == "system")
-    return ChatInput(messages, tools, forced, system_text, output_schema=req.output_schema)
+    return ChatInput(messages, tools, forced, system_text, output_schema=req.output_schema,
+                     parallel_calls=req.parallel_tool_calls is not False)
 
 
 def _forced_function(choice, named: str | None, tools: list[dict[str, Any]] | None) -> bool | str:
@@ -228,6 +293,11 @@ def build_prompt(template: ChatTemplate, chat: ChatInput) -> Prompt:
     Raises:
         InvalidRequest: the template cannot render these messages.
     """
+    if "tool_calls" not in template.source:  # a template that knows no tool turns reads them as text
+        chat.write_tools_as_text()
+    fmt = tool_fmt.format_for(template.source)
+    if fmt.call_id_length:
+        chat.messages = [_short_ids(m, fmt.call_id_length) for m in chat.messages]
     messages = [dict(m) for m in chat.messages]
     tools, forced_tool = chat.tools, chat.forced_tool
     if chat.output_schema is not None:
@@ -238,13 +308,13 @@ def build_prompt(template: ChatTemplate, chat: ChatInput) -> Prompt:
     else:  # as transformers' apply_chat_template passes them: OpenAI's function tools
         template_tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
                                                              if t.get(k)}} for t in tools] if tools else None
-        fmt = tool_fmt.format_for(template.source).for_vocabulary(template.tokenizer)
+        fmt = fmt.for_vocabulary(template.tokenizer)
     if forced_tool is True and tools and len(tools) == 1:
         forced_tool = tools[0]["name"]  # "any" with one tool is that tool
     # a forced call's opening is the server's text, written after the template's generation prompt (or
     # after an assistant prefill) with its special tokens read, as the model itself would write it
     forced_prefix = fmt.forced_prefix(forced_tool if isinstance(forced_tool, str) else None) if forced_tool is not False else ""
-    is_continuation = messages[-1]["role"] == "assistant"
+    is_continuation = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
     prefill = forced_prefix or (messages[-1]["content"] if is_continuation else "")
     try:
         ids = template.encode(messages, tools=template_tools, continue_final=is_continuation, suffix=forced_prefix)
@@ -253,9 +323,25 @@ def build_prompt(template: ChatTemplate, chat: ChatInput) -> Prompt:
             raise InvalidRequest(str(e)) from None
         return build_prompt(template, chat)  # a template that allows a system turn only first
     prompt = Prompt(ids, prefill, {t["name"] for t in tools or []}, forced_tool is not False, template_tools,
-                    forced_tool if isinstance(forced_tool, str) else None, tool_format=fmt)
+                    forced_tool if isinstance(forced_tool, str) else None, tool_format=fmt,
+                    parallel_calls=chat.parallel_calls and fmt.parallel)
     prompt.grammar = structured.answer_grammar(chat, prompt)
     return prompt
+
+
+def _short_ids(message: dict[str, Any], length: int) -> dict[str, Any]:
+    """A turn whose tool call ids are `length` letters and digits (Mistral's templates refuse others), the
+    id's last ones (as vLLM shortens them for Mistral) or, where it has too few, a digest of it; a call
+    and its result get the same one."""
+    def short(call_id: str) -> str:
+        alnum = re.sub("[^A-Za-z0-9]", "", call_id)
+        return alnum[-length:] if len(alnum) >= length else hashlib.sha256(call_id.encode()).hexdigest()[:length]
+
+    if message["role"] == "tool":
+        return {**message, "tool_call_id": short(message["tool_call_id"])}
+    if message.get("tool_calls"):
+        return {**message, "tool_calls": [{**c, "id": short(c["id"])} for c in message["tool_calls"]]}
+    return message
 
 
 def _add_system(messages: list[dict[str, Any]], text: str) -> None:

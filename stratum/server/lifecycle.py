@@ -178,7 +178,7 @@ class RequestLifecycle:
         prompts = None
         if chat is None:
             self.controls = controls_of(self.request, "", self.is_batch)
-            prompts = [list(p) if isinstance(p, list) else await asyncio.to_thread(engine.tokenizer.encode, p)
+            prompts = [list(p) if isinstance(p, list) else await asyncio.to_thread(engine.tokenizer.encode_prompt, p)
                        for p in raw]
             prompt, self.prompt_text = Prompt(prompts[0]), "\n".join(p for p in raw if isinstance(p, str))
         else:
@@ -195,7 +195,8 @@ class RequestLifecycle:
         if fit_context:
             self._fit_context(len(prompt.token_ids), sampling)
         for ids in self.prompt_ids:
-            check_request(self.rt, Prompt(ids, tool_names=prompt.tool_names, tool_format=prompt.tool_format), sampling)
+            check_request(self.rt, Prompt(ids, tool_names=prompt.tool_names, tool_format=prompt.tool_format,
+                                          parallel_calls=prompt.parallel_calls), sampling)
         self._reserve(sum(map(len, self.prompt_ids)), len(self.prompt_ids) * n * sampling.max_tokens)
         if chat is not None and chat.pinned:
             self.pins = await asyncio.to_thread(pins_for, engine.chat_template, chat.messages, chat.pinned,

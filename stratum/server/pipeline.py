@@ -145,10 +145,11 @@ def check_control_headers(request: Request) -> None:
 
 
 def check_request(rt: Runtime, prompt: Prompt, sampling: SamplingParams) -> None:
-    """Validate against the context length; a prompt with tools also stops at the end of a tool call, and
-    keeps in its text the tool-call markers that are special tokens (Mistral's [TOOL_CALLS]), to be read."""
+    """Validate against the context length; a prompt with tools also stops at the end of a tool call when
+    it may make only one, and keeps in its text the tool-call markers that are special tokens (Mistral's
+    [TOOL_CALLS]), to be read."""
     stop = prompt.tool_format.stop
-    if prompt.tool_names and stop is not None and stop not in sampling.stop:
+    if prompt.tool_names and not prompt.parallel_calls and stop is not None and stop not in sampling.stop:
         sampling.stop.append(stop)
     if prompt.tool_names and prompt.tool_format.special_tokens:
         sampling.skip_special_tokens = False

@@ -445,6 +445,7 @@ class ChatCompletionRequest(_Sampled):
     max_completion_tokens: int | None = Field(default=None, ge=0)
     tools: list[OAITool] | None = None
     tool_choice: Literal["none", "auto", "required"] | OAINamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call per answer
     response_format: OAIResponseFormat | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)

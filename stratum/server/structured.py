@@ -6,7 +6,8 @@ written in the model family's format (`tools.ToolFormat`), e.g. Hermes:
 
     <tool_call>\n{"name": "NAME", "arguments": ARGUMENTS}\n</tool_call>
 
-with NAME one of the declared tools and ARGUMENTS valid against that tool's schema. JSON is written
+with NAME one of the declared tools and ARGUMENTS valid against that tool's schema; one call or
+several, as the request allows (`parallel_tool_calls`, `disable_parallel_tool_use`). JSON is written
 with the separators `json.dumps` uses (", " and ": "), the form the model sees its tools in.
 """
 
@@ -106,26 +107,31 @@ def json_grammar(schema: dict[str, Any], where: str) -> str:
 
 
 def tool_grammar(tools: list[dict[str, Any]], forced: bool | str, text_schema: dict[str, Any] | None = None,
-                 fmt: tool_fmt.ToolFormat = tool_fmt.HERMES) -> str:
-    """The rest of an answer that may (auto) or must (forced) be a tool call, in the family's format.
+                 fmt: tool_fmt.ToolFormat = tool_fmt.HERMES, parallel: bool = True) -> str:
+    """The rest of an answer that may (auto) or must (forced) be tool calls, in the family's format.
 
     Args:
         tools: {"name", "parameters", "strict"} per declared tool.
-        forced: False (auto: free text, or a call where the format allows one), True (any tool: the
+        forced: False (auto: free text, or calls where the format allows them), True (any tool: the
             prompt ends with `fmt.forced_prefix(None)`), or a tool name (the prompt ends with
-            `fmt.forced_prefix(name)`, right before the arguments).
+            `fmt.forced_prefix(name)`, right before the arguments; every call is to that tool).
         text_schema: with auto, an answer that is not a call must be JSON matching this schema.
         fmt: the model family's tool-call format.
+        parallel: one or more calls (written as `fmt` writes several); False: exactly one.
     """
     args = {t["name"]: _schema(t.get("parameters") or {"type": "object"}, bool(t.get("strict")),
                                f"tools.{i}.input_schema ({t['name']})") for i, t in enumerate(tools)}
     rules = [f"call_{i}: {_seq(name + fmt.arguments, fmt)} {body}" for i, (name, body) in enumerate(args.items())]
     rules.append("call: " + " | ".join(f"call_{i}" for i in range(len(args))))
     end = _seq(fmt.call_end + fmt.close, fmt)
+    more = ""  # the calls after the first
+    if parallel and fmt.parallel:
+        named = f"{_seq(forced + fmt.arguments, fmt)} {args[forced]}" if isinstance(forced, str) else "call"
+        more = f"({_seq(fmt.call_end + fmt.between + fmt.call_start, fmt)} {named})* "
     if isinstance(forced, str):
-        return _lark([f"start: {args[forced]} {end}"])
+        return _lark([f"start: {args[forced]} {more}{end}"])
     if forced:
-        return _lark([f"start: call {end}", *rules])
+        return _lark([f"start: call {more}{end}", *rules])
     if text_schema is not None:
         text = f"answer: {_schema(text_schema, True, 'output format')}"
     else:  # free text, possibly none (an answer may end at once, as without tools)
@@ -135,11 +141,17 @@ def tool_grammar(tools: list[dict[str, Any]], forced: bool | str, text_schema: d
         # two lexemes, so the lexer decides at the tag itself, with no lookahead
         tag = _regex(fmt.open)
         lexemes = [f"TEXT: /(?s:.+)/ & ~/(?s:.*{tag}.*)/", f"OPEN: /(?s:.*){tag}/ & ~/(?s:.*{tag}.+)/"]
-        call = f"OPEN {_lit(fmt.call_start)} call {end}"
+        call = f"OPEN {_lit(fmt.call_start)} call {more}{end}"
     else:  # the calls are the whole answer: text is what `tools` would not read as their beginning
         lexemes = [f"TEXT: /(?s:.+)/ & ~/(?s:{fmt.first_head.pattern}.*)/"]
         lead = f"{_seq(fmt.lead, fmt)}? " if fmt.lead in dict(fmt.special_tokens) else ""
-        call = f"{lead}{_seq(fmt.open + fmt.call_start, fmt)} call {end}"
+        # the first call's head is one lexeme from the opening through its name and `arguments`: TEXT
+        # only ends there (where `first_head` matches), and the lexer cannot take back what it gave TEXT
+        heads = [f"first_{i}: {_seq(fmt.open + fmt.call_start + name + fmt.arguments, fmt)} {body}"
+                 for i, (name, body) in enumerate(args.items())]
+        first = "first: " + " | ".join(f"first_{i}" for i in range(len(args)))
+        rules += [*heads, first]
+        call = f"{lead}first {more}{end}"
     return _lark([f"start: answer | {call}", text, *lexemes, *rules])
 
 
@@ -152,7 +164,7 @@ def answer_grammar(chat, prompt) -> str | None:
     """
     if chat.tools:
         forced = prompt.forced_name or prompt.is_forced_tool
-        return tool_grammar(chat.tools, forced, chat.output_schema, prompt.tool_format)
+        return tool_grammar(chat.tools, forced, chat.output_schema, prompt.tool_format, prompt.parallel_calls)
     if chat.output_schema is not None:
         return json_grammar(chat.output_schema, "output format")
     return None

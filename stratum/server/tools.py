@@ -28,7 +28,11 @@ class ToolFormat:
 
         open call_start NAME arguments ARGS call_end close
 
-    with ARGS a JSON object; that is what forced calls are constrained to (`structured.tool_grammar`).
+    with ARGS a JSON object, and several (where the family has a form for them: `parallel`) as
+
+        open call_start NAME arguments ARGS call_end between call_start NAME arguments ARGS ... call_end close
+
+    That is what forced calls are constrained to (`structured.tool_grammar`).
     Reading is more lenient and reads several calls: `first_head` / `next_head` match the text up to
     a call's arguments (whitespace may vary, and a special-token marker may be missing from the text),
     and `starts` are the answer beginnings that commit it to calls when no text may come before them.
@@ -47,6 +51,9 @@ class ToolFormat:
     marker: str = ""  # output text showing that a call is under way (the engine's tool_use_prepared)
     stop: str | None = None  # a stop string that ends the answer after its call
     lead: str = ""  # a marker the model may write before the calls (Llama 3's <|python_tag|>)
+    between: str = ""  # what comes between one call's call_end and the next one's call_start
+    parallel: bool = True  # the family writes several calls in one answer (Llama 3.1's template refuses them)
+    call_id_length: int = 0  # the templates want tool call ids of exactly this many letters and digits (Mistral's)
     # the format's markers that are special tokens of the model's vocabulary, with their ids (a grammar
     # must name them as tokens: as text they would be spelled out); see `for_vocabulary`
     special_tokens: tuple[tuple[str, int], ...] = ()
@@ -67,29 +74,26 @@ HERMES = ToolFormat(
     close="", text_before=True,
     first_head=re.compile(r"<tool_call>\s*" + _NAME_FIRST),
     next_head=re.compile(r"\s*\}\s*</tool_call>\s*<tool_call>\s*" + _NAME_FIRST),
-    marker="<tool_call>", stop="</tool_call>")
+    marker="<tool_call>", stop="</tool_call>", between="\n<tool_call>")
 LLAMA3_JSON = ToolFormat(
     "llama3_json", open="", call_start='{"name": "', arguments='", "parameters": ', call_end="}", close="",
     text_before=False,
     first_head=re.compile(r"\s*(?:<\|python_tag\|>)?\s*" + _NAME_FIRST),
     next_head=re.compile(r"\s*\}\s*;\s*" + _NAME_FIRST),
-    starts=("{", "<|python_tag|>"), marker='{"name"', lead="<|python_tag|>")
+    starts=("{", "<|python_tag|>"), marker='{"name"', lead="<|python_tag|>", between="; ", parallel=False)
 MISTRAL = ToolFormat(
     "mistral", open="[TOOL_CALLS] [", call_start='{"name": "', arguments='", "arguments": ', call_end="}",
     close="]", text_before=False,
     first_head=re.compile(r"\s*(?:\[TOOL_CALLS\])?\s*\[\s*" + _NAME_FIRST),  # the marker may be a dropped special token
     next_head=re.compile(r"\s*\}\s*,\s*" + _NAME_FIRST),
-    starts=("[TOOL_CALLS]", "["), marker='{"name"')
+    starts=("[TOOL_CALLS]", "["), marker='{"name"', between=", ", call_id_length=9)
 MISTRAL_NAME_ARGS = ToolFormat(
     "mistral_args", open="", call_start="[TOOL_CALLS]", arguments="[ARGS]", call_end="", close="",
     text_before=False,
     first_head=re.compile(r"\s*\[TOOL_CALLS\]\s*([^\s\[\]{]+)\s*\[ARGS\]\s*"),
     next_head=re.compile(r"\s*\[TOOL_CALLS\]\s*([^\s\[\]{]+)\s*\[ARGS\]\s*"),
-    starts=("[TOOL_CALLS]",), marker="[ARGS]")
+    starts=("[TOOL_CALLS]",), marker="[ARGS]", call_id_length=9)
 _MISTRAL_TIGHT = replace(MISTRAL, open="[TOOL_CALLS][")  # Mistral Nemo's v3-style template
-
-# kept for the Hermes-specific callers (the system prompt, history rendering)
-OPEN, CLOSE = HERMES.open, HERMES.stop
 
 
 def format_for(template_source: str) -> ToolFormat:
