@@ -192,7 +192,7 @@ def attach_packed(model, quantized: dict, cache_dir: Path | None = None) -> bool
         projections = [pack_fused(quantized, f"model.layers.{i}.", fused) for fused in FUSED.values()]
         for names in parts[i * len(FUSED) : (i + 1) * len(FUSED)]:
             for p in names:
-                weight_cache.release(quantized[p].data)
+                quantized[p].release()
         return [[w.saved() for w in segments] for segments in projections]
 
     def packed_head() -> list | None:
@@ -200,7 +200,7 @@ def attach_packed(model, quantized: dict, cache_dir: Path | None = None) -> bool
             return None
         w = packed_weight(head.qtype, head.data, head.shape).saved()
         if model.lm_head is not None:  # not read again (tied, it is the embedding, looked up from its blocks)
-            weight_cache.release(head.data)
+            head.release()
         return w
 
     cache = cache_dir / f"packed-{PACKED_LAYOUT}" if cache_dir is not None else None
@@ -282,7 +282,7 @@ def attach_quantized(model, quantized: dict, keep: bool, dtype: torch.dtype, cac
             raw = np.concatenate([np.asarray(t.data).reshape(t.shape[0], -1) for t in tensors])
             fields = list(packed_weight(tensors[0].qtype, raw, (sum(t.shape[0] for t in tensors), tensors[0].shape[1])).saved())
         for t in tensors:
-            weight_cache.release(t.data)
+            t.release()
         return fields
 
     def put(module, w) -> None:
@@ -326,7 +326,7 @@ def attach_quantized(model, quantized: dict, keep: bool, dtype: torch.dtype, cac
             return PackedWeight(*converted[key])
         w = torch.cat([t.dense(dtype) for t in tensors])
         for t in tensors:
-            weight_cache.release(t.data)
+            t.release()
         return w
 
     for gs, place in targets:

@@ -9,10 +9,8 @@ weights are pages of the cache, shared with the page cache and evictable, not me
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
-import mmap
 import os
 from pathlib import Path
 from typing import Callable, Iterable
@@ -25,7 +23,6 @@ from stratum.kernels.kquant import mapped_tensor
 log = logging.getLogger("stratum.engine")
 
 ALIGN = 64  # each tensor's offset in the file: a cache line, and a multiple of every dtype's size
-MADV_DONTNEED = 4  # Linux <sys/mman.h>
 
 
 def cached(path: Path | None, makers: Iterable[tuple[str, Callable[[], object]]]) -> dict[str, object]:
@@ -124,21 +121,3 @@ def read(path: Path) -> dict[str, object] | None:
         return mapped_tensor(mapped[spec["at"] : spec["at"] + n]).view(dtype).reshape(spec["shape"])
 
     return {key: tensor(entry) for key, entry in index["entries"].items()}
-
-
-def release(array: np.ndarray) -> None:
-    """Drop the pages of a view of a read-only file mapping from this process's resident set, once
-    it is done with them (madvise MADV_DONTNEED): they stay in the page cache, and a later read maps
-    them again. Anything not a view of a file mapping is left alone (there, the same call would zero
-    memory)."""
-    base = array
-    while base is not None and not isinstance(base, (np.memmap, mmap.mmap)):
-        base = getattr(base, "base", None)
-    if base is None or not array.size or not array.flags.c_contiguous:
-        return
-    page = os.sysconf("SC_PAGE_SIZE")
-    start = array.__array_interface__["data"][0]
-    end = start + array.nbytes
-    start -= start % page
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), MADV_DONTNEED)
