@@ -300,9 +300,7 @@ def _tensors(path: Path, mapped: np.ndarray, entries: list[_Entry], config: Mode
     """The GGUF's tensors under Hugging Face names, each a view of `mapped` (the whole file, memory-
     mapped): unquantized ones as tensors, quantized projections, embedding and output projection
     as QuantizedTensor (dequantized only where the model builder decides to). Only Llama's permuted
-    Q/K rows are copies."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
+    Q/K rows are copies, made when first read."""
     arch = config.architecture
     weights: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantizedTensor] = {}
@@ -319,9 +317,8 @@ def _tensors(path: Path, mapped: np.ndarray, entries: list[_Entry], config: Mode
             weights[name] = _mapped_dense(raw, e.qtype, e.shape)
             continue
         # quantized, or an F16 / BF16 projection, which the native step also takes as stored
-        block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[e.qtype]]
-        rows = int(np.prod(e.shape[:-1]))
-        qt = QuantizedTensor(e.qtype, raw.reshape(rows, e.shape[-1] // block * block_bytes), (rows, e.shape[-1]))
+        rows = int(np.prod(e.shape[:-1]))  # (gguf-py's block sizes unread: importing it costs a warm start 0.19 s)
+        qt = QuantizedTensor(e.qtype, raw.reshape(rows, e.nbytes // rows), (rows, e.shape[-1]))
         if projection:
             quantized[name] = qt
         else:  # a quantized vector or an unexpected tensor: small, dequantized
