@@ -330,8 +330,8 @@ def attach_quantized(model, quantized: dict, keep: bool, dtype: torch.dtype, cac
         return w
 
     for gs, place in targets:
-        parts = [held(*g) for g in gs]
-        place(parts[0] if len(parts) == 1 else Parts([DenseWeight(h) if isinstance(h, torch.Tensor) else h for h in parts]))
+        ws = [held(*g) for g in gs]
+        place(ws[0] if len(ws) == 1 else Parts([DenseWeight(w) if isinstance(w, torch.Tensor) else w for w in ws]))
     embed = quantized.get("model.embed_tokens.weight")
     if embed is not None and not model.embed_tokens.weight.numel() and model.embed_table is None:
         if lookup_rows:

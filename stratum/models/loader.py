@@ -160,7 +160,6 @@ _HEAD_NAMES = ("lm_head.weight", "model.embed_tokens.weight")
 # data, only each tensor's place in the mapped file; 5, F16 / BF16 projections held as stored too
 CACHE_VERSION = 5
 DENSE_TYPES = ("F32", "F16", "BF16")  # stored unquantized: taken as mapped views
-_MADV_DONTNEED = 4  # Linux <sys/mman.h>
 
 
 @dataclass(frozen=True)
@@ -470,13 +469,13 @@ def release_pages(array: np.ndarray) -> None:
     base = array
     while base is not None and not isinstance(base, (np.memmap, mmap.mmap)):
         base = getattr(base, "base", None)
-    if base is None or not array.size or not array.flags.c_contiguous:
+    if base is None or not array.size or not array.flags.c_contiguous or not hasattr(mmap, "MADV_DONTNEED"):
         return
     page = os.sysconf("SC_PAGE_SIZE")
     start = array.__array_interface__["data"][0]
     end = start + array.nbytes
     start -= start % page
-    ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), _MADV_DONTNEED)
+    ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_DONTNEED)
 
 
 def _hf_name(gguf_name: str, arch: str) -> str:
