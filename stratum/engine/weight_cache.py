@@ -25,6 +25,10 @@ log = logging.getLogger("stratum.engine")
 ALIGN = 64  # each tensor's offset in the file: a cache line, and a multiple of every dtype's size
 
 
+def _named(path: Path, suffix: str) -> Path:
+    return path.with_name(path.name + suffix)
+
+
 def cached(path: Path | None, makers: Iterable[tuple[str, Callable[[], object]]]) -> dict[str, object]:
     """key -> entry, each entry a nested list of tensors and plain values (ints, strings, None).
 
@@ -43,11 +47,11 @@ def cached(path: Path | None, makers: Iterable[tuple[str, Callable[[], object]]]
             for key, make in makers:
                 w.put(key, make())
     except OSError as e:  # a read-only or full disk only costs the conversion at each start
-        log.warning("could not write %s: %s", path.with_suffix(".bin"), e)
+        log.warning("could not write %s: %s", _named(path, ".bin"), e)
         return {key: make() for key, make in makers}
     found = read(path)
     if found is None:
-        raise OSError(f"{path.with_suffix('.bin')} could not be read back")
+        raise OSError(f"{_named(path, '.bin')} could not be read back")
     return found
 
 
@@ -93,21 +97,21 @@ class Writer:
 
     def close(self) -> None:
         self._file.close()
-        os.replace(self._tmp, self.path.with_suffix(".bin"))
+        os.replace(self._tmp, _named(self.path, ".bin"))
         index = self.path.with_name(f"{self.path.name}.{os.getpid()}.json.tmp")
         index.write_text(json.dumps({"bytes": self._at, "entries": self._index}))
-        os.replace(index, self.path.with_suffix(".json"))
+        os.replace(index, _named(self.path, ".json"))
 
 
 def read(path: Path) -> dict[str, object] | None:
     """The entries of path's files, each tensor a read-only view of the mapped .bin; None where the
     cache is missing, incomplete or unreadable."""
     try:
-        index = json.loads(path.with_suffix(".json").read_text())
-        size = os.path.getsize(path.with_suffix(".bin"))
+        index = json.loads(_named(path, ".json").read_text())
+        size = os.path.getsize(_named(path, ".bin"))
         if size != index["bytes"]:
             return None
-        mapped = np.memmap(path.with_suffix(".bin"), dtype=np.uint8, mode="r").view(np.ndarray) if size else np.empty(0, np.uint8)
+        mapped = np.memmap(_named(path, ".bin"), dtype=np.uint8, mode="r").view(np.ndarray) if size else np.empty(0, np.uint8)
     except (OSError, ValueError, KeyError, TypeError):
         return None
 
