@@ -196,20 +196,22 @@ def test_k_quant_file_is_mapped_and_held_quantized_never_dense(qwen_dir, tmp_pat
 
 # ---- refused by name -------------------------------------------------------------------------------
 
-def test_unsupported_tensor_type_and_architecture_are_errors_naming_them(qwen_dir, tmp_path):
+def _rewrite_gguf(src_path, out, arch: str = "qwen2", q2k: str | None = None):
+    """The GGUF at src_path written again as `arch`, with tensor `q2k` (a [512, 256] one) in Q2_K, a
+    type gguf-py reads but this runtime does not load."""
     import gguf
 
-    # the F32 file rewritten with one tensor in Q2_K, a type gguf-py reads but this runtime does not load
-    src = gguf.GGUFReader(str(write_family_gguf(qwen_dir, tmp_path / "f32.gguf")))
-    writer = gguf.GGUFWriter(str(tmp_path / "q2k.gguf"), "qwen2")
+    src = gguf.GGUFReader(str(src_path))
+    writer = gguf.GGUFWriter(str(out), arch)
     for field in src.fields.values():
         if field.name.startswith("GGUF.") or field.name == "general.architecture":
             continue
         value = field.contents()
-        writer.add_key_value(field.name, value, field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None)
+        name = field.name.replace("qwen2.", f"{arch}.", 1)
+        writer.add_key_value(name, value, field.types[0], sub_type=field.types[-1] if len(field.types) > 1 else None)
     for tensor in src.tensors:
         array = np.array(tensor.data)
-        if tensor.name == "blk.1.ffn_up.weight":  # [512, 256] as Q2_K blocks (84 bytes per 256 weights)
+        if tensor.name == q2k:  # [512, 256] as Q2_K blocks (84 bytes per 256 weights)
             raw = np.zeros((512, 84), np.uint8)
             writer.add_tensor(tensor.name, raw, raw_shape=raw.shape, raw_dtype=gguf.GGMLQuantizationType.Q2_K)
         else:
@@ -218,8 +220,24 @@ def test_unsupported_tensor_type_and_architecture_are_errors_naming_them(qwen_di
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return out
+
+
+def test_unsupported_tensor_type_and_architecture_are_errors_naming_them(qwen_dir, tmp_path, capsys):
+    from stratum.cli import main
+
+    f32 = write_family_gguf(qwen_dir, tmp_path / "f32.gguf")
+    q2k = _rewrite_gguf(f32, tmp_path / "q2k.gguf", q2k="blk.1.ffn_up.weight")
     with pytest.raises(ModelLoadError, match="blk.1.ffn_up.weight is Q2_K, a type this runtime does not load"):
-        load_checkpoint(tmp_path / "q2k.gguf")
+        load_checkpoint(q2k)
+    falcon = _rewrite_gguf(f32, tmp_path / "falcon.gguf", arch="falcon")
+    with pytest.raises(ModelLoadError, match="architecture 'falcon' is not supported"):
+        load_checkpoint(falcon)
+    # `stratum info` says the same, and exits non-zero, rather than describing a fallback
+    for path, named in ((q2k, "Q2_K"), (falcon, "'falcon'")):
+        assert main(["info", str(path), "--threads", "1"]) == 1
+        out = capsys.readouterr()
+        assert named in json.loads(out.out)["plan_error"] and named in out.err
 
     folder = make_family_dir(tmp_path / "falcon", "llama")
     cfg = json.loads((folder / "config.json").read_text())
@@ -229,6 +247,25 @@ def test_unsupported_tensor_type_and_architecture_are_errors_naming_them(qwen_di
     (folder / "config.json").write_text(json.dumps({**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
     with pytest.raises(ModelLoadError, match="RoPE scaling 'yarn' is not supported"):
         load_checkpoint(folder)
+
+
+def test_a_dense_fallback_is_never_silent(qwen_dir, tmp_path, caplog):
+    """What runs dequantized, and a family the native step refuses, are said at load, by type and by reason."""
+    import logging
+
+    caplog.set_level(logging.WARNING, logger="stratum")
+    path = write_family_gguf(qwen_dir, tmp_path / "q4k.gguf", qtype="Q4_K", head_qtype="Q6_K")
+    LLM(str(path), dtype="float32", device="cpu", num_kv_blocks=32, int4_max_tokens=0, native_step=False)
+    said = [r.getMessage() for r in caplog.records if "dequantized to dense float32" in r.getMessage()]
+    assert said and "Q4_K tensors" in said[0] and "Q6_K tensors" in said[0]
+
+    caplog.clear()
+    gemma = make_family_dir(tmp_path / "gemma2", "gemma2", hidden_size=256, intermediate_size=512, num_attention_heads=8,
+                            num_key_value_heads=4, head_dim=32)
+    LLM(str(write_family_gguf(gemma, tmp_path / "gemma2.gguf", qtype="Q4_0", head_qtype="Q8_0")), dtype="float32",
+        device="cpu", num_kv_blocks=32, int4_max_tokens=0, native_step=True)
+    assert any("the native step does not run this model" in r.getMessage() and "gemma2" in r.getMessage()
+               for r in caplog.records)
 
 
 # ---- the native step: only where it computes the model -----------------------------------------------

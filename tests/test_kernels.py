@@ -100,6 +100,40 @@ def test_plan_key_covers_what_changes_the_answer(tmp_path, plan_dir):
     assert len(paths) == 5
 
 
+def test_plan_times_the_native_step_on_the_files_own_formats(tmp_path, plan_dir):
+    """A Q4_K_M file's layers (Q4_K, with Q6_K for attn_v and ffn_down in some layers) are timed as
+    they are stored, segment by segment, each layout weighted by its layers; not as stand-in Q4_1.
+    The formats key the cached plan."""
+    from stratum.kernels import native
+    from stratum.kernels.packed import FORMATS, PACKED_QTYPES
+    from stratum.models.loader import QuantizedTensor
+
+    cfg = ModelConfig("qwen2", vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
+                      num_kv_heads=2, head_dim=64, tie_word_embeddings=True)
+    shapes = {"self_attn.q_proj": (256, 256), "self_attn.k_proj": (128, 256), "self_attn.v_proj": (128, 256),
+              "self_attn.o_proj": (256, 256), "mlp.gate_proj": (512, 256), "mlp.up_proj": (512, 256),
+              "mlp.down_proj": (256, 512)}
+    quantized = {f"model.layers.{i}.{p}.weight": QuantizedTensor("Q6_K" if i == 0 and p in ("self_attn.v_proj", "mlp.down_proj")
+                                                                 else "Q4_K", np.zeros((n, 1), np.uint8), (n, k))
+                 for i in range(2) for p, (n, k) in shapes.items()}
+    quantized["model.embed_tokens.weight"] = QuantizedTensor("Q6_K", np.zeros((512, 1), np.uint8), (512, 256))
+    q4km = kernels.Shapes.of(cfg, quantized)
+    assert q4km.segments("qkv") == {(("Q4_K", 384), ("Q6_K", 128)): 1, (("Q4_K", 512),): 1}
+    assert q4km.segments("down") == {(("Q6_K", 256),): 1, (("Q4_K", 256),): 1}
+    assert q4km.segments("o") == {(("Q4_K", 256),): 2} and q4km.head_format == "Q6_K"
+    assert kernels.Shapes.of(cfg).segments("o") == {((kernels.STAND_IN, 256),): 1}  # no file: the stand-in
+    assert kernels.plan_cache_path(tmp_path, q4km, 1, "auto", True) != kernels.plan_cache_path(
+        tmp_path, kernels.Shapes.of(cfg), 1, "auto", True)
+    if not native.available():
+        return
+    g = torch.Generator().manual_seed(0)
+    for qtype in PACKED_QTYPES:  # each stand-in is in its own format, with finite weights
+        w = kernels.stand_in(qtype, 32, 256, g)
+        assert w.format == FORMATS[qtype] and torch.isfinite(w.matmul(torch.randn(2, 256, generator=g))).all(), qtype
+    plan = kernels.measure_plan(q4km, 1, can_pack=True, max_runs=1)
+    assert set(plan.timings_us["packed"]) == set(kernels.BATCH_SIZES) and plan.timings_us["head_packed"]
+
+
 def test_decisions_need_a_margin():
     """A near tie goes to the plain kernel however the noise falls."""
     t = {"dense_float32": {m: 100.0 for m in kernels.BATCH_SIZES},

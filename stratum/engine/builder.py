@@ -11,6 +11,7 @@ import logging
 import os
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
@@ -21,7 +22,8 @@ from stratum.kernels import native
 from stratum.kernels import KernelPlan
 from stratum.kernels.plan import Shapes, select_plan
 from stratum.kernels.packed import LAYOUT_VERSION as PACKED_LAYOUT
-from stratum.kernels.packed import FUSED, PACKED_QTYPES, PackedStack, PackedWeight, native_form, native_step_refusal
+from stratum.engine import weight_cache
+from stratum.kernels.packed import FUSED, PACKED_QTYPES, PackedStack, PackedWeight, native_form, native_step_refusal, pack_fused
 from stratum.kernels.packed import pack as packed_weight
 from stratum.kernels.quant import DenseWeight, Int4Weight, Int8Weight, Parts, Q8Weight, is_packable, unpack_q4, unpack_q8_0
 from stratum.layers.linear import Linear
@@ -112,7 +114,7 @@ def _plan(config: EngineConfig, checkpoint: Checkpoint, device: str, threads: in
     if config.int4_max_tokens is not None and config.dtype != "auto":  # fully specified: nothing to measure
         plan = KernelPlan("cpu", config.dtype, threads, 0, source="configured")
     else:
-        plan = select_plan(stratum_home(), Shapes.of(mc), threads, can_pack, config.dtype,
+        plan = select_plan(stratum_home(), Shapes.of(mc, checkpoint.quantized), threads, can_pack, config.dtype,
                            remeasure=config.remeasure_plan, measure=measure, take_busy=take_busy)
         if plan is None:
             return None
@@ -165,9 +167,11 @@ def attach_packed(model, quantized: dict, cache_dir: Path | None = None) -> bool
     """Run every layer through the native step on the checkpoint's own blocks, when each projection
     is in one of PACKED_QTYPES (and the output projection too, when it is).
 
-    The repacked blocks are kept in cache_dir/packed-<layout version>.pt when a cache is given (and
-    mapped from there at later starts): repacking takes seconds at every start otherwise. The
-    projections' dense weights stay empty (a dense file's are dropped): the step never reads them.
+    The repacked blocks are kept in cache_dir/packed-<layout version>.bin when a cache is given,
+    written a layer at a time (each layer's GGUF pages let go of once it is packed) and mapped from
+    there, then and at later starts: repacking takes seconds at every start otherwise, and held in
+    memory it would double what the weights cost. The projections' dense weights stay empty (a
+    dense file's are dropped): the step never reads them.
     The embedding is looked up from its blocks as stored where it is quantized, and the output
     projection runs on the same kernel for every row, so a token's logits do not depend on the batch
     around it.
@@ -175,27 +179,33 @@ def attach_packed(model, quantized: dict, cache_dir: Path | None = None) -> bool
     Returns:
         Whether the step was attached (False: some projection is in another format).
     """
-    cache = cache_dir / f"packed-{PACKED_LAYOUT}.pt" if cache_dir is not None else None
     name = "lm_head.weight" if model.lm_head is not None else "model.embed_tokens.weight"
-    saved = None
-    if cache is not None and cache.exists():
-        try:
-            saved = torch.load(cache, weights_only=True, mmap=True)
-        except (OSError, RuntimeError, ValueError):
-            saved = None
-    if saved is None:
-        head = quantized.get(name)
-        head = packed_weight(head.qtype, head.data, head.shape) if head is not None and head.qtype in PACKED_QTYPES else None
-        layers = PackedStack.pack_layers(quantized, model.config.num_layers)
-        saved = {"layers": [[[w.saved() for w in segments] for segments in projections] for projections in layers]
-                 if layers is not None else None, "head": head.saved() if head is not None else None}
-        if saved["layers"] is not None and cache is not None:
-            try:
-                torch.save(saved, cache)
-            except OSError:
-                pass  # only costs the repacking on the next start
-    if saved["layers"] is None:
+    n = model.config.num_layers
+    parts = [[f"model.layers.{i}.{p}.weight" for p in fused] for i in range(n) for fused in FUSED.values()]
+    if any(p not in quantized or quantized[p].qtype not in PACKED_QTYPES for names in parts for p in names):
         return False
+    head = quantized.get(name)
+    head = head if head is not None and head.qtype in PACKED_QTYPES else None
+
+    def pack_layer(i: int) -> list:
+        """Layer i's projections as the step's segments, its GGUF blocks then let go of."""
+        projections = [pack_fused(quantized, f"model.layers.{i}.", fused) for fused in FUSED.values()]
+        for names in parts[i * len(FUSED) : (i + 1) * len(FUSED)]:
+            for p in names:
+                quantized[p].release()
+        return [[w.saved() for w in segments] for segments in projections]
+
+    def packed_head() -> list | None:
+        if head is None:
+            return None
+        w = packed_weight(head.qtype, head.data, head.shape).saved()
+        if model.lm_head is not None:  # not read again (tied, it is the embedding, looked up from its blocks)
+            head.release()
+        return w
+
+    cache = cache_dir / f"packed-{PACKED_LAYOUT}" if cache_dir is not None else None
+    saved = weight_cache.cached(cache, [("head", packed_head), *((f"layers.{i}", lambda i=i: pack_layer(i)) for i in range(n))])
+    saved = {"layers": [saved[f"layers.{i}"] for i in range(n)], "head": saved["head"]}
     model.packed = PackedStack(model, [[[PackedWeight(*w) for w in segments] for segments in projections]
                                        for projections in saved["layers"]])
     for layer in model.layers:
@@ -238,8 +248,8 @@ def attach_quantized(model, quantized: dict, keep: bool, dtype: torch.dtype, cac
     looked up from its blocks row by row (`lookup_rows`, on CPU), else dequantized too. Records how each
     quantized tensor runs (`model.weight_forms`, for `stratum info`), and warns where any was dequantized.
 
-    Packed forms are kept in cache_dir/held-<layout version>.pt when a cache is given (converting
-    takes seconds per billion weights); the cache is mapped, not read, at later starts.
+    Packed forms are kept in cache_dir/held-<layout version>.bin when a cache is given (converting
+    takes seconds per billion weights), written one projection at a time and mapped from there.
 
     Returns:
         The bytes of packed weights attached.
@@ -247,72 +257,81 @@ def attach_quantized(model, quantized: dict, keep: bool, dtype: torch.dtype, cac
     Raises:
         KeyError: a projection is neither in the file's dense tensors nor among its quantized ones.
     """
-    cache = cache_dir / f"held-{PACKED_LAYOUT}.pt" if cache_dir is not None else None
-    saved: dict = {}
-    if cache is not None and cache.exists():
-        try:
-            saved = torch.load(cache, weights_only=True, mmap=True)
-        except (OSError, RuntimeError, ValueError):
-            saved = {}
-    converted = dict(saved)
     forms: dict[str, str] = model.weight_forms
 
-    def hold(key: str, form: str, tensors: list) -> object:
-        """Parts of one form: their rows as one packed weight, or as one dense tensor in `dtype`."""
-        if form not in (INT4, PACKED):
-            return torch.cat([t.dense(dtype) for t in tensors])
-        if key not in converted:
-            if form == INT4:
-                unpacked = [unpack_q4(t.qtype, t.data, t.shape) for t in tensors]
-                w = Int4Weight(*(torch.cat([u[j] for u in unpacked]) for j in range(3)))
-                converted[key] = (INT4, w.packed, w.scale_zeros, w.out_features, w.in_features)
-            else:
-                raw = np.concatenate([np.asarray(t.data).reshape(t.shape[0], -1) for t in tensors])
-                w = packed_weight(tensors[0].qtype, raw, (sum(t.shape[0] for t in tensors), tensors[0].shape[1]))
-                converted[key] = (PACKED, *w.saved())
-        kind, *parts = converted[key]
-        return Int4Weight.from_packed(*parts) if kind == INT4 else PackedWeight(*parts)
-
-    def fill(key: str, names: list[str]) -> torch.Tensor | object:
-        """The projection made of tensors `names`: a dense tensor, or an object with matmul."""
-        groups: list[tuple[tuple, list]] = []  # consecutive parts of one form (and format, for the native kernel)
+    def groups(key: str, names: list[str]) -> list[tuple[str, str, list]]:
+        """The parts of the projection made of tensors `names` as (key, form, tensors), one per run of
+        consecutive parts of one form (and format, for the native kernel)."""
+        out: list[tuple[str, str, list]] = []
         for n in names:
             t = quantized[n]
             forms[n] = form = held_form(t.qtype, keep, dtype)
-            group = (form, t.qtype if form == PACKED else None)
-            if groups and groups[-1][0] == group:
-                groups[-1][1].append(t)
+            if out and out[-1][1] == form and (form != PACKED or out[-1][2][0].qtype == t.qtype):
+                out[-1][2].append(t)
             else:
-                groups.append((group, [t]))
-        held = [hold(f"{key}.{g}", form, tensors) for g, ((form, _), tensors) in enumerate(groups)]
-        if len(held) == 1:
-            return held[0]
-        return Parts([DenseWeight(h) if isinstance(h, torch.Tensor) else h for h in held])
+                out.append((f"{key}.{len(out)}.{'int4' if form == INT4 else 'packed'}", form, [t]))
+        return out
 
-    def put(module, name: str, w) -> None:
+    def convert(form: str, tensors: list) -> list:
+        """Parts of one packed form as one weight's fields; their GGUF pages are let go of after."""
+        if form == INT4:
+            unpacked = [unpack_q4(t.qtype, t.data, t.shape) for t in tensors]
+            w = Int4Weight(*(torch.cat([u[j] for u in unpacked]) for j in range(3)))
+            fields = [w.packed, w.scale_zeros, w.out_features, w.in_features]
+        else:
+            raw = np.concatenate([np.asarray(t.data).reshape(t.shape[0], -1) for t in tensors])
+            fields = list(packed_weight(tensors[0].qtype, raw, (sum(t.shape[0] for t in tensors), tensors[0].shape[1])).saved())
+        for t in tensors:
+            t.release()
+        return fields
+
+    def put(module, w) -> None:
         if isinstance(w, torch.Tensor):
-            setattr(module, name, torch.nn.Parameter(w, requires_grad=False))
+            module.weight = torch.nn.Parameter(w, requires_grad=False)
         else:
             module.quantized = w
 
+    def put_head(w) -> None:
+        if isinstance(w, torch.Tensor):
+            put(model.lm_head if model.lm_head is not None else model.embed_tokens, w)
+        else:
+            model.packed_head = w
+
+    # what to fill: (its parts' groups, where the weight goes)
+    targets: list[tuple[list, Callable]] = []
     if model.packed is None:
         for i, layer in enumerate(model.layers):
             for fused, parts in FUSED.items():
                 module: Linear = layer.get_submodule(fused)
                 if not module.weight.numel():  # else dense in the file
-                    put(module, "weight", fill(f"layers.{i}.{fused}", [f"model.layers.{i}.{p}.weight" for p in parts]))
+                    names = [f"model.layers.{i}.{p}.weight" for p in parts]
+                    targets.append((groups(f"layers.{i}.{fused}", names), lambda w, m=module: put(m, w)))
     head_name = "lm_head.weight" if model.lm_head is not None else "model.embed_tokens.weight"
     head = quantized.get(head_name)
     if model.packed_head is None and head is not None:
         if head.qtype == "Q8_0":  # dense beside the exact Q8_0 projection for decode rows (attach_q8_head)
             forms[head_name] = held_form(head.qtype, False, dtype)
-            w = head.dense(dtype)
+            put_head(head.dense(dtype))
         else:
-            w = fill("head", [head_name])
-        if not isinstance(w, torch.Tensor):
-            model.packed_head = w
-        else:
-            put(model.lm_head if model.lm_head is not None else model.embed_tokens, "weight", w)
+            targets.append((groups("head", [head_name]), put_head))
+    makers = [(key, lambda f=form, ts=tensors: convert(f, ts)) for gs, _ in targets for key, form, tensors in gs
+              if form in (INT4, PACKED)]
+    converted = weight_cache.cached(cache_dir / f"held-{PACKED_LAYOUT}" if cache_dir is not None else None,
+                                    makers) if makers else {}
+
+    def held(key: str, form: str, tensors: list):
+        if form == INT4:
+            return Int4Weight.from_packed(*converted[key])
+        if form == PACKED:
+            return PackedWeight(*converted[key])
+        w = torch.cat([t.dense(dtype) for t in tensors])
+        for t in tensors:
+            t.release()
+        return w
+
+    for gs, place in targets:
+        ws = [held(*g) for g in gs]
+        place(ws[0] if len(ws) == 1 else Parts([DenseWeight(w) if isinstance(w, torch.Tensor) else w for w in ws]))
     embed = quantized.get("model.embed_tokens.weight")
     if embed is not None and not model.embed_tokens.weight.numel() and model.embed_table is None:
         if lookup_rows:
@@ -320,7 +339,7 @@ def attach_quantized(model, quantized: dict, keep: bool, dtype: torch.dtype, cac
             forms.setdefault("model.embed_tokens.weight", "rows dequantized at lookup")
         else:
             forms["model.embed_tokens.weight"] = held_form(embed.qtype, False, dtype)
-            put(model.embed_tokens, "weight", embed.dense(dtype))
+            put(model.embed_tokens, embed.dense(dtype))
     dense: dict[str, int] = {}
     for n, form in forms.items():
         if form.startswith("dense"):
@@ -329,11 +348,6 @@ def attach_quantized(model, quantized: dict, keep: bool, dtype: torch.dtype, cac
         why = "no packed kernel here runs them" if keep else "the kernel plan keeps no packed weights"
         log.warning("%s: dequantized to %s (%s): %s", model.config.name, held_form("", False, dtype), why,
                     ", ".join(f"{n} {q} tensors" for q, n in sorted(dense.items())))
-    if cache is not None and len(converted) > len(saved):
-        try:
-            torch.save(converted, cache)
-        except OSError:
-            pass  # only costs the conversion on the next start
     return sum(m.quantized.nbytes for m in model.modules() if isinstance(m, Linear) and m.quantized is not None) + (
         model.packed_head.nbytes if model.packed_head is not None and model.packed is None else 0)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import mmap
 import time
 from dataclasses import dataclass, field
 
@@ -30,6 +32,16 @@ class RunnerOutput:
     mask_s: float = 0.0  # grammar masks alone
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed tensor; on the CPU, over anonymous memory the OS zero-fills a page at a time when first
+    touched, so the KV pool costs neither start-up time (torch.zeros wrote a 256 MB pool in 0.44 s of
+    a 2.8 s warm start) nor resident memory until its blocks are used."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=dtype, count=math.prod(shape)).view(shape)
+
+
 class ModelRunner:
     def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
                  use_native: bool = True):
@@ -40,11 +52,8 @@ class ModelRunner:
         self.device = device
         num_slots = num_blocks * block_size
         # kv_caches[layer] = (k, v), each [num_slots, num_kv_heads, head_dim]
-        self.kv_caches = [
-            (torch.zeros(num_slots, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device),
-             torch.zeros(num_slots, cfg.num_kv_heads, cfg.head_dim, dtype=dtype, device=device))
-            for _ in range(cfg.num_layers)
-        ]
+        shape = (num_slots, cfg.num_kv_heads, cfg.head_dim)
+        self.kv_caches = [(_zeros(shape, dtype, device), _zeros(shape, dtype, device)) for _ in range(cfg.num_layers)]
         self._offsets = torch.arange(block_size, device=device)
         n = cfg.num_layers
         self.coverage_layers = frozenset({0, n // 2, n - 1})

@@ -9,7 +9,9 @@ server sees; the choice is cached under $STRATUM_HOME/kernels and reused:
   which the packed kernel wins (decode is bound by reading weights, large batches by compute);
 - the output projection on the checkpoint's own Q8_0 weights vs dense, and up to how many rows;
 - the native step (every layer in one native call on the GGUF blocks, kernels/packed.py) vs the
-  PyTorch layers, compared on a layer's projections at one row, where decode spends its time.
+  PyTorch layers, compared on a layer's projections at one row, where decode spends its time; timed
+  on stand-ins in the checkpoint's own formats (a Q4_K_M file's Q4_K and Q6_K segments, a Q8_0 or
+  F16 file's blocks), so the choice holds for what the file stores.
 
 A measurement can be fooled by a busy machine, so each figure is the fastest over repeated runs,
 a run during which other processes used the cores is not trusted, and a plan that had no quiet run
@@ -23,7 +25,7 @@ import hashlib
 import json
 import os
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -31,35 +33,71 @@ import torch.nn.functional as F
 
 from stratum.kernels import KernelPlan, native
 from stratum.kernels.cpu import cpu_flags, cpu_name
+from stratum.kernels.packed import PACKED_QTYPES, PackedWeight
 from stratum.kernels.packed import pack as packed_weight
-from stratum.kernels.quant import GROUP_SIZE, Q8_0_BYTES, Int4Weight, Q8Weight
+from stratum.kernels.quant import GROUP_SIZE, Int4Weight, Q8Weight, is_packable
 
 BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128)
 HEAD_BATCH_SIZES = (1, 2, 4, 8, 16)  # the rows the Q8_0 output projection may take (logits rows per step)
-PLAN_VERSION = 5
+PLAN_VERSION = 6  # 6: the native step timed on the file's own formats
 MARGIN = 0.95  # a candidate replaces the plain kernel only where it is at least 5% faster
 BUSY_CORES = 0.25  # a run during which other processes used more CPU than this is not trusted
 MAX_RUNS = 4  # measurement runs per plan; it stops once two quiet runs agree
 MAX_REMEASURES = 3  # starts that may measure again a plan that was measured on a busy machine
 
 
+# the native step's stand-in format where the checkpoint's are not given (a test's bare shapes)
+STAND_IN = "Q4_1"
+
+
 @dataclass(frozen=True)
 class Shapes:
-    """The matmuls one decode step of the model runs, as [out, in] weights."""
+    """The matmuls one decode step of the model runs, as [out, in] weights, and the formats the file
+    stores them in: per projection, its segments' (format, rows) for the native step, each such
+    layout with the number of layers stored so (Q4_K_M keeps some layers' attn_v and ffn_down in Q6_K)."""
 
     layer: dict[str, tuple[int, int]]  # the projections of one decoder layer
     head: tuple[int, int] | None  # the output projection (vocab x hidden)
+    formats: dict[str, dict[tuple[tuple[str, int], ...], int]] = field(default_factory=dict)
+    head_format: str = "Q8_0"
 
     @classmethod
-    def of(cls, mc) -> "Shapes":
-        """From a ModelConfig."""
+    def of(cls, mc, quantized: dict | None = None) -> "Shapes":
+        """From a ModelConfig and, where given, the checkpoint's quantized tensors (HF names)."""
         q, kv = mc.num_heads * mc.head_dim, mc.num_kv_heads * mc.head_dim
         layer = {"qkv": (q + 2 * kv, mc.hidden_size), "o": (mc.hidden_size, q),
                  "gate_up": (2 * mc.intermediate_size, mc.hidden_size), "down": (mc.hidden_size, mc.intermediate_size)}
-        return cls(layer, (mc.vocab_size, mc.hidden_size))
+        formats: dict[str, dict] = {}
+        head_format = "Q8_0"
+        if quantized:
+            parts = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
+                     "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
+            for name, names in parts.items():
+                for i in range(mc.num_layers):
+                    tensors = [quantized.get(f"model.layers.{i}.{p}.weight") for p in names]
+                    if any(t is None for t in tensors):
+                        continue
+                    segments: list[list] = []
+                    for t in tensors:  # consecutive parts of one format run as one segment
+                        if segments and segments[-1][0] == t.qtype:
+                            segments[-1][1] += t.shape[0]
+                        else:
+                            segments.append([t.qtype, t.shape[0]])
+                    key = tuple((f, r) for f, r in segments)
+                    formats.setdefault(name, {})[key] = formats.get(name, {}).get(key, 0) + 1
+            head = quantized.get("lm_head.weight" if not mc.tie_word_embeddings else "model.embed_tokens.weight")
+            head_format = head.qtype if head is not None else head_format
+        return cls(layer, (mc.vocab_size, mc.hidden_size), formats, head_format)
+
+    def segments(self, name: str) -> dict[tuple[tuple[str, int], ...], int]:
+        """Projection `name`'s layouts (segments of (format, rows)) and how many layers have each;
+        the stand-in format where the file's are not known."""
+        return self.formats.get(name) or {((STAND_IN, self.layer[name][0]),): 1}
 
     def key(self) -> list:
-        return [sorted((n, list(s)) for n, s in self.layer.items()), list(self.head) if self.head else None]
+        formats = sorted((n, sorted([list(map(list, seg)), c] for seg, c in v.items())) for n, v in self.formats.items())
+        return [sorted((n, list(s)) for n, s in self.layer.items()), list(self.head) if self.head else None,
+                formats, self.head_format]
 
 
 def _time_us(fn, reps: int) -> float:
@@ -101,21 +139,34 @@ def _busy_seconds() -> float | None:
     return (sum(values[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
+# where each block format keeps its fp16 scales (llama.cpp ggml-common.h): set to a normal number in a
+# stand-in of random bytes, so that its weights are finite
+_FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2),
+                "Q6_K": (208,)}
+
+
+def stand_in(qtype: str, n: int, k: int, g: torch.Generator) -> PackedWeight | None:
+    """A random [n, k] weight stored as GGUF `qtype`, packed for the native step as the file's own
+    would be; None where the native kernels are not built or k does not fit the format's blocks."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    if qtype not in PACKED_QTYPES or k % max(block, GROUP_SIZE) or not native.available():
+        return None
+    if qtype in ("F16", "BF16"):
+        w = (torch.randn(n, k, generator=g) * 0.02).to(torch.float16 if qtype == "F16" else torch.bfloat16)
+        return packed_weight(qtype, w.view(torch.uint8).numpy(), (n, k))
+    raw = torch.randint(0, 256, (n, k // block, block_bytes), generator=g, dtype=torch.uint8)
+    for at in _FP16_FIELDS[qtype]:
+        raw[..., at : at + 2] = torch.tensor([0.01], dtype=torch.float16).view(torch.uint8)
+    return packed_weight(qtype, raw.numpy().reshape(n, -1), (n, k))
+
+
 def _weights(n: int, k: int, g: torch.Generator, int4: bool = False, q8: bool = False):
     """Random [n, k] weights dense in fp32 and bf16, and packed as asked (None where the shape or the
-    native kernels do not allow it): int4 for PyTorch's kernel, q8 the Q8_0 output projection, and
-    each in the native step's layout (Q4_1 blocks, Q8_0 blocks)."""
+    native kernels do not allow it): int4 for PyTorch's kernel, q8 the Q8_0 output projection."""
     w32 = torch.randn(n, k, generator=g) * 0.02
-    packed = quantized = step = None
-    if (int4 or q8) and k % GROUP_SIZE == 0 and native.available():
-        qtype = "Q4_1" if int4 else "Q8_0"
-        bytes_per_block = 20 if int4 else Q8_0_BYTES
-        raw = torch.randint(0, 256, (n, k // GROUP_SIZE, bytes_per_block), generator=g, dtype=torch.uint8)
-        scales = torch.full((n, k // GROUP_SIZE), 0.01, dtype=torch.float16).view(torch.uint8).view(n, -1, 2)
-        raw[..., :2] = scales  # d (and Q4_1's m below): normal numbers, not random bits
-        if int4:
-            raw[..., 2:4] = scales
-        step = packed_weight(qtype, raw.numpy().reshape(n, -1), (n, k))
+    packed = quantized = None
     if int4 and k % GROUP_SIZE == 0:
         q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.int32)
         scale = torch.rand(n, k // GROUP_SIZE, generator=g) * 0.01
@@ -123,28 +174,45 @@ def _weights(n: int, k: int, g: torch.Generator, int4: bool = False, q8: bool = 
     if q8 and k % GROUP_SIZE == 0 and native.available():
         quantized = Q8Weight(torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8),
                              torch.rand(n, k // GROUP_SIZE, generator=g) * 0.01)
-    return w32, w32.bfloat16(), packed, quantized, step
+    return w32, w32.bfloat16(), packed, quantized
 
 
 def _measure_once(shapes: Shapes, can_pack: bool) -> dict[str, dict[int, float]]:
     """One run: each kernel at each batch size, summed over the layer's projections at their own
-    shapes; the output projection on its own shape (dense in either dtype, and the Q8_0 kernel)."""
+    shapes; the output projection on its own shape (dense in either dtype, and the Q8_0 kernel).
+
+    The native step ("packed") runs stand-ins of the file's own formats, segment by segment, each
+    layout weighted by the share of layers stored so; PyTorch's int4 kernel ("int4_bfloat16") takes
+    the layouts whose every part it can hold (Q4_0, Q4_1, Q4_K), the others count at dense bf16."""
     g = torch.Generator().manual_seed(0)
     timings: dict[str, dict[int, float]] = {"dense_float32": {}, "dense_bfloat16": {}, "int4_bfloat16": {}, "packed": {}}
-    for n, k in shapes.layer.values():
-        w32, wbf, int4, _, step = _weights(n, k, g, int4=can_pack)
+    for name, (n, k) in shapes.layer.items():
+        w32, wbf, int4, _ = _weights(n, k, g, int4=can_pack)
+        layouts = shapes.segments(name)
+        total = sum(layouts.values())
+        steps = [(count / total, [stand_in(f, rows, k, g) for f, rows in layout]) for layout, count in layouts.items()] if can_pack else []
+        if any(w is None for _, ws in steps for w in ws):  # no native kernels, or a width no format takes
+            steps = []
+        int4_share = sum(c for layout, c in layouts.items() if all(is_packable(f) for f, _ in layout)) / total
         for m in BATCH_SIZES:
             x = torch.randn(m, k, generator=g)
             xb = x.bfloat16()
             reps = max(5, 96 // m)
-            for name, fn in (("dense_float32", lambda: F.linear(x, w32)), ("dense_bfloat16", lambda: F.linear(xb, wbf)),
-                             ("int4_bfloat16", (lambda: int4.matmul(xb)) if int4 is not None else None),
-                             ("packed", (lambda: step.matmul(x)) if step is not None else None)):
-                if fn is not None:
-                    timings[name][m] = timings[name].get(m, 0.0) + _time_us(fn, reps)
+            dense = {"dense_float32": _time_us(lambda: F.linear(x, w32), reps),
+                     "dense_bfloat16": _time_us(lambda: F.linear(xb, wbf), reps)}
+            for kind, t in dense.items():
+                timings[kind][m] = timings[kind].get(m, 0.0) + t
+            if int4 is not None:
+                t = _time_us(lambda: int4.matmul(xb), reps) if int4_share else 0.0
+                timings["int4_bfloat16"][m] = timings["int4_bfloat16"].get(m, 0.0) + int4_share * t + (
+                    1 - int4_share) * dense["dense_bfloat16"]
+            if steps:
+                t = sum(share * _time_us(lambda ws=ws: [w.matmul(x) for w in ws], reps) for share, ws in steps)
+                timings["packed"][m] = timings["packed"].get(m, 0.0) + t
     if shapes.head is not None:
         n, k = shapes.head
-        w32, wbf, _, q8, step = _weights(n, k, g, q8=True)
+        w32, wbf, _, q8 = _weights(n, k, g, q8=True)
+        step = stand_in(shapes.head_format, n, k, g) if shapes.head_format in PACKED_QTYPES else None
         timings.update({"head_float32": {}, "head_bfloat16": {}, "head_q8": {}, "head_packed": {}})
         for m in HEAD_BATCH_SIZES:
             x = torch.randn(m, k, generator=g)
@@ -154,6 +222,7 @@ def _measure_once(shapes: Shapes, can_pack: bool) -> dict[str, dict[int, float]]
             timings["head_bfloat16"][m] = _time_us(lambda: F.linear(xb, wbf), reps)
             if q8 is not None:
                 timings["head_q8"][m] = _time_us(lambda: q8.matmul(x), reps)
+            if step is not None:
                 timings["head_packed"][m] = _time_us(lambda: step.matmul(x), reps)
         del w32, wbf, q8, step
     return {name: {m: round(t, 1) for m, t in v.items()} for name, v in timings.items() if v}

@@ -7,6 +7,7 @@ one loading path.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -60,12 +61,30 @@ _GGUF_TOP_NAMES = {
 
 @dataclass
 class QuantizedTensor:
-    """A GGUF tensor kept in its packed form (a view of the mapped file, or of a row-permuted copy), for
-    kernels that run on it directly; `dense` and `rows` dequantize it, or some of its rows, on demand."""
+    """A GGUF tensor kept in its packed form (a view of the mapped file), for kernels that run on it
+    directly; `dense` and `rows` dequantize it, or some of its rows, on demand. Llama's Q/K rows,
+    which llama.cpp stores permuted, are put back in order on the first read of `data` (a copy),
+    so a start that never reads them (the native step's repacked cache is current) never copies them."""
 
     qtype: str  # gguf GGMLQuantizationType name, e.g. "Q4_1"
-    data: np.ndarray  # the raw blocks, [rows, bytes_per_row] uint8 (F16: [rows, in_features] float16)
+    stored: np.ndarray  # the raw blocks as the file holds them, [rows, bytes_per_row] uint8 (F16: [rows, in_features] float16)
     shape: tuple[int, int]  # logical [out_features, in_features]
+    permuted_heads: int = 0  # llama.cpp's Q/K row permutation over this many heads, undone by `data` (0: none)
+
+    @functools.cached_property
+    def data(self) -> np.ndarray:
+        """The raw blocks, rows in the model's order."""
+        if not self.permuted_heads:
+            return self.stored
+        from stratum.kernels.kquant import mapped_tensor
+
+        return _unpermute(mapped_tensor(self.stored), self.permuted_heads).numpy()
+
+    def release(self) -> None:
+        """Done with the blocks for now: the file's pages leave this process's resident set (`release_pages`)
+        and an unpermuted copy is dropped; a later read maps (or copies) them again."""
+        release_pages(self.stored)
+        self.__dict__.pop("data", None)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` as fp32 [len(ids), in_features]: an embedding lookup from the table as stored."""
@@ -281,9 +300,7 @@ def _tensors(path: Path, mapped: np.ndarray, entries: list[_Entry], config: Mode
     """The GGUF's tensors under Hugging Face names, each a view of `mapped` (the whole file, memory-
     mapped): unquantized ones as tensors, quantized projections, embedding and output projection
     as QuantizedTensor (dequantized only where the model builder decides to). Only Llama's permuted
-    Q/K rows are copies."""
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
+    Q/K rows are copies, made when first read."""
     arch = config.architecture
     weights: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantizedTensor] = {}
@@ -300,9 +317,8 @@ def _tensors(path: Path, mapped: np.ndarray, entries: list[_Entry], config: Mode
             weights[name] = _mapped_dense(raw, e.qtype, e.shape)
             continue
         # quantized, or an F16 / BF16 projection, which the native step also takes as stored
-        block, block_bytes = GGML_QUANT_SIZES[GGMLQuantizationType[e.qtype]]
-        rows = int(np.prod(e.shape[:-1]))
-        qt = QuantizedTensor(e.qtype, raw.reshape(rows, e.shape[-1] // block * block_bytes), (rows, e.shape[-1]))
+        rows = int(np.prod(e.shape[:-1]))  # (gguf-py's block sizes unread: importing it costs a warm start 0.19 s)
+        qt = QuantizedTensor(e.qtype, raw.reshape(rows, e.nbytes // rows), (rows, e.shape[-1]))
         if projection:
             quantized[name] = qt
         else:  # a quantized vector or an unexpected tensor: small, dequantized
@@ -440,10 +456,27 @@ def _split_phi3(weights: dict, quantized: dict, config: ModelConfig) -> None:
 
 
 def _unpermute_rows(qt: QuantizedTensor, num_heads: int) -> QuantizedTensor:
-    from stratum.kernels.kquant import mapped_tensor
+    return QuantizedTensor(qt.qtype, qt.stored, qt.shape, num_heads)  # undone when first read
 
-    rows = mapped_tensor(qt.data)
-    return QuantizedTensor(qt.qtype, _unpermute(rows, num_heads).numpy(), qt.shape)
+
+def release_pages(array: np.ndarray) -> None:
+    """Drop the pages of a view of a read-only file mapping from this process's resident set, once
+    it is done with them (madvise MADV_DONTNEED): they stay in the page cache, and a later read maps
+    them again. Anything not a view of a file mapping is left alone (there, the same call would zero
+    memory)."""
+    import ctypes
+    import mmap
+
+    base = array
+    while base is not None and not isinstance(base, (np.memmap, mmap.mmap)):
+        base = getattr(base, "base", None)
+    if base is None or not array.size or not array.flags.c_contiguous or not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    page = os.sysconf("SC_PAGE_SIZE")
+    start = array.__array_interface__["data"][0]
+    end = start + array.nbytes
+    start -= start % page
+    ctypes.CDLL(None).madvise(ctypes.c_void_p(start), ctypes.c_size_t(end - start), mmap.MADV_DONTNEED)
 
 
 def _hf_name(gguf_name: str, arch: str) -> str:

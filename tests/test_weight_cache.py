@@ -1,0 +1,83 @@
+"""The derived-weights cache (engine/weight_cache.py) and letting go of a mapped file's pages
+(models/loader.release_pages)."""
+
+from __future__ import annotations
+
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from stratum.engine import weight_cache
+from stratum.models.loader import release_pages
+
+
+def _entries(g: torch.Generator) -> dict:
+    return {
+        "a": [torch.randint(0, 256, (3, 5, 7), generator=g, dtype=torch.uint8), torch.randn(3, 4, generator=g).half(), 7, None],
+        "b": [[torch.randn(5, generator=g), torch.randn(2, 3, generator=g).bfloat16()], torch.zeros(4, 0), "x"],
+        "c": torch.arange(9, dtype=torch.int32).view(3, 3),
+    }
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def test_entries_are_written_one_at_a_time_and_mapped_back(tmp_path):
+    entries = _entries(torch.Generator().manual_seed(0))
+    made: list[str] = []
+
+    def maker(key):
+        def make():
+            made.append(key)
+            return entries[key]
+        return make
+
+    path = tmp_path / "packed-1"
+    got = weight_cache.cached(path, [(k, maker(k)) for k in entries])
+    assert made == ["a", "b", "c"] and all(_same(entries[k], got[k]) for k in entries)
+    assert (tmp_path / "packed-1.bin").exists() and (tmp_path / "packed-1.json").exists()
+    assert not list(tmp_path.glob("*.tmp"))
+
+    # a later start maps them, making nothing; every tensor a view of the mapped file
+    again = weight_cache.cached(path, [(k, maker(k)) for k in entries])
+    assert made == ["a", "b", "c"] and all(_same(entries[k], again[k]) for k in entries)
+    assert again["c"].data_ptr() % weight_cache.ALIGN == 0
+
+    # a key the file lacks: written anew; a cache without its index (a writer killed midway): made again
+    weight_cache.cached(path, [("c", maker("c")), ("d", lambda: torch.ones(2))])
+    assert made[-1] == "c" and set(weight_cache.read(path)) == {"c", "d"}
+    (tmp_path / "packed-1.json").unlink()
+    assert weight_cache.read(path) is None
+    weight_cache.cached(path, [("a", maker("a"))])
+    assert made[-1] == "a"
+
+    # no cache folder: made in memory
+    assert _same(weight_cache.cached(None, [("c", maker("c"))])["c"], entries["c"])
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads the resident set from /proc")
+def test_released_pages_leave_the_resident_set_and_read_back_the_same(tmp_path):
+    def rss_file() -> int:
+        status = open("/proc/self/status").read()
+        return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("RssFile:")) * 1024
+
+    values = np.random.default_rng(0).integers(0, 256, 64 << 20, dtype=np.uint8)
+    values.tofile(tmp_path / "f.bin")
+    mapped = np.memmap(tmp_path / "f.bin", dtype=np.uint8, mode="r").view(np.ndarray)
+    view = mapped[4096 * 3 + 5 :]
+    assert int(view.sum()) == int(values[4096 * 3 + 5 :].sum())  # every page read: resident
+    before = rss_file()
+    release_pages(view)
+    assert before - rss_file() > 48 << 20
+    assert np.array_equal(view, values[4096 * 3 + 5 :])  # read again from the file
+
+    heap = values[: 1 << 20].copy()  # not a file mapping: left alone (there madvise would zero it)
+    release_pages(heap)
+    assert np.array_equal(heap, values[: 1 << 20])
