@@ -65,10 +65,11 @@ def test_packed_tiles_are_about_as_small_as_the_file(qtype):
     assert pack(qtype, raw, (n, k)).nbytes * 8 / (n * k) == tiles
 
 
-def test_packed_linear_rows_do_not_depend_on_the_batch_or_the_threads():
+@pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0", "Q4_K", "Q6_K"])  # 4-bit, 5-bit, integer sub-scales, 6-bit
+def test_packed_linear_rows_do_not_depend_on_the_batch_or_the_threads(qtype):
     rng = np.random.default_rng(1)
-    n, k = 64, 128
-    w = pack("Q4_1", _raw("Q4_1", rng, n, k), (n, k))
+    n, k = 64, 256
+    w = pack(qtype, _raw(qtype, rng, n, k), (n, k))
     x = torch.from_numpy(rng.standard_normal((64, k)).astype(np.float32))
     alone = torch.cat([w.matmul(x[i : i + 1]) for i in range(64)])
     threads = torch.get_num_threads()

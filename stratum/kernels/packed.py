@@ -14,7 +14,6 @@ bits per weight as the tiles allow:
     Q5K   5-bit q, scales as Q4K                               Q5_K
     Q6K   6-bit q (centred: q − 32); per block two int8        Q6_K (d_lo = D·sc_lo, d_hi = D·sc_hi)
           sub-scales (inputs 0-15, 16-31); fp16 D per 256
-    Q8K   int8 q, fp32 d_lo, d_hi, m                           none now (Q5_K's before Q5K)
     F16, BF16  the 16-bit floats as stored
 
 (block layouts: llama.cpp ggml-common.h, block_q4_0 ... block_q6_K; K-quant sub-blocks unpacked by
@@ -56,12 +55,12 @@ from stratum.kernels import kquant
 from stratum.kernels.quant import GROUP_SIZE, Q8_0_BYTES
 
 TILE = 16
-Q4, Q8, Q4K, Q8K, F16, BF16, Q5, Q5M, Q6K, Q5K = range(10)  # FORMATS, as packed_step.cpp numbers them
+# FORMATS, as packed_step.cpp numbers them; 3 (kQ8K: int8 q with fp32 scales, Q5_K's form before Q5K) is retired
+Q4, Q8, Q4K, _, F16, BF16, Q5, Q5M, Q6K, Q5K = range(10)
 FORMAT_NAMES = ("q4", "q8", "q4k", "q8k", "f16", "bf16", "q5", "q5m", "q6k", "q5k")  # what `stratum info` calls them
 FORMATS = {"Q4_0": Q4, "Q4_1": Q4, "Q8_0": Q8, "Q5_0": Q5, "Q5_1": Q5M, "Q4_K": Q4K, "Q5_K": Q5K, "Q6_K": Q6K,
            "F16": F16, "BF16": BF16}
 PACKED_QTYPES = tuple(FORMATS)
-_FP32_SCALES = (Q8K,)
 _SUPER = {Q4K: 2, Q5K: 2, Q6K: 1}  # formats with fp16 scales per super-block of 256 inputs: how many
 _SUPER_BLOCKS = kquant.QK_K // GROUP_SIZE  # blocks of 32 in a super-block
 LAYOUT_VERSION = 3  # of the tiles below and csrc/packed_step.cpp's reading of them; names the cached copy
@@ -131,7 +130,7 @@ def native_form(qtype: str) -> str:
 
 def block_scales(fmt: int, scales: list[np.ndarray]) -> list[np.ndarray]:
     """decode's scales -> the fp64 values the kernel scales each block's integer sums by, [N, K / 32]
-    each: d, m (Q4, Q5, Q5M, Q4K, Q5K), d (Q8), d_lo, d_hi (Q6K), d_lo, d_hi, m (Q8K)."""
+    each: d, m (Q4, Q5, Q5M, Q4K, Q5K), d (Q8), d_lo, d_hi (Q6K)."""
     s = [v.astype(np.float64) for v in scales]
     if fmt == Q5:
         return [s[0], -16 * s[0]]
@@ -156,7 +155,7 @@ def _data(fmt: int, q: np.ndarray) -> np.ndarray:
     if fmt in (F16, BF16):
         t = _tiles(q.reshape(n, nb, GROUP_SIZE)).transpose(0, 2, 3, 1)  # [T, b, j, i]
         return np.ascontiguousarray(t).view(np.uint8).reshape(-1, nb, GROUP_SIZE * TILE * 2)
-    if fmt in (Q8, Q8K):
+    if fmt == Q8:
         t = _tiles(np.ascontiguousarray(q).view(np.uint8).reshape(n, nb, 16, 2))  # [T, i, b, p, e], int8 bits as uint8
         return t.transpose(0, 2, 3, 1, 4).reshape(-1, nb, 16 * TILE * 2)
     t = _nibble_order(q)
@@ -178,7 +177,7 @@ class PackedWeight:
     """One segment of a projection in the native kernel's layout; `matmul` runs it on its own."""
 
     data: torch.Tensor  # [tiles, blocks, 256 | 320 | 384 | 512 | 1024] uint8
-    # [tiles, blocks, 16 per scale] fp16 (Q4, Q8, Q5, Q5M; F16, BF16: none) or fp32 (Q8K);
+    # [tiles, blocks, 16 per scale] fp16 (Q4, Q8, Q5, Q5M; F16, BF16: none);
     # Q4K, Q5K, Q6K: [tiles, blocks / 8, 320 | 288] uint8 (module docstring)
     scales: torch.Tensor
     out_features: int
@@ -207,9 +206,8 @@ def _packed(fmt: int, q: np.ndarray, scales: list[np.ndarray]) -> PackedWeight:
         sup = [_tiles(s.astype(np.float16)).transpose(0, 2, 1).copy().view(np.uint8) for s in sup]  # [T, b / 8, 32]
         scale = np.concatenate([ints.reshape(ints.shape[0], -1, _SUPER_BLOCKS * ints.shape[-1]), *sup], axis=-1)
     else:
-        dtype = np.float32 if fmt in _FP32_SCALES else np.float16
-        tiles = [_tiles(s.astype(dtype)).transpose(0, 2, 1) for s in scales]  # [T, b, i] each
-        scale = np.concatenate(tiles, axis=-1) if tiles else np.zeros((-(-n // TILE), k // GROUP_SIZE, 0), dtype)
+        tiles = [_tiles(s.astype(np.float16)).transpose(0, 2, 1) for s in scales]  # [T, b, i] each
+        scale = np.concatenate(tiles, axis=-1) if tiles else np.zeros((-(-n // TILE), k // GROUP_SIZE, 0), np.float16)
     return PackedWeight(torch.from_numpy(np.ascontiguousarray(_data(fmt, q))), torch.from_numpy(np.ascontiguousarray(scale)),
                         n, k, fmt)
 
@@ -223,7 +221,7 @@ def pack(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> PackedWeight:
 
 def reference_matmul(qtype: str, raw: np.ndarray, shape: tuple[int, int], x: torch.Tensor) -> torch.Tensor:
     """What the native kernel computes, in float64 PyTorch: x quantized to int16 per block of 32
-    (scale max|x| / 32767, round half to even), exact integer block sums (half-block sums for Q8K and Q6K),
+    (scale max|x| / 32767, round half to even), exact integer block sums (half-block sums for Q6K),
     each scaled once; F16 / BF16 weights times x as it is. For tests of the kernel; the model's own
     reference is the dequantized fp32 path."""
     n, k = shape
@@ -239,13 +237,10 @@ def reference_matmul(qtype: str, raw: np.ndarray, shape: tuple[int, int], x: tor
     xq = torch.where(amax > 0, torch.round(xb.float() * torch.where(amax > 0, 32767 / amax.float(), 0)).double(), 0.0)
     qd = torch.from_numpy(q.astype(np.float64) - (32 if fmt == Q6K else 0)).view(n, nb, GROUP_SIZE)
     s = [torch.from_numpy(v) for v in block_scales(fmt, scales)]  # [N, b] each
-    if fmt in (Q8K, Q6K):
+    if fmt == Q6K:
         lo = torch.einsum("mbj,nbj->mnb", xq[..., :16], qd[..., :16])
         hi = torch.einsum("mbj,nbj->mnb", xq[..., 16:], qd[..., 16:])
-        out = (lo * s[0][None] + hi * s[1][None]) * dx[:, None, :]
-        if fmt == Q8K:
-            out = out + s[2][None] * (dx * xq.sum(-1))[:, None, :]
-        return out.sum(-1)
+        return ((lo * s[0][None] + hi * s[1][None]) * dx[:, None, :]).sum(-1)
     out = torch.einsum("mbj,nbj->mnb", xq, qd) * s[0][None] * dx[:, None, :]
     if len(s) > 1:  # the offset term: m · dx · sum(xq)
         out = out + s[1][None] * (dx * xq.sum(-1))[:, None, :]
