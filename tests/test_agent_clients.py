@@ -275,10 +275,9 @@ def test_responses_stream_event_sequence(oai):
 
 
 def test_responses_function_call_round_trip(oai):
-    """tool_choice required: the grammar makes the call valid; its output item goes back in as input. One
-    call (parallel_tool_calls false): the random model, unlike a trained one, would go on calling."""
+    """tool_choice required: the grammar makes the call valid; its output item goes back in as input."""
     r = oai.responses.create(model="tiny", input="Weather in Tokyo?", tools=[RESP_WEATHER], tool_choice="required",
-                             parallel_tool_calls=False, max_output_tokens=64, temperature=0)
+                             max_output_tokens=64, temperature=0)
     calls = [o for o in r.output if o.type == "function_call"]
     assert calls and r.status == "completed"
     call = calls[0]
@@ -292,7 +291,7 @@ def test_responses_function_call_round_trip(oai):
 def test_responses_streamed_function_call(oai):
     events = list(oai.responses.create(model="tiny", input="Weather?", tools=[RESP_WEATHER],
                                        tool_choice={"type": "function", "name": "get_weather"}, max_output_tokens=64,
-                                       parallel_tool_calls=False, temperature=0, stream=True))
+                                       temperature=0, stream=True))
     added = [e for e in events if e.type == "response.output_item.added"]
     assert added[0].item.type == "function_call" and added[0].item.name == "get_weather"
     deltas = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
@@ -325,8 +324,7 @@ def test_responses_errors_in_openai_shape(oai, body, says):
 
 
 def test_openai_agents_sdk_runs_an_agent(tiny_server):
-    """An Agent on OpenAIResponsesModel: a forced function call, its tool run, the run's result (one call:
-    the random model, unlike a trained one, would go on calling)."""
+    """An Agent on OpenAIResponsesModel: a forced function call, its tool run, the run's result."""
     agents = pytest.importorskip("agents", reason="the openai-agents package (test extra)")
     calls = []
 
@@ -339,8 +337,7 @@ def test_openai_agents_sdk_runs_an_agent(tiny_server):
     client = openai.AsyncOpenAI(base_url=tiny_server.url + "/v1", api_key="test", max_retries=0)
     agent = agents.Agent(name="weather", instructions="Answer weather questions with the tool.", tools=[get_weather],
                          model=agents.OpenAIResponsesModel(model="tiny", openai_client=client),
-                         model_settings=agents.ModelSettings(tool_choice="required", parallel_tool_calls=False,
-                                                             max_tokens=64, temperature=0),
+                         model_settings=agents.ModelSettings(tool_choice="required", max_tokens=64, temperature=0),
                          tool_use_behavior="stop_on_first_tool")
     result = agents.Runner.run_sync(agent, "Weather in Tokyo?", run_config=agents.RunConfig(tracing_disabled=True))
     assert len(calls) == 1 and result.final_output == f"22C and sunny in {calls[0]}"

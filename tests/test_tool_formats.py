@@ -3,7 +3,8 @@
 Parser tests read literal model outputs of each format, whole and streamed a few characters at a time,
 malformed ones included. The end-to-end tests serve the tiny random-weight model under each family's
 real chat template (tests/data/chat_templates) and force tool calls through the official SDKs: the
-random model writes noise, so every call that parses is the grammar's doing.
+random model writes noise, so every call that parses is the grammar's doing. Calls and results in the
+history, from each API, must reach each real template as transformers renders them.
 """
 
 from __future__ import annotations
@@ -141,8 +142,6 @@ def tokenizer(tmp_path_factory):
 def test_forced_prompt_ends_with_the_family_opening(tokenizer, family, forced):
     """The template gets the tools as apply_chat_template passes them; a forced call's opening, in the
     family's format, ends the prompt after the generation prompt."""
-    from transformers.utils.chat_template_utils import render_jinja_template
-
     template = ChatTemplate((TEMPLATES / f"{family}.jinja").read_text(), tokenizer)
     messages = [{"role": "user", "content": "Weather in Paris?"}]
     prompt = build_prompt(template, ChatInput(messages, TOOL_DEFS, forced))
@@ -152,9 +151,7 @@ def test_forced_prompt_ends_with_the_family_opening(tokenizer, family, forced):
     text = tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
     openai_tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")}}
                     for t in TOOL_DEFS]
-    rendered = render_jinja_template(conversations=[messages], tools=openai_tools, chat_template=template.source,
-                                     add_generation_prompt=True, bos_token=tokenizer.bos_token,
-                                     eos_token=tokenizer.eos_token)[0][0]
+    rendered = render_like_transformers(template.source, tokenizer, messages, openai_tools)
     assert TOOLS_SHOWN[family] in rendered
     assert text == rendered + prompt.prefill
 
@@ -166,7 +163,7 @@ TRICKY = 'Weather "now"\nfor a city \\ or a region'
 HISTORY_TOOL = {"name": "get_weather", "description": TRICKY,
                 "parameters": {"type": "object", "properties": {"city": {"type": "string", "description": 'a "quoted"\tname'}},
                                "required": ["city"]}}
-CALL_ID, MISTRAL_ID = "call_4f8Zq2Lm9x", "f8Zq2Lm9x"  # Mistral's templates take 9 letters and digits: the id's last
+CALL_ID, MISTRAL_ID = "call_4f8Zq2Lm9x", "f8Zq2Lm9x"  # Mistral's templates take 9 letters and digits: the id's last 9
 ARGS = {"city": 'Pa"ris\\\n'}
 RESULT = '{"temp": "20 C", "sky": "clear\\nand \\"calm\\""}'
 

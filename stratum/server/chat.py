@@ -89,7 +89,9 @@ class Prompt:
     forced_name: str | None = None  # the tool a forced call must name, when the request (or a lone tool) fixes it
     grammar: str | None = None  # what the answer must follow (`structured`), for the engine's sampler
     tool_format: tool_fmt.ToolFormat = tool_fmt.HERMES  # how the model writes tool calls (its family's format)
-    parallel_calls: bool = True  # the answer may hold several calls (the request allows it, and the format has a form for it)
+    # the answer may hold several calls: the request allows it, and the template has a form for them (not
+    # Llama 3.1's, nor one that knows no tools: a model never taught calls repeats its one until max_tokens)
+    parallel_calls: bool = True
 
 
 def _call(call_id: str, name: str, arguments: Any) -> dict[str, Any]:
@@ -324,7 +326,7 @@ def build_prompt(template: ChatTemplate, chat: ChatInput) -> Prompt:
         return build_prompt(template, chat)  # a template that allows a system turn only first
     prompt = Prompt(ids, prefill, {t["name"] for t in tools or []}, forced_tool is not False, template_tools,
                     forced_tool if isinstance(forced_tool, str) else None, tool_format=fmt,
-                    parallel_calls=chat.parallel_calls and fmt.parallel)
+                    parallel_calls=chat.parallel_calls and fmt.parallel and template_tools is not None)
     prompt.grammar = structured.answer_grammar(chat, prompt)
     return prompt
 

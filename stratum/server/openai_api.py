@@ -73,7 +73,7 @@ def text_logprobs(tokenizer, token_ids: list[int], entries: list | None, offset:
         values.append(None if entry is None else entry[0])
         tops.append(None if entry is None else {_token(tokenizer, alt)[0]: lp for alt, lp in entry[1]})
         offsets.append(offset)
-        if tokenizer.special_token_id(text) is None:  # a special token (BOS) is not in the text
+        if tokenizer.special_token_id(text) != token_id:  # a special token (BOS) is not in the text
             offset += len(text)
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
