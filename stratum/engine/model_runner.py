@@ -39,7 +39,9 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
-    return torch.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=dtype, count=math.prod(shape)).view(shape)
+    private = {"flags": mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS} if hasattr(mmap, "MAP_ANONYMOUS") else {}
+    memory = mmap.mmap(-1, max(nbytes, 1), **private)  # private: a forked child copies on write, never shares
+    return torch.frombuffer(memory, dtype=dtype, count=math.prod(shape)).view(shape)
 
 
 class ModelRunner:

@@ -72,6 +72,10 @@ def build(lib: Library, directory: Path) -> None:
     directory.mkdir(parents=True, exist_ok=True)
     flags = [*lib.cflags, f"-march={march()}"]
     with _exclusive(directory / "build.flock"):
+        # torch's own guard is a `lock` file that a build killed midway leaves behind, and every later
+        # load then waits on it forever; under this lock, which the kernel drops with its holder, no
+        # other process is building here, so such a file is stale
+        (directory / "lock").unlink(missing_ok=True)
         built, library = directory / "built", directory / f"{lib.name}.so"
         if built.exists() and library.exists():
             try:
@@ -81,10 +85,6 @@ def build(lib: Library, directory: Path) -> None:
                 built.unlink(missing_ok=True)
         from torch.utils.cpp_extension import load
 
-        # torch's own guard is a `lock` file that a build killed midway leaves behind, and every later
-        # load then waits on it forever; under this lock, which the kernel drops with its holder, no
-        # other process is building here, so such a file is stale
-        (directory / "lock").unlink(missing_ok=True)
         load(name=lib.name, sources=[str(CSRC / s) for s in lib.sources], extra_cflags=flags, extra_ldflags=["-fopenmp"],
              build_directory=str(directory), is_python_module=False, verbose=False)
         built.touch()

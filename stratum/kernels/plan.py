@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from stratum.kernels import KernelPlan, native
 from stratum.kernels.cpu import cpu_flags, cpu_name
-from stratum.kernels.packed import PACKED_QTYPES, PackedWeight
+from stratum.kernels.packed import FUSED, PACKED_QTYPES, PackedWeight
 from stratum.kernels.packed import pack as packed_weight
 from stratum.kernels.quant import GROUP_SIZE, Int4Weight, Q8Weight, is_packable
 
@@ -70,9 +70,7 @@ class Shapes:
         formats: dict[str, dict] = {}
         head_format = "Q8_0"
         if quantized:
-            parts = {"qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "o": ("self_attn.o_proj",),
-                     "gate_up": ("mlp.gate_proj", "mlp.up_proj"), "down": ("mlp.down_proj",)}
-            for name, names in parts.items():
+            for name, names in zip(layer, FUSED.values()):  # the same projections, in the same order
                 for i in range(mc.num_layers):
                     tensors = [quantized.get(f"model.layers.{i}.{p}.weight") for p in names]
                     if any(t is None for t in tensors):
