@@ -309,7 +309,7 @@ class PackedStack:
     """
 
     def __init__(self, model, layers: list[list[list[PackedWeight]]]):
-        """layers: per decoder layer, per projection in FUSED order, its segments (see `pack_layers`)."""
+        """layers: per decoder layer, per projection in FUSED order, its segments (`pack_fused`)."""
         cfg = model.config
         self.config = cfg
         attn = [layer.self_attn for layer in model.layers]
@@ -331,13 +331,6 @@ class PackedStack:
                     self.layout += [w.format, w.out_features]
                     self.weights += [w.data, w.scales]
         self.nbytes = sum(w.nbytes for projections in layers for segments in projections for w in segments)
-
-    @staticmethod
-    def pack_layers(quantized: dict, num_layers: int) -> list[list[list[PackedWeight]]] | None:
-        """The checkpoint's raw GGUF tensors as the segments the step reads, per layer and projection;
-        None unless every projection of every layer is in packed formats."""
-        layers = [[pack_fused(quantized, f"model.layers.{i}.", parts) for parts in FUSED.values()] for i in range(num_layers)]
-        return None if any(p is None for projections in layers for p in projections) else layers
 
     @staticmethod
     def keys(k_cache: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:
