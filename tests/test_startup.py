@@ -159,3 +159,38 @@ def test_stratum_serve_answers_503_loading_then_200(tiny_model_dir):
         assert {stage for _, stage in seen[:-1]} <= {"starting engine", "loading model", "starting server"}
     finally:
         server.stop()
+
+
+def test_every_report_of_the_kernels_follows_the_switch(tiny_gguf, tmp_path):
+    """`stratum serve` on a cold start: once /health says the native step runs, a request's
+    `X-Stratum-Debug: full` trace reports the native kernels and the prepared configuration, not the
+    PyTorch step the server started on (the engine sends its `EngineInfo` again when it switches)."""
+    from stratum.telemetry.trace import decode_trace
+
+    server = ServerProcess(str(tiny_gguf), "--served-model-name", "tiny", "--kv-cache-mb", "8",
+                           env={"STRATUM_PLAN_DIR": str(tmp_path)})  # no plan: a cold start
+    try:
+        server.wait_ready(timeout=300, prepared=False)
+        claude = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
+
+        def kernels_reported() -> tuple[set[str], dict]:
+            """The hardware a request's trace reports, and the steps /health said ran before and after it."""
+            before = httpx.get(server.url + "/health").json()["step"]
+            raw = claude.messages.with_raw_response.create(
+                model="tiny", max_tokens=2, messages=[{"role": "user", "content": "hi"}],
+                extra_headers={"x-stratum-debug": "full"})
+            return {before, httpx.get(server.url + "/health").json()["step"]}, \
+                decode_trace(raw.headers["x-stratum-trace"])["hardware"]
+
+        steps, hardware = kernels_reported()
+        if steps == {"pytorch"}:  # still preparing: the PyTorch step's kernels
+            assert hardware["kernels"]["step"] == "pytorch" and hardware["dtype"] == "float32"
+        server.wait_ready(timeout=300, prepared=True)
+        steps, hardware = kernels_reported()
+        assert steps == {"native"}
+        kernels = hardware["kernels"]
+        assert kernels["step"] == "native, packed blocks" and kernels["step_simd"]
+        assert kernels["native_kernels"] != "being prepared" and kernels["attention"] == "native paged, every row"
+        assert hardware["dtype"] == kernels["dtype"] != "float32"
+    finally:
+        server.stop()

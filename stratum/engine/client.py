@@ -25,7 +25,6 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Callable
 
-from stratum.engine.config import ResolvedConfig
 from stratum.engine.outputs import EngineDeadError, OrchestrationError, RequestOutput, StepError
 from stratum.engine.protocol import (
     Abort, Accepted, AddRequest, Command, EngineDied, EngineInfo, EngineSnapshot, Event, HeldKeys, KVBlocks, ListHeld,
@@ -142,8 +141,8 @@ class EngineLoop:
         events: list[Event] = []
         for command in commands:
             self._apply(command, events)
-        if self.engine.upgrade is not None:
-            self.engine.switch_kernels()
+        if self.engine.upgrade is not None and self.engine.switch_kernels():
+            events.append(EngineInfo.of(self.engine))  # its configuration and kernel choices changed
         if self.engine.has_unfinished() and not self._stopped:
             self._step(events)
         events.append(self._snapshot())
@@ -400,7 +399,8 @@ class EngineClient:
     """The serving side's one handle on the engine.
 
     Args:
-        info: the engine's resolved configuration and kernel choices.
+        info: the engine's resolved configuration and kernel choices (`info` and `config` follow a switch
+            of kernels: `LLMEngine.switch_kernels`).
         tokenizer, chat_template: the model's, for the serving side's own tokenization.
         transport: how commands reach the engine and its events come back; bound to this client.
         engine_pid: the process that runs the engine loop (default: this one).
@@ -427,6 +427,8 @@ class EngineClient:
             match event:
                 case EngineSnapshot():
                     self._published = event
+                case EngineInfo():  # the engine switched kernels: every report follows
+                    self.info, self.config = event, event.config
                 case EngineDied(reason=reason):
                     self._published = replace(self._published, alive=False, error=reason)
         loop = self._loop
@@ -514,17 +516,7 @@ class EngineClient:
 
     def check_request(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
         """Raises InvalidRequestError when the request can never run on this engine."""
-        self.limits().check_request(num_prompt_tokens, sampling)
-
-    def limits(self) -> ResolvedConfig:
-        """The configuration requests are checked against, with the KV pool the engine last published:
-        a cold start's switch from the PyTorch step to the native one reallocates the pool in another
-        dtype, so it holds more blocks than the engine started with. Behind a replica set, the
-        configuration every replica started with (the published pool is their sum)."""
-        blocks = self.snapshot.kv_blocks.total
-        if not self.replicas() and blocks and blocks != self.config.num_kv_blocks:
-            return replace(self.config, num_kv_blocks=blocks)
-        return self.config
+        self.config.check_request(num_prompt_tokens, sampling)
 
     def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
                **options) -> RequestStream:
