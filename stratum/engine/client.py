@@ -222,6 +222,13 @@ def _rss_mb() -> float:
         return 0.0
 
 
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
+
+
 async def _take(queue: asyncio.Queue, timeout: float | None):
     """The next item, or None when timeout passes first. (asyncio.timeout, not wait_for: wait_for
     wraps every get in a task of its own, a cost paid per streamed token.)"""
@@ -422,7 +429,8 @@ class EngineClient:
 
     # ---- the transport calls these ------------------------------------------------------------------
     def deliver(self, events: list[Event]) -> None:
-        """Events from the engine, from whatever thread reads them."""
+        """Events from the engine, from whatever thread reads them: applied to the requests at once
+        when that is the thread of the client's event loop, else handed to that loop."""
         for event in events:  # the snapshot is a plain reference swap: readable at once, from any thread
             match event:
                 case EngineSnapshot():
@@ -432,11 +440,15 @@ class EngineClient:
                 case EngineDied(reason=reason):
                     self._published = replace(self._published, alive=False, error=reason)
         loop = self._loop
-        if loop is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(self.receive, events)
-            except RuntimeError:  # the loop closed in between
-                pass
+        if loop is None or loop.is_closed():
+            return
+        if _running_loop() is loop:
+            self.receive(events)
+            return
+        try:
+            loop.call_soon_threadsafe(self.receive, events)
+        except RuntimeError:  # the loop closed in between
+            pass
 
     def receive(self, events: list[Event]) -> None:
         """Events applied to the requests they concern, on the client's event loop."""
