@@ -23,6 +23,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, replace
+from itertools import islice
 from typing import Callable
 
 from stratum.engine.outputs import EngineDeadError, OrchestrationError, RequestOutput, StepError
@@ -65,7 +66,7 @@ def take_snapshot(engine, rss_mb: float, kv_blocks: KVBlocks) -> EngineSnapshot:
     import torch
 
     sched = engine.scheduler
-    steps = list(engine.step_stats)[-64:]
+    steps = list(islice(reversed(engine.step_stats), 64))  # the latest, not a copy of all 1,024 (every step)
     total = sum(s.step_s for s in steps)
     gpu = round(torch.cuda.memory_allocated(engine.device) / 2**20, 1) if engine.device.type == "cuda" else None
     return EngineSnapshot(
@@ -73,7 +74,7 @@ def take_snapshot(engine, rss_mb: float, kv_blocks: KVBlocks) -> EngineSnapshot:
         num_running=len(sched.running), num_waiting=len(sched.waiting),
         kv_blocks=kv_blocks,
         num_preemptions=sched.num_preemptions, num_steps=engine.num_steps,
-        overhead_ratio=sum(s.overhead_s for s in steps) / total if total > 0 else 0.0,
+        overhead_ratio=(total - sum(s.forward_s for s in steps)) / total if total > 0 else 0.0,
         mean_step_s=total / len(steps) if steps else 0.0, threads=torch.get_num_threads(), rss_mb=rss_mb,
         gpu_memory_allocated_mb=gpu, step="native" if engine.model.packed is not None else "pytorch",
         preparing=engine.upgrade.stage if engine.upgrade is not None else None,
