@@ -72,9 +72,11 @@ NUCLEUS_CANDIDATES = 1024
 def _nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
     """(the probabilities of top_p's nucleus, most likely first, the rest zeroed; their token ids)."""
     values, order = probs.topk(min(NUCLEUS_CANDIDATES, len(probs)))
-    if float(values.sum()) < top_p and len(values) < len(probs):
+    cumulative = values.cumsum(-1)
+    if cumulative[-1] <= top_p and len(values) < len(probs):  # the nucleus may reach past the candidates
         values, order = probs.sort(descending=True)
-    drop = values.cumsum(-1) - values > top_p  # keep the smallest set whose mass reaches top_p
+        cumulative = values.cumsum(-1)
+    drop = cumulative - values > top_p  # keep the smallest set whose mass reaches top_p
     return values.masked_fill(drop, 0.0), order
 
 
