@@ -162,6 +162,7 @@ class _EventReader:
     def run(self) -> None:
         for frame in _messages(self.fd, self.unpacker):
             if not self._deliver(frame):
+                os.close(self.fd)
                 return
         self._ended()
 
@@ -186,24 +187,24 @@ class _EventReader:
         for frame in self.unpacker:
             if not self._deliver(frame):
                 loop.remove_reader(self.fd)
+                os.close(self.fd)
                 return
 
     def _deliver(self, frame: list) -> bool:
-        """False when the frame is broken: the engine cannot be trusted any more, and is ended."""
+        """False when the frame is broken: the engine cannot be trusted any more, and is killed."""
         try:
             events = [self.decoder.decode(e) for e in frame]
         except Exception as e:
             log.exception("engine event stream broke")
             self.proc.kill()
             self.client.deliver([EngineDied(f"engine event stream broke: {type(e).__name__}: {e}")])
-            os.close(self.fd)
             return False
         self.dead_said |= any(isinstance(e, EngineDied) for e in events)
         self.client.deliver(events)
         return True
 
     def _ended(self) -> None:
-        """End-of-file: the engine process is gone (waited for, so it is no zombie)."""
+        """End-of-file: the engine process is gone (waited for here, in a thread, so it is no zombie)."""
         os.close(self.fd)
         code = self.proc.wait()
         if not self.dead_said:
