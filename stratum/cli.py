@@ -179,7 +179,8 @@ def _start_engine(args, config, engine, starting):
         client = launch.start(config, args.replicas, args.ray_address, args.routing)
         return client, f"each of {args.replicas} Ray Serve replicas, routed by {args.routing}"
     if engine is not None:
-        return engine.connect(on_stage=lambda stage: setattr(starting, "stage", stage)), "a process"
+        starting.wait_listening()  # the server's event loop reads the engine's events
+        return engine.connect(on_stage=lambda stage: setattr(starting, "stage", stage), loop=starting.loop), "a process"
     from stratum.engine.client import start_thread_engine
     from stratum.engine.core import LLMEngine
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
+import threading
 
 import msgpack
 import pytest
@@ -66,6 +68,7 @@ def test_every_message_round_trips_as_its_own_type(tiny_model_dir):
     assert isinstance(RequestFailed("r", "m", "unavailable").exception(), EngineDeadError)
     info = EngineInfo.of(LLM(str(tiny_model_dir), num_kv_blocks=32).engine)
     assert decode_info(wire(encode_info(info))) == info
+    assert decode(wire(encode(info))) == info  # the event sent again after a switch of kernels
 
 
 def test_a_step_is_one_compact_frame():
@@ -137,3 +140,41 @@ def test_engine_process_exits_when_shut_down(tiny_model_dir):
     client.shutdown()
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)  # reaped: gone, not a zombie
+
+
+def test_the_serving_loop_reads_the_engine_process_events_itself(tiny_model_dir):
+    """Given the serving event loop, the process transport reads the event pipe on it (no thread hands
+    the events over): requests are served as the offline engine computes them, and the engine's
+    death is seen there too."""
+    prompts = [[1, 5, 9, 13, 17], [1, 200, 201, 202, 3, 4, 5, 6, 7]]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    offline = LLM(str(tiny_model_dir), num_kv_blocks=64, num_threads=1).generate(prompts, params)
+
+    async def serve():
+        loop = asyncio.get_running_loop()
+        transport = EngineProcess(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64, num_threads=1))
+        client = await asyncio.to_thread(transport.connect, loop=loop)
+        delivered_on: set[int] = set()
+        deliver = client.deliver
+        client.deliver = lambda events: (delivered_on.add(threading.get_ident()), deliver(events))
+        try:
+            async def one(i, ids):
+                stream = client.submit(ids, params, request_id=f"p{i}")
+                return [out async for out in stream][-1]
+
+            served = await asyncio.gather(*(one(i, ids) for i, ids in enumerate(prompts)))
+            assert delivered_on == {threading.get_ident()}
+            stream = client.submit(prompts[0], SamplingParams(max_tokens=1000, ignore_eos=True), request_id="long")
+            await stream.next()
+            os.kill(client.engine_pid, signal.SIGKILL)
+            with pytest.raises(EngineDeadError):
+                async with asyncio.timeout(30):
+                    async for _ in stream:
+                        pass
+            assert not client.snapshot.alive and "exited" in client.snapshot.error
+            return served
+        finally:
+            client.shutdown()
+
+    for got, want in zip(asyncio.run(serve()), offline):
+        assert got.token_ids == want.token_ids and got.text == want.text

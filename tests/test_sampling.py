@@ -13,7 +13,7 @@ import torch
 from stratum.engine.config import SchedulerConfig
 from stratum.engine import LLM
 from stratum.models.loader import load_checkpoint
-from stratum.engine.sampler import sample
+from stratum.engine.sampler import NUCLEUS_CANDIDATES, sample
 from stratum.engine.sampling_params import InvalidRequestError, SamplingParams
 
 BS = 16
@@ -75,6 +75,29 @@ def test_sampler_top_p_keeps_the_smallest_set_reaching_the_mass():
     for seed in range(50):
         g = torch.Generator().manual_seed(seed)
         assert sample(logits, [SamplingParams(temperature=1.0, top_p=1e-6)], [g]).tokens == [0]
+
+
+def test_sampled_tokens_follow_the_distribution():
+    """Each token is drawn as often as its probability says (20,000 seeded draws: the tolerance is 4
+    standard deviations of the most uncertain frequency), and a token of probability 0 never."""
+    probs = torch.tensor([0.5, 0.0, 0.3, 0.15, 0.05, 0.0])
+    g = torch.Generator().manual_seed(0)
+    n = 20_000
+    counts = torch.zeros(len(probs))
+    for _ in range(n):
+        counts[sample(probs.log().unsqueeze(0), [SamplingParams(temperature=1.0)], [g]).tokens[0]] += 1
+    assert counts[1] == counts[5] == 0
+    assert torch.allclose(counts / n, probs, atol=4 * (0.25 / n) ** 0.5)
+
+
+def test_sampler_top_p_beyond_the_first_candidates_sorts_the_whole_vocabulary():
+    """A flat distribution whose nucleus holds more tokens than `NUCLEUS_CANDIDATES`: every one of
+    them can be drawn, not just the candidates looked at first."""
+    vocab = 4 * NUCLEUS_CANDIDATES
+    logits = torch.zeros(1, vocab)
+    g = torch.Generator().manual_seed(0)
+    drawn = {sample(logits, [SamplingParams(temperature=1.0, top_p=0.5)], [g]).tokens[0] for _ in range(5000)}
+    assert NUCLEUS_CANDIDATES < len(drawn) <= vocab // 2 + 1  # the set reaching 0.5, and the token at its edge
 
 
 def test_sampler_top_k_draws_only_from_the_k_best():

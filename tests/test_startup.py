@@ -159,3 +159,37 @@ def test_stratum_serve_answers_503_loading_then_200(tiny_model_dir):
         assert {stage for _, stage in seen[:-1]} <= {"starting engine", "loading model", "starting server"}
     finally:
         server.stop()
+
+
+def test_every_report_of_the_kernels_follows_the_switch(tiny_gguf, tmp_path):
+    """`stratum serve` on a cold start: once /health says the prepared kernels have taken over, a
+    request's `X-Stratum-Debug: full` trace reports them, not the provisional PyTorch step the server
+    started on (the engine sends its `EngineInfo` again when it switches)."""
+    from stratum.telemetry.trace import decode_trace
+
+    server = ServerProcess(str(tiny_gguf), "--served-model-name", "tiny", "--kv-cache-mb", "8",
+                           env={"STRATUM_PLAN_DIR": str(tmp_path)})  # no plan: a cold start
+    try:
+        server.wait_ready(timeout=300, prepared=False)
+        claude = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
+
+        def kernels_reported() -> tuple[list[dict], dict]:
+            """The hardware a request's trace reports, and /health before and after it."""
+            before = httpx.get(server.url + "/health").json()
+            raw = claude.messages.with_raw_response.create(
+                model="tiny", max_tokens=2, messages=[{"role": "user", "content": "hi"}],
+                extra_headers={"x-stratum-debug": "full"})
+            return [before, httpx.get(server.url + "/health").json()], decode_trace(raw.headers["x-stratum-trace"])["hardware"]
+
+        health, hardware = kernels_reported()
+        if all("preparing" in h for h in health):  # still on the provisional step
+            assert hardware["kernels"]["native_kernels"] == "being prepared" and hardware["dtype"] == "float32"
+            assert hardware["kernels"]["step"] == "pytorch"
+        server.wait_ready(timeout=300, prepared=True)
+        health, hardware = kernels_reported()
+        assert not any("preparing" in h for h in health)
+        kernels = hardware["kernels"]
+        assert kernels["native_kernels"] != "being prepared"
+        assert kernels["step"] == {"native": "native, packed blocks", "pytorch": "pytorch"}[health[0]["step"]]
+    finally:
+        server.stop()

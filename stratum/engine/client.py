@@ -23,9 +23,9 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, replace
+from itertools import islice
 from typing import Callable
 
-from stratum.engine.config import ResolvedConfig
 from stratum.engine.outputs import EngineDeadError, OrchestrationError, RequestOutput, StepError
 from stratum.engine.protocol import (
     Abort, Accepted, AddRequest, Command, EngineDied, EngineInfo, EngineSnapshot, Event, HeldKeys, KVBlocks, ListHeld,
@@ -66,7 +66,7 @@ def take_snapshot(engine, rss_mb: float, kv_blocks: KVBlocks) -> EngineSnapshot:
     import torch
 
     sched = engine.scheduler
-    steps = list(engine.step_stats)[-64:]
+    steps = list(islice(reversed(engine.step_stats), 64))  # the latest, not a copy of all 1,024 (every step)
     total = sum(s.step_s for s in steps)
     gpu = round(torch.cuda.memory_allocated(engine.device) / 2**20, 1) if engine.device.type == "cuda" else None
     return EngineSnapshot(
@@ -74,7 +74,7 @@ def take_snapshot(engine, rss_mb: float, kv_blocks: KVBlocks) -> EngineSnapshot:
         num_running=len(sched.running), num_waiting=len(sched.waiting),
         kv_blocks=kv_blocks,
         num_preemptions=sched.num_preemptions, num_steps=engine.num_steps,
-        overhead_ratio=sum(s.overhead_s for s in steps) / total if total > 0 else 0.0,
+        overhead_ratio=(total - sum(s.forward_s for s in steps)) / total if total > 0 else 0.0,
         mean_step_s=total / len(steps) if steps else 0.0, threads=torch.get_num_threads(), rss_mb=rss_mb,
         gpu_memory_allocated_mb=gpu, step="native" if engine.model.packed is not None else "pytorch",
         preparing=engine.upgrade.stage if engine.upgrade is not None else None,
@@ -142,8 +142,8 @@ class EngineLoop:
         events: list[Event] = []
         for command in commands:
             self._apply(command, events)
-        if self.engine.upgrade is not None:
-            self.engine.switch_kernels()
+        if self.engine.upgrade is not None and self.engine.switch_kernels():
+            events.append(EngineInfo.of(self.engine))  # its configuration and kernel choices changed
         if self.engine.has_unfinished() and not self._stopped:
             self._step(events)
         events.append(self._snapshot())
@@ -221,6 +221,13 @@ def _rss_mb() -> float:
         return round(psutil.Process(os.getpid()).memory_info().rss / 2**20, 1)
     except Exception:
         return 0.0
+
+
+def _running_loop() -> asyncio.AbstractEventLoop | None:
+    try:
+        return asyncio.get_running_loop()
+    except RuntimeError:
+        return None
 
 
 async def _take(queue: asyncio.Queue, timeout: float | None):
@@ -400,7 +407,8 @@ class EngineClient:
     """The serving side's one handle on the engine.
 
     Args:
-        info: the engine's resolved configuration and kernel choices.
+        info: the engine's resolved configuration and kernel choices (`info` and `config` follow a switch
+            of kernels: `LLMEngine.switch_kernels`).
         tokenizer, chat_template: the model's, for the serving side's own tokenization.
         transport: how commands reach the engine and its events come back; bound to this client.
         engine_pid: the process that runs the engine loop (default: this one).
@@ -422,19 +430,26 @@ class EngineClient:
 
     # ---- the transport calls these ------------------------------------------------------------------
     def deliver(self, events: list[Event]) -> None:
-        """Events from the engine, from whatever thread reads them."""
+        """Events from the engine, from whatever thread reads them: applied to the requests at once
+        when that is the thread of the client's event loop, else handed to that loop."""
         for event in events:  # the snapshot is a plain reference swap: readable at once, from any thread
             match event:
                 case EngineSnapshot():
                     self._published = event
+                case EngineInfo():  # the engine switched kernels: every report follows
+                    self.info, self.config = event, event.config
                 case EngineDied(reason=reason):
                     self._published = replace(self._published, alive=False, error=reason)
         loop = self._loop
-        if loop is not None and not loop.is_closed():
-            try:
-                loop.call_soon_threadsafe(self.receive, events)
-            except RuntimeError:  # the loop closed in between
-                pass
+        if loop is None or loop.is_closed():
+            return
+        if _running_loop() is loop:
+            self.receive(events)
+            return
+        try:
+            loop.call_soon_threadsafe(self.receive, events)
+        except RuntimeError:  # the loop closed in between
+            pass
 
     def receive(self, events: list[Event]) -> None:
         """Events applied to the requests they concern, on the client's event loop."""
@@ -514,17 +529,7 @@ class EngineClient:
 
     def check_request(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
         """Raises InvalidRequestError when the request can never run on this engine."""
-        self.limits().check_request(num_prompt_tokens, sampling)
-
-    def limits(self) -> ResolvedConfig:
-        """The configuration requests are checked against, with the KV pool the engine last published:
-        a cold start's switch from the PyTorch step to the native one reallocates the pool in another
-        dtype, so it holds more blocks than the engine started with. Behind a replica set, the
-        configuration every replica started with (the published pool is their sum)."""
-        blocks = self.snapshot.kv_blocks.total
-        if not self.replicas() and blocks and blocks != self.config.num_kv_blocks:
-            return replace(self.config, num_kv_blocks=blocks)
-        return self.config
+        self.config.check_request(num_prompt_tokens, sampling)
 
     def submit(self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
                **options) -> RequestStream:

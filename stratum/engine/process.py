@@ -16,6 +16,7 @@ request in flight.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import signal
@@ -47,9 +48,14 @@ def _pack(obj):
     return msgpack.packb(obj, use_bin_type=True)
 
 
-def _messages(fd: int):
-    """The messages read from fd, in order, until end-of-file."""
-    unpacker = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=1 << 30)
+def _unpacker() -> msgpack.Unpacker:
+    return msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=1 << 30)
+
+
+def _messages(fd: int, unpacker: msgpack.Unpacker | None = None):
+    """The messages read from fd, in order, until end-of-file (what unpacker holds already first)."""
+    unpacker = unpacker or _unpacker()
+    yield from unpacker
     while data := os.read(fd, _READ_SIZE):
         unpacker.feed(data)
         yield from unpacker
@@ -81,16 +87,22 @@ class EngineProcess(Transport):
         os.close(ev_w)
         self._write_lock = threading.Lock()
 
-    def connect(self, on_stage: Callable[[str], None] = lambda stage: None) -> EngineClient:
+    def connect(self, on_stage: Callable[[str], None] = lambda stage: None,
+                loop: asyncio.AbstractEventLoop | None = None) -> EngineClient:
         """Wait for the engine to be ready and return the client that talks to it.
 
         Args:
             on_stage: told each stage of the engine's start-up as it begins ("loading model").
+            loop: the running event loop that serves the client (from another thread): its selector
+                watches the event pipe, and each step's events are applied right there. Without one,
+                a thread reads them and hands them to whichever loop reads the requests, which costs
+                a wake-up of that loop per step (a write to its self-pipe, a thread switch).
 
         Raises:
             EngineStartError: the engine process failed to load (bad model, missing file, ...).
         """
-        messages = _messages(self._ev_r)
+        unpacker = _unpacker()
+        messages = _messages(self._ev_r, unpacker)
         ready = next(messages, None)
         while ready is not None and ready[0] in ("stage", "tokenizer"):
             if ready[0] == "stage":
@@ -105,8 +117,11 @@ class EngineProcess(Transport):
             raise EngineStartError(ready[1] if len(ready) > 1 else "the engine process failed to start")
         info = ready[1]
         client = EngineClient(decode_info(info), tokenizer, template, self, engine_pid=self.proc.pid)
-        threading.Thread(target=_read_events, args=(self._ev_r, messages, client, self.proc),
-                         name="stratum-engine-events", daemon=True).start()
+        reader = _EventReader(self._ev_r, unpacker, client, self.proc)
+        if loop is None:
+            threading.Thread(target=reader.run, name="stratum-engine-events", daemon=True).start()
+        else:
+            loop.call_soon_threadsafe(reader.watch, loop)
         return client
 
     def send(self, commands: list[Command]) -> None:
@@ -134,25 +149,66 @@ def start_process_engine(config: EngineConfig) -> EngineClient:
     return EngineProcess(config).connect()
 
 
-def _read_events(fd: int, frames, client: EngineClient, proc: subprocess.Popen) -> None:
-    """Frames of events until end-of-file; then the engine process is gone, whatever the reason."""
-    decoder = StreamDecoder()
-    dead_said = False
-    try:
-        for frame in frames:
-            events = [decoder.decode(e) for e in frame]
-            dead_said |= any(isinstance(e, EngineDied) for e in events)
-            client.deliver(events)
-    except Exception as e:  # a broken frame: the engine cannot be trusted any more
-        log.exception("engine event stream broke")
-        proc.kill()
-        client.deliver([EngineDied(f"engine event stream broke: {type(e).__name__}: {e}")])
-        return
-    finally:
-        os.close(fd)
-    code = proc.wait()
-    if not dead_said:
-        client.deliver([EngineDied(f"the engine process exited with code {code}")])
+class _EventReader:
+    """The engine's frames of events, decoded and delivered to the client until end-of-file; then the
+    engine process is gone, whatever the reason. `run` reads in a thread of its own; `watch` on the
+    client's event loop, as the loop's selector finds the pipe readable."""
+
+    def __init__(self, fd: int, unpacker: msgpack.Unpacker, client: EngineClient, proc: subprocess.Popen):
+        self.fd, self.unpacker, self.client, self.proc = fd, unpacker, client, proc
+        self.decoder = StreamDecoder()
+        self.dead_said = False
+
+    def run(self) -> None:
+        for frame in _messages(self.fd, self.unpacker):
+            if not self._deliver(frame):
+                os.close(self.fd)
+                return
+        self._ended()
+
+    def watch(self, loop: asyncio.AbstractEventLoop) -> None:
+        os.set_blocking(self.fd, False)
+        loop.add_reader(self.fd, self._readable, loop)
+        self._readable(loop, read=False)  # what connect read past "ready" already
+
+    def _readable(self, loop: asyncio.AbstractEventLoop, read: bool = True) -> None:
+        try:
+            data = os.read(self.fd, _READ_SIZE) if read else None
+        except BlockingIOError:
+            return
+        except OSError:
+            data = b""
+        if data == b"":
+            loop.remove_reader(self.fd)
+            threading.Thread(target=self._ended, name="stratum-engine-exit", daemon=True).start()
+            return
+        if data:
+            self.unpacker.feed(data)
+        for frame in self.unpacker:
+            if not self._deliver(frame):
+                loop.remove_reader(self.fd)
+                os.close(self.fd)
+                return
+
+    def _deliver(self, frame: list) -> bool:
+        """False when the frame is broken: the engine cannot be trusted any more, and is killed."""
+        try:
+            events = [self.decoder.decode(e) for e in frame]
+        except Exception as e:
+            log.exception("engine event stream broke")
+            self.proc.kill()
+            self.client.deliver([EngineDied(f"engine event stream broke: {type(e).__name__}: {e}")])
+            return False
+        self.dead_said |= any(isinstance(e, EngineDied) for e in events)
+        self.client.deliver(events)
+        return True
+
+    def _ended(self) -> None:
+        """End-of-file: the engine process is gone (waited for here, in a thread, so it is no zombie)."""
+        os.close(self.fd)
+        code = self.proc.wait()
+        if not self.dead_said:
+            self.client.deliver([EngineDied(f"the engine process exited with code {code}")])
 
 
 # ---- the engine side ----------------------------------------------------------------------------------

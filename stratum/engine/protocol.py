@@ -56,7 +56,9 @@ class EngineSnapshot:
 
 @dataclass(frozen=True)
 class EngineInfo:
-    """What does not change while the engine runs: its resolved configuration and kernel choices."""
+    """The engine's resolved configuration and kernel choices: sent once it is ready, and again as an
+    event when a cold start switches to its prepared kernels (`LLMEngine.switch_kernels`), the one
+    time they change."""
 
     config: ResolvedConfig
     model_name: str  # the checkpoint's own name
@@ -158,7 +160,7 @@ class Routed:
 
 
 Command = Union[AddRequest, Abort, ListHeld, Stop]
-Event = Union[RequestOutput, EngineSnapshot, Accepted, Started, RequestFailed, HeldKeys, EngineDied, Routed]
+Event = Union[RequestOutput, EngineSnapshot, Accepted, Started, RequestFailed, HeldKeys, EngineDied, Routed, EngineInfo]
 
 
 # ---- the codec: [tag, field, field, ...], nested records as lists of their fields ----------------------
@@ -166,11 +168,21 @@ def _record(cls) -> Callable[[list | None], Any]:
     return lambda values: None if values is None else cls(*values)
 
 
+def _config(d: dict) -> ResolvedConfig:
+    from stratum.kernels import KernelPlan
+
+    d = dict(d)
+    d["kernel_plan"] = KernelPlan(**d["kernel_plan"])
+    d["scheduler"] = SchedulerConfig(**d["scheduler"])
+    return ResolvedConfig(**d)
+
+
 # A message's tag is its index here (both sides run the same code), with how its nested fields are rebuilt.
 _MESSAGES: dict[type, dict[str, Callable]] = {
     RequestOutput: {"stats": _record(RequestStats)},
     EngineSnapshot: {"kv_blocks": _record(KVBlocks)},
     Accepted: {}, Started: {}, RequestFailed: {}, HeldKeys: {}, EngineDied: {}, Routed: {},
+    EngineInfo: {"config": _config},
     AddRequest: {"sampling": _record(SamplingParams), "cache_policy": _record(CachePolicy),
                  "pin_prefixes": lambda prefixes: [tuple(p) for p in prefixes]},
     Abort: {}, ListHeld: {}, Stop: {},
@@ -195,7 +207,11 @@ def encode(message: Command | Event) -> list:
     for name in _FIELDS[cls]:
         value = getattr(message, name)
         nested = _RECORD_FIELDS.get(type(value))
-        values.append(value if nested is None else [getattr(value, f) for f in nested])
+        if nested is not None:
+            value = [getattr(value, f) for f in nested]
+        elif type(value) is ResolvedConfig:  # records nested in it too: as a dict
+            value = asdict(value)
+        values.append(value)
     if cls is RequestOutput and not message.finished:
         for i in _SENT_TEXT:
             values[i] = None
@@ -238,12 +254,7 @@ def encode_info(info: EngineInfo) -> dict:
 
 
 def decode_info(d: dict) -> EngineInfo:
-    from stratum.kernels import KernelPlan
-
-    config = dict(d["config"])
-    config["kernel_plan"] = KernelPlan(**config["kernel_plan"])
-    config["scheduler"] = SchedulerConfig(**config["scheduler"])
-    return EngineInfo(ResolvedConfig(**config), d["model_name"], d["vocab_size"], d["kernel_choices"])
+    return EngineInfo(_config(d["config"]), d["model_name"], d["vocab_size"], d["kernel_choices"])
 
 
 def encode_tokenizer(tok, chat_template: str | None) -> dict:

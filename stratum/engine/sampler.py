@@ -52,15 +52,44 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
             row = row.masked_fill(row < kth, float("-inf"))
         probs = torch.softmax(row, dim=-1)
         if p.top_p < 1.0:
-            sorted_probs, order = probs.sort(descending=True)
-            cumulative = sorted_probs.cumsum(-1)
-            drop = cumulative - sorted_probs > p.top_p  # keep the smallest set whose mass reaches top_p
-            sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
-        tokens[i] = int(torch.multinomial(probs, 1, generator=generators[i]).item())
+            nucleus, order = _nucleus(probs, p.top_p)
+            tokens[i] = int(order[_draw(nucleus, generators[i])])
+            if p.logprobs is not None:
+                probs = torch.zeros_like(probs).scatter_(-1, order, nucleus)
+        else:
+            tokens[i] = _draw(probs, generators[i])
         if p.logprobs is not None:
             logprobs[i] = _report(torch.log(probs / probs.sum()), tokens[i], p.logprobs)
     return Sampled(tokens, logprobs)
+
+
+# The nucleus is looked for among this many most likely tokens first (a partial sort), and the whole
+# vocabulary sorted only when their mass falls short of top_p: sorting 49,152 probabilities took 3.7 ms
+# on one core, the top 1,024 0.4 ms.
+NUCLEUS_CANDIDATES = 1024
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the probabilities of top_p's nucleus, most likely first, the rest zeroed; their token ids)."""
+    values, order = probs.topk(min(NUCLEUS_CANDIDATES, len(probs)))
+    cumulative = values.cumsum(-1)
+    if cumulative[-1] <= top_p and len(values) < len(probs):  # the nucleus may reach past the candidates
+        values, order = probs.sort(descending=True)
+        cumulative = values.cumsum(-1)
+    drop = cumulative - values > top_p  # keep the smallest set whose mass reaches top_p
+    return values.masked_fill(drop, 0.0), order
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One index drawn with probability proportional to probs (unnormalized, some zero), by inverse
+    transform: the first whose cumulative mass exceeds a uniform draw. torch.multinomial took 0.9–1.0
+    ms per draw over a 49,152-token vocabulary on one core, this 0.05 ms (docs/benchmarks.md)."""
+    cdf = probs.cumsum(-1)
+    u = torch.rand(1, generator=generator) * cdf[-1]
+    i = int(torch.searchsorted(cdf, u, right=True))
+    if i < len(probs):
+        return i
+    return int(probs.nonzero()[-1])  # u rounded up to the whole mass: the last token that can be drawn
 
 
 def _report(logprobs: torch.Tensor, token: int, top: int) -> Logprobs:

@@ -231,7 +231,7 @@ class RequestLifecycle:
         Raises:
             InvalidRequest: the prompt leaves no room in the context.
         """
-        config = self.rt.engine.limits()
+        config = self.rt.engine.config
         limit = config.max_model_len
         if num_prompt_tokens > limit:
             raise InvalidRequest(f"prompt is too long: {num_prompt_tokens} tokens > {limit} maximum")

@@ -43,6 +43,11 @@ class StartingApp:
         """Block until the server runs this app's event loop (its port is open)."""
         return self._listening.wait(timeout)
 
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The server's event loop, once it runs this app (`wait_listening`)."""
+        return self._loop
+
     def serve(self, app) -> None:
         """From any thread, once the server listens: start app's lifespan, then route everything to it.
 
