@@ -15,7 +15,8 @@
 // (kernels/packed.py), each int32 lane adding two s16 x s16 products per instruction. The instruction
 // set is chosen when the library is compiled for the CPU (-march, kernels/native.py), by the
 // compiler's macros: AVX-512 VNNI vpdpwssd, AVX-512BW vpmaddwd + vpaddd, AVX-VNNI (256-bit vpdpwssd),
-// AVX2 vpmaddwd + vpaddd (two passes of 8 lanes per tile), NEON smull + addp (four passes of 4), or
+// AVX2 vpmaddwd + vpaddd (two passes of 8 lanes per tile; at 4+ rows from the tile's weights widened to
+// int16 once, see wide_dot), NEON smull + addp (four passes of 4), or
 // plain C++. Integer sums are exact and every path scales and accumulates a lane's blocks by the same
 // fused multiply-adds in the same order, so every path gives the same bits (tests/test_simd_paths.py).
 //
@@ -519,11 +520,11 @@ void widen_tile(const uint8_t* w, int64_t blocks, __m256i* buf) {
         for (int part = 0; part < 2; ++part) {
           __m256i p[4];
           Simd::nibbles(wb + g * 64 + part * 32, p);
-          for (int i = 0; i < 4; ++i) bb[(4 * g + i) * 2 + part] = p[i];
+          for (int i = 0; i < 4; ++i) _mm256_storeu_si256(bb + (4 * g + i) * 2 + part, p[i]);
         }
     } else {
       for (int j = 0; j < 16; ++j)
-        for (int part = 0; part < 2; ++part) bb[j * 2 + part] = Simd::widen8(wb + j * 32 + part * 16);
+        for (int part = 0; part < 2; ++part) _mm256_storeu_si256(bb + j * 2 + part, Simd::widen8(wb + j * 32 + part * 16));
     }
   }
 }
@@ -542,11 +543,11 @@ void wide_dot(const __m256i* buf, const void* scales, int64_t blocks, const int1
     for (int r = 0; r < MR; ++r) a[r][0] = a[r][1] = _mm256_setzero_si256();
     const __m256i* bb = buf + b * 32;
     for (int j = j0; j < j1; ++j) {
-      const __m256i w0 = _mm256_load_si256(bb + 2 * j), w1 = _mm256_load_si256(bb + 2 * j + 1);
+      const __m256i w0 = _mm256_loadu_si256(bb + 2 * j), w1 = _mm256_loadu_si256(bb + 2 * j + 1);
       for (int r = 0; r < MR; ++r) {
-        const __m256i xv = _mm256_set1_epi32(reinterpret_cast<const int32_t*>(xq + r * k + b * kBlock)[j]);
-        a[r][0] = _mm256_add_epi32(a[r][0], _mm256_madd_epi16(w0, xv));
-        a[r][1] = _mm256_add_epi32(a[r][1], _mm256_madd_epi16(w1, xv));
+        const int32_t xv = reinterpret_cast<const int32_t*>(xq + r * k + b * kBlock)[j];
+        a[r][0] = Simd::dot(a[r][0], w0, xv);  // vpdpwssd on AVX-VNNI
+        a[r][1] = Simd::dot(a[r][1], w1, xv);
       }
     }
   };
@@ -598,11 +599,12 @@ void tile_rows(const Packed& w, int64_t t, const QuantRows& x, int64_t rows, flo
 #if STRATUM_AVX2
   if constexpr (widens(kF)) {
     if (rows >= kWideMinRows) {
-      thread_local std::vector<__m256i> buf;
-      buf.resize(w.blocks * 32);
-      widen_tile<kF>(wt, w.blocks, buf.data());
+      thread_local std::vector<int16_t> widened;  // 512 int16 per block
+      widened.resize(w.blocks * kTile * kBlock);
+      __m256i* buf = reinterpret_cast<__m256i*>(widened.data());
+      widen_tile<kF>(wt, w.blocks, buf);
 #define STRATUM_WIDE(MR) \
-  wide_dot<MR, kF>(buf.data(), st, w.blocks, x.q.data() + r * x.k, x.d.data() + r * x.blocks, x.s.data() + r * x.blocks, \
+  wide_dot<MR, kF>(buf, st, w.blocks, x.q.data() + r * x.k, x.d.data() + r * x.blocks, x.s.data() + r * x.blocks, \
                    x.k, x.blocks, o + r * ld, ld, valid)
       for (; r + kWideRows <= rows; r += kWideRows) STRATUM_WIDE(kWideRows);
       switch (rows - r) {
