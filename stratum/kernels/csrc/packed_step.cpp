@@ -15,7 +15,8 @@
 // (kernels/packed.py), each int32 lane adding two s16 x s16 products per instruction. The instruction
 // set is chosen when the library is compiled for the CPU (-march, kernels/native.py), by the
 // compiler's macros: AVX-512 VNNI vpdpwssd, AVX-512BW vpmaddwd + vpaddd, AVX-VNNI (256-bit vpdpwssd),
-// AVX2 vpmaddwd + vpaddd (two passes of 8 lanes per tile), NEON smull + addp (four passes of 4), or
+// AVX2 vpmaddwd + vpaddd (two passes of 8 lanes per tile; at 4+ rows from the tile's weights widened to
+// int16 once, see wide_dot), NEON smull + addp (four passes of 4), or
 // plain C++. Integer sums are exact and every path scales and accumulates a lane's blocks by the same
 // fused multiply-adds in the same order, so every path gives the same bits (tests/test_simd_paths.py).
 //
@@ -699,6 +700,98 @@ int64_t out_features(const Projection& w) {
   return n;
 }
 
+#if STRATUM_AVX2
+// AVX2 at several rows. tile_dot unpacks each 4-bit group again for every pass of MR <= 4 rows, and
+// 16 registers hold no more than that; here the tile's weights are widened to int16 pairs once, into
+// a buffer that stays in L1/L2 ([block][pair j: inputs 2j, 2j+1][16 lanes], the layout `nibbles` and
+// `widen8` give), and every pass of kWideRows rows reads them from there: the passes are then madd
+// and add alone. Per lane the integer block sums are the same exact sums and the float operations
+// the same ones in the same order as tile_dot's, so the bits do not change.
+constexpr bool widens(Format f) { return f == kQ4 || f == kQ4K || f == kQ8 || f == kQ8K; }
+constexpr int64_t kWideMinRows = 4;  // below this, widening costs more than the unpacking it saves
+constexpr int kWideRows = 4;         // rows per pass: 8 accumulators, 2 weights, a broadcast, 2 products
+
+template <Format kF>
+void widen_tile(const uint8_t* w, int64_t blocks, __m256i* buf) {
+  constexpr int64_t kBytes = block_bytes(kF);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* wb = w + b * kBytes;
+    __m256i* bb = buf + b * 32;
+    for (int64_t line = 0; line < kBytes; line += 64) __builtin_prefetch(wb + line + kPrefetch);
+    if constexpr (is_4bit(kF)) {
+      for (int g = 0; g < 4; ++g)
+        for (int part = 0; part < 2; ++part) {
+          __m256i p[4];
+          Simd::nibbles(wb + g * 64 + part * 32, p);
+          for (int i = 0; i < 4; ++i) _mm256_storeu_si256(bb + (4 * g + i) * 2 + part, p[i]);
+        }
+    } else {
+      for (int j = 0; j < 16; ++j)
+        for (int part = 0; part < 2; ++part) _mm256_storeu_si256(bb + j * 2 + part, Simd::widen8(wb + j * 32 + part * 16));
+    }
+  }
+}
+
+// MR rows of one tile from its widened weights; as tile_dot, with both 8-lane parts in one pass.
+template <int MR, Format kF>
+void wide_dot(const __m256i* buf, const void* scales, int64_t blocks, const int16_t* xq, const float* xd, const float* xs,
+              int64_t k, int64_t nb, float* out, int64_t ld, int64_t valid) {
+  using S = ScaleType<kF>;
+  const S* sc = static_cast<const S*>(scales);
+  constexpr int64_t kScales = block_scales(kF);
+  alignas(32) float f[MR][kTile] = {};
+  __m256i a[MR][2];
+  // pairs j0 .. j1 - 1 of block b into a (zeroed first)
+  auto sums = [&](int64_t b, int j0, int j1) {
+    for (int r = 0; r < MR; ++r) a[r][0] = a[r][1] = _mm256_setzero_si256();
+    const __m256i* bb = buf + b * 32;
+    for (int j = j0; j < j1; ++j) {
+      const __m256i w0 = _mm256_loadu_si256(bb + 2 * j), w1 = _mm256_loadu_si256(bb + 2 * j + 1);
+      for (int r = 0; r < MR; ++r) {
+        const int32_t xv = reinterpret_cast<const int32_t*>(xq + r * k + b * kBlock)[j];
+        a[r][0] = Simd::dot(a[r][0], w0, xv);  // vpdpwssd on AVX-VNNI
+        a[r][1] = Simd::dot(a[r][1], w1, xv);
+      }
+    }
+  };
+  // f += float(a) * (d dx) for every row and part, d at scale offset `at` of block b
+  auto scaled = [&](int64_t b, int64_t at) {
+    for (int part = 0; part < 2; ++part) {
+      const __m256 d = Simd::scale(sc + b * kScales + at + part * 8);
+      for (int r = 0; r < MR; ++r) {
+        float* fr = f[r] + part * 8;
+        const __m256 dx = _mm256_set1_ps(xd[r * nb + b]);
+        _mm256_store_ps(fr, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r][part]), _mm256_mul_ps(d, dx), _mm256_load_ps(fr)));
+      }
+    }
+  };
+  // f += m sx, m at scale offset `at` of block b
+  auto offset = [&](int64_t b, int64_t at) {
+    for (int part = 0; part < 2; ++part) {
+      const __m256 m = Simd::scale(sc + b * kScales + at + part * 8);
+      for (int r = 0; r < MR; ++r) {
+        float* fr = f[r] + part * 8;
+        _mm256_store_ps(fr, _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r * nb + b]), _mm256_load_ps(fr)));
+      }
+    }
+  };
+  for (int64_t b = 0; b < blocks; ++b) {
+    if constexpr (kF == kQ8K) {
+      sums(b, 0, 8);
+      scaled(b, 0);
+      sums(b, 8, 16);
+      scaled(b, kTile);
+      offset(b, 2 * kTile);
+    } else {
+      sums(b, 0, 16);
+      scaled(b, 0);
+      if constexpr (is_4bit(kF)) offset(b, kTile);
+    }
+  }
+  for (int r = 0; r < MR; ++r) std::memcpy(out + r * ld, f[r], valid * sizeof(float));
+}
+#endif
+
 template <Format kF>
 void tile_rows(const Packed& w, int64_t t, const QuantRows& x, int64_t rows, float* out, int64_t ld) {
   const uint8_t* wt = w.data + t * w.bytes_per_tile();
@@ -706,6 +799,28 @@ void tile_rows(const Packed& w, int64_t t, const QuantRows& x, int64_t rows, flo
   const int64_t valid = std::min(kTile, w.rows - t * kTile);
   float* o = out + t * kTile;
   int64_t r = 0;
+#if STRATUM_AVX2
+  if constexpr (widens(kF)) {
+    if (rows >= kWideMinRows) {
+      thread_local std::vector<int16_t> widened;  // 512 int16 per block
+      widened.resize(w.blocks * kTile * kBlock);
+      __m256i* buf = reinterpret_cast<__m256i*>(widened.data());
+      widen_tile<kF>(wt, w.blocks, buf);
+#define STRATUM_WIDE(MR) \
+  wide_dot<MR, kF>(buf, st, w.blocks, x.q.data() + r * x.k, x.d.data() + r * x.blocks, x.s.data() + r * x.blocks, \
+                   x.k, x.blocks, o + r * ld, ld, valid)
+      for (; r + kWideRows <= rows; r += kWideRows) STRATUM_WIDE(kWideRows);
+      switch (rows - r) {
+        case 3: STRATUM_WIDE(3); break;
+        case 2: STRATUM_WIDE(2); break;
+        case 1: STRATUM_WIDE(1); break;
+        default: break;
+      }
+#undef STRATUM_WIDE
+      return;
+    }
+  }
+#endif
 #define STRATUM_TILE(MR)                                                                                                 \
   tile_dot<MR, kF>(wt, st, w.blocks, x.q.data() + r * x.k, x.d.data() + r * x.blocks, x.s.data() + r * x.blocks, \
                    x.x + r * x.k, x.k, x.blocks, o + r * ld, ld, valid)
