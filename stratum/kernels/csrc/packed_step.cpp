@@ -703,11 +703,11 @@ int64_t out_features(const Projection& w) {
 #if STRATUM_AVX2
 // AVX2 at several rows. tile_dot unpacks each 4-bit group again for every pass of MR <= 4 rows, and
 // 16 registers hold no more than that; here the tile's weights are widened to int16 pairs once, into
-// a buffer that stays in L1/L2 ([block][pair j: inputs 2j, 2j+1][16 lanes], the layout `nibbles` and
+// a buffer that stays in L1/L2 ([block][pair j: inputs 2j, 2j+1][16 lanes], the layout `group_values` and
 // `widen8` give), and every pass of kWideRows rows reads them from there: the passes are then madd
 // and add alone. Per lane the integer block sums are the same exact sums and the float operations
 // the same ones in the same order as tile_dot's, so the bits do not change.
-constexpr bool widens(Format f) { return f == kQ4 || f == kQ4K || f == kQ8 || f == kQ8K; }
+constexpr bool widens(Format f) { return f == kQ8 || is_4bit(f); }  // every 8-bit or nibble-plane format in use
 constexpr int64_t kWideMinRows = 4;  // below this, widening costs more than the unpacking it saves
 constexpr int kWideRows = 4;         // rows per pass: 8 accumulators, 2 weights, a broadcast, 2 products
 
@@ -722,7 +722,7 @@ void widen_tile(const uint8_t* w, int64_t blocks, __m256i* buf) {
       for (int g = 0; g < 4; ++g)
         for (int part = 0; part < 2; ++part) {
           __m256i p[4];
-          Simd::nibbles(wb + g * 64 + part * 32, p);
+          group_values<kF>(wb, g, part, p);
           for (int i = 0; i < 4; ++i) _mm256_storeu_si256(bb + (4 * g + i) * 2 + part, p[i]);
         }
     } else {
@@ -736,9 +736,7 @@ void widen_tile(const uint8_t* w, int64_t blocks, __m256i* buf) {
 template <int MR, Format kF>
 void wide_dot(const __m256i* buf, const void* scales, int64_t blocks, const int16_t* xq, const float* xd, const float* xs,
               int64_t k, int64_t nb, float* out, int64_t ld, int64_t valid) {
-  using S = ScaleType<kF>;
-  const S* sc = static_cast<const S*>(scales);
-  constexpr int64_t kScales = block_scales(kF);
+  const ScaleType<kF>* sc = static_cast<const ScaleType<kF>*>(scales);
   alignas(32) float f[MR][kTile] = {};
   __m256i a[MR][2];
   // pairs j0 .. j1 - 1 of block b into a (zeroed first)
@@ -754,38 +752,40 @@ void wide_dot(const __m256i* buf, const void* scales, int64_t blocks, const int1
       }
     }
   };
-  // f += float(a) * (d dx) for every row and part, d at scale offset `at` of block b
-  auto scaled = [&](int64_t b, int64_t at) {
-    for (int part = 0; part < 2; ++part) {
-      const __m256 d = Simd::scale(sc + b * kScales + at + part * 8);
-      for (int r = 0; r < MR; ++r) {
-        float* fr = f[r] + part * 8;
-        const __m256 dx = _mm256_set1_ps(xd[r * nb + b]);
-        _mm256_store_ps(fr, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r][part]), _mm256_mul_ps(d, dx), _mm256_load_ps(fr)));
-      }
+  // f += float(a) * (d dx) for every row, in the lanes of `part`
+  auto scaled = [&](int64_t b, int part, __m256 d) {
+    for (int r = 0; r < MR; ++r) {
+      float* fr = f[r] + part * 8;
+      const __m256 dx = _mm256_set1_ps(xd[r * nb + b]);
+      _mm256_store_ps(fr, _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r][part]), _mm256_mul_ps(d, dx), _mm256_load_ps(fr)));
     }
   };
-  // f += m sx, m at scale offset `at` of block b
-  auto offset = [&](int64_t b, int64_t at) {
-    for (int part = 0; part < 2; ++part) {
-      const __m256 m = Simd::scale(sc + b * kScales + at + part * 8);
-      for (int r = 0; r < MR; ++r) {
-        float* fr = f[r] + part * 8;
-        _mm256_store_ps(fr, _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r * nb + b]), _mm256_load_ps(fr)));
-      }
+  // f += m sx for every row, in the lanes of `part`
+  auto offset = [&](int64_t b, int part, __m256 m) {
+    for (int r = 0; r < MR; ++r) {
+      float* fr = f[r] + part * 8;
+      _mm256_store_ps(fr, _mm256_fmadd_ps(m, _mm256_set1_ps(xs[r * nb + b]), _mm256_load_ps(fr)));
     }
   };
   for (int64_t b = 0; b < blocks; ++b) {
-    if constexpr (kF == kQ8K) {
-      sums(b, 0, 8);
-      scaled(b, 0);
-      sums(b, 8, 16);
-      scaled(b, kTile);
-      offset(b, 2 * kTile);
-    } else {
+    if constexpr (kF == kQ8) {
       sums(b, 0, 16);
-      scaled(b, 0);
-      if constexpr (is_4bit(kF)) offset(b, kTile);
+      for (int part = 0; part < 2; ++part) scaled(b, part, Simd::scale(sc + b * block_scales(kF) + part * 8));
+    } else if constexpr (kF == kQ6K) {  // a scale per 16 inputs: d_lo, then d_hi
+      __m256 lo[2], hi[2];
+      for (int part = 0; part < 2; ++part) part_scales<kF>(sc, b, part, lo[part], hi[part]);
+      sums(b, 0, 8);
+      for (int part = 0; part < 2; ++part) scaled(b, part, lo[part]);
+      sums(b, 8, 16);
+      for (int part = 0; part < 2; ++part) scaled(b, part, hi[part]);
+    } else {  // d and m
+      sums(b, 0, 16);
+      for (int part = 0; part < 2; ++part) {
+        __m256 d, m;
+        part_scales<kF>(sc, b, part, d, m);
+        scaled(b, part, d);
+        offset(b, part, m);
+      }
     }
   }
   for (int r = 0; r < MR; ++r) std::memcpy(out + r * ld, f[r], valid * sizeof(float));
