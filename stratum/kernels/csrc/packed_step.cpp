@@ -935,6 +935,55 @@ inline void block_values(const float* p, const T* v, int64_t stride, int64_t n, 
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (g * C + c) * 16, a[g][c]);
 }
 
+#elif STRATUM_AVX2
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const c10::BFloat16* p) {  // bf16 is the top half of an fp32
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
+// block_scores of the AVX-512 path in two 8-lane halves: each lane's fma chain over i, then the
+// scale, as there and in the plain loops, so the same bits.
+template <typename T, int G>
+inline void block_scores(const float* q, int64_t d, const T* kt, float scale, float* sc) {
+  __m256 a[G][2];
+  for (int g = 0; g < G; ++g) a[g][0] = a[g][1] = _mm256_setzero_ps();
+  for (int64_t i = 0; i < d; ++i) {
+    const __m256 k0 = load8(kt + i * 16), k1 = load8(kt + i * 16 + 8);
+    for (int g = 0; g < G; ++g) {
+      const __m256 qi = _mm256_set1_ps(q[g * d + i]);
+      a[g][0] = _mm256_fmadd_ps(qi, k0, a[g][0]);
+      a[g][1] = _mm256_fmadd_ps(qi, k1, a[g][1]);
+    }
+  }
+  const __m256 sv = _mm256_set1_ps(scale);
+  for (int g = 0; g < G; ++g) {
+    _mm256_storeu_ps(sc + g * 16, _mm256_mul_ps(a[g][0], sv));
+    _mm256_storeu_ps(sc + g * 16 + 8, _mm256_mul_ps(a[g][1], sv));
+  }
+}
+
+// block_values of the AVX-512 path: C 16-lane columns per head, walked 32 lanes at a time so the
+// G x 4 accumulators stay in the sixteen registers; each lane's fma chain over t is unchanged.
+template <typename T, int C, int G>
+inline void block_values(const float* p, const T* v, int64_t stride, int64_t n, float* acc, int64_t bs) {
+  static_assert(C % 2 == 0, "columns are walked in pairs of 16 lanes");
+  for (int c0 = 0; c0 < 2 * C; c0 += 4) {
+    __m256 a[G][4];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < 4; ++c) a[g][c] = _mm256_loadu_ps(acc + g * C * 16 + (c0 + c) * 8);
+    for (int64_t t = 0; t < n; ++t)
+      for (int c = 0; c < 4; ++c) {
+        const __m256 vv = load8(v + t * stride + (c0 + c) * 8);
+        for (int g = 0; g < G; ++g) a[g][c] = _mm256_fmadd_ps(_mm256_set1_ps(p[g * bs + t]), vv, a[g][c]);
+      }
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(acc + g * C * 16 + (c0 + c) * 8, a[g][c]);
+  }
+}
+#endif
+
+#if STRATUM_AVX512 || STRATUM_AVX2
 // The register-blocked forms for the shapes they cover (nullptr: the plain loops).
 template <typename T>
 ScoresFn<T> scores_kernel(int64_t block_size, int64_t group) {
@@ -976,7 +1025,7 @@ void attend(const Step& s, const float* q, const T* k_pool, const T* v_pool, flo
   const int64_t slot_stride = s.kv_heads * d;
   constexpr int64_t kRows = 16;
   const int64_t chunks = (s.tokens + kRows - 1) / kRows;
-#if STRATUM_AVX512
+#if STRATUM_AVX512 || STRATUM_AVX2
   const ScoresFn<T> scores_fn = scores_kernel<T>(bs, group);
   const ValuesFn<T> values_fn = values_kernel<T>(d, group);
 #else
