@@ -83,16 +83,14 @@ constexpr int64_t kTile = 16;    // outputs computed side by side
 //   kQ6K  6-bit q (the 4-bit plane, then a plane of the top two bits), centred (q - 32); int8 sc_lo
 //         (inputs 0-15), sc_hi (16-31) per block of 32; fp16 D per 256: d_lo = D sc_lo, d_hi = D sc_hi
 //                                                                              (Q6_K)
-//   kQ8K  int8 q, fp32 d_lo (inputs 0-15), d_hi (16-31) and m per block of 32  (none now: Q5_K's
-//         before kQ5K)
 //   kF16, kBF16  the 16-bit floats themselves, no scales                       (F16, BF16)
 // A K-quant sub-block's scale, an fp16 times a 6- or 8-bit integer, is exact in fp32 (not in fp16): kQ4K,
 // kQ5K and kQ6K keep the integers and the fp16 and multiply them in fp32 here, which gives that value.
-enum Format : int64_t { kQ4 = 0, kQ8 = 1, kQ4K = 2, kQ8K = 3, kF16 = 4, kBF16 = 5, kQ5 = 6, kQ5M = 7, kQ6K = 8, kQ5K = 9 };
+// (3, int8 q with fp32 scales, is retired: no GGUF type takes it since kQ5K.)
+enum Format : int64_t { kQ4 = 0, kQ8 = 1, kQ4K = 2, kF16 = 4, kBF16 = 5, kQ5 = 6, kQ5M = 7, kQ6K = 8, kQ5K = 9 };
 constexpr bool is_4bit(Format f) { return f == kQ4 || f == kQ4K || f == kQ5 || f == kQ5M || f == kQ6K || f == kQ5K; }  // a nibble plane
 constexpr int high_bits(Format f) { return f == kQ5 || f == kQ5M || f == kQ5K ? 1 : f == kQ6K ? 2 : 0; }  // a plane of them after it
 constexpr bool is_float(Format f) { return f == kF16 || f == kBF16; }
-constexpr bool fp32_scales(Format f) { return f == kQ8K; }
 // kQ4K, kQ5K, kQ6K: per tile and super-block of 8 blocks, the blocks' integer scales (2 x 16 bytes each) and
 // then the super-block's fp16 D [, Dmin] (16 each): 320 or 288 bytes
 constexpr int64_t kSuper = 8;
@@ -104,11 +102,11 @@ constexpr int64_t block_bytes(Format f) {
   return is_4bit(f) ? kTile * kBlock / 8 * (4 + high_bits(f)) : is_float(f) ? kTile * kBlock * 2 : kTile * kBlock;
 }
 constexpr int64_t block_scales(Format f) {
-  return super_scales(f) ? super_bytes(f) / kSuper : f == kQ8 || f == kQ5 ? kTile : f == kQ8K ? 3 * kTile : is_float(f) ? 0 : 2 * kTile;
+  return super_scales(f) ? super_bytes(f) / kSuper : f == kQ8 || f == kQ5 ? kTile : is_float(f) ? 0 : 2 * kTile;
 }
-constexpr int64_t scale_size(Format f) { return fp32_scales(f) ? 4 : super_scales(f) ? 1 : 2; }
+constexpr int64_t scale_size(Format f) { return super_scales(f) ? 1 : 2; }
 template <Format kF>
-using ScaleType = std::conditional_t<fp32_scales(kF), float, std::conditional_t<super_scales(kF), uint8_t, uint16_t>>;
+using ScaleType = std::conditional_t<super_scales(kF), uint8_t, uint16_t>;
 constexpr float kNoScore = -1e30f;
 // Weights stream through once per step: the next tiles are fetched this many bytes ahead, since
 // one core's hardware prefetcher alone left the step at ~60% of the read bandwidth (measured).
@@ -123,7 +121,6 @@ inline float bf16_to_float(uint16_t h) {
 }
 inline float wide_to_float(uint16_t h, bool bf16) { return bf16 ? bf16_to_float(h) : half_to_float(h); }
 inline float scale_value(uint16_t h) { return half_to_float(h); }
-inline float scale_value(float x) { return x; }
 inline float to_float(float x) { return x; }
 inline float to_float(c10::BFloat16 x) { return static_cast<float>(x); }  // the top half of an fp32
 inline void store(float* p, float x) { *p = x; }
@@ -255,7 +252,6 @@ struct Simd {
   static __m512 sbytes(const uint8_t* p) { return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))); }
   static F zerof() { return _mm512_setzero_ps(); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }
-  static F scale(const float* p) { return _mm512_loadu_ps(p); }
   static F scale(const uint16_t* p) { return fp16(p); }
   static F wide(const uint16_t* p, bool bf16) { return bf16 ? _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16)) : fp16(p); }  // 16-bit floats of L rows
   static F set1(float x) { return _mm512_set1_ps(x); }
@@ -318,7 +314,6 @@ struct Simd {
   static __m256 sbytes(const uint8_t* p) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)))); }
   static F zerof() { return _mm256_setzero_ps(); }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }
-  static F scale(const float* p) { return _mm256_loadu_ps(p); }
   static F scale(const uint16_t* p) { return fp16(p); }
   static F wide(const uint16_t* p, bool bf16) { return bf16 ? _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16)) : fp16(p); }  // 16-bit floats of L rows
   static F set1(float x) { return _mm256_set1_ps(x); }
@@ -378,7 +373,6 @@ struct Simd {
   }
   static F zerof() { return vdupq_n_f32(0.f); }
   static F add(F a, F b) { return vaddq_f32(a, b); }
-  static F scale(const float* p) { return vld1q_f32(p); }
   static F scale(const uint16_t* p) { return fp16(p); }
   static F wide(const uint16_t* p, bool bf16) { return bf16 ? vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)) : fp16(p); }  // 16-bit floats of L rows
   static F set1(float x) { return vdupq_n_f32(x); }
@@ -474,9 +468,8 @@ inline void group_values(const uint8_t* wb, int g, int part, Simd::I p[4]) {
 // Per block of 32 inputs and output lane, every path computes, in this order:
 //   4-, 5-bit (kQ4, kQ4K, kQ5, kQ5M, kQ5K):  f = fma(float(sum q x), d dx, f); f = fma(m, sx, f)
 //   8-bit (kQ8):        f = fma(float(sum q x), d dx, f)
-//   8-bit (kQ8K):       f = fma(float(sum_{j<16} q x), d_lo dx, f); f = fma(float(sum_{j>=16} q x), d_hi dx, f);
-//                       f = fma(m, sx, f)
-//   6-bit (kQ6K):       as kQ8K without the m term (q centred)
+//   6-bit (kQ6K):       f = fma(float(sum_{j<16} q x), d_lo dx, f); f = fma(float(sum_{j>=16} q x), d_hi dx, f)
+//                       (q centred, no m term)
 //   16-bit float:       a0 = fma chain over even inputs, a1 over odd inputs (from 0); f = f + (a0 + a1)
 // (d, m as lane_scales gives them; integer sums are exact in any order; the float operations are the
 // same ones in the same order).
@@ -491,7 +484,7 @@ inline void tile_dot(const uint8_t* w, const void* scales, int64_t blocks, const
   using I = Simd::I;
   constexpr int L = Simd::kLanes;
   // two integer accumulators per row hide the latency of a dependent vpdpwssd, where registers allow
-  constexpr bool kTwo = Simd::kRegs >= 32 || MR <= 2 || kF == kQ8K;
+  constexpr bool kTwo = Simd::kRegs >= 32 || MR <= 2;
   constexpr int64_t kScaleAhead = kScales ? kPrefetch * kScales * static_cast<int64_t>(sizeof(S)) / kBytes : 0;
   for (int part = 0; part < kTile / L; ++part) {  // the tile's lanes part*L .. part*L + L - 1
     F f[MR];
@@ -569,19 +562,9 @@ inline void tile_dot(const uint8_t* w, const void* scales, int64_t blocks, const
               }
             }
           }
-          if constexpr (kF == kQ8) {
-            const F dw = Simd::scale(sb);
-            for (int r = 0; r < MR; ++r)
-              f[r] = Simd::fma(Simd::to_f(Simd::iadd(a0[r], a1[r])), Simd::mul(dw, Simd::set1(xd[r * nb + b])), f[r]);
-          } else {
-            const F dlo = Simd::scale(sb), dhi = Simd::scale(sb + kTile), mw = Simd::scale(sb + 2 * kTile);
-            for (int r = 0; r < MR; ++r) {
-              const F dx = Simd::set1(xd[r * nb + b]);
-              f[r] = Simd::fma(Simd::to_f(a0[r]), Simd::mul(dlo, dx), f[r]);
-              f[r] = Simd::fma(Simd::to_f(a1[r]), Simd::mul(dhi, dx), f[r]);
-              f[r] = Simd::fma(mw, Simd::set1(xs[r * nb + b]), f[r]);
-            }
-          }
+          const F dw = Simd::scale(sb);  // kQ8
+          for (int r = 0; r < MR; ++r)
+            f[r] = Simd::fma(Simd::to_f(Simd::iadd(a0[r], a1[r])), Simd::mul(dw, Simd::set1(xd[r * nb + b])), f[r]);
         }
       }
     }
@@ -646,13 +629,7 @@ inline void tile_dot(const uint8_t* w, const void* scales, int64_t blocks, const
                 lo += w8[p * 32 + lane * 2 + e] * xb[2 * p + e];
                 hi += w8[(p + 8) * 32 + lane * 2 + e] * xb[16 + 2 * p + e];
               }
-            if constexpr (kF == kQ8) {
-              f[lane] = std::fma(static_cast<float>(lo + hi), scale_value(sb[lane]) * dx, f[lane]);
-            } else {
-              f[lane] = std::fma(static_cast<float>(lo), scale_value(sb[lane]) * dx, f[lane]);
-              f[lane] = std::fma(static_cast<float>(hi), scale_value(sb[kTile + lane]) * dx, f[lane]);
-              f[lane] = std::fma(scale_value(sb[2 * kTile + lane]), sx, f[lane]);
-            }
+            f[lane] = std::fma(static_cast<float>(lo + hi), scale_value(sb[lane]) * dx, f[lane]);  // kQ8
           }
         }
       }
@@ -671,14 +648,14 @@ struct Packed {
   Format format;
 
   static Packed of(const at::Tensor& data, const at::Tensor& scales, int64_t format, int64_t rows) {
-    TORCH_CHECK(format >= kQ4 && format <= kQ5K, "packed weight: unknown format ", format);
+    TORCH_CHECK(format >= kQ4 && format <= kQ5K && format != 3, "packed weight: unknown format ", format);
     const auto f = static_cast<Format>(format);
     TORCH_CHECK(data.scalar_type() == at::kByte && data.dim() == 3 && data.is_contiguous(), "packed weight: uint8 [tiles, blocks, bytes]");
     TORCH_CHECK(data.size(2) == block_bytes(f), "packed weight: format ", format, " has ", block_bytes(f), "-byte tile-blocks, not ",
                 data.size(2));
     const int64_t per = super_scales(f) ? kSuper : 1;  // blocks per row of scales
     TORCH_CHECK(data.size(1) % per == 0, "packed weight: format ", format, " takes whole super-blocks of ", per * kBlock, " inputs");
-    TORCH_CHECK(scales.scalar_type() == (fp32_scales(f) ? at::kFloat : super_scales(f) ? at::kByte : at::kHalf) &&
+    TORCH_CHECK(scales.scalar_type() == (super_scales(f) ? at::kByte : at::kHalf) &&
                 scales.dim() == 3 && scales.is_contiguous() && scales.size(0) == data.size(0) &&
                 scales.size(1) == data.size(1) / per && scales.size(2) == block_scales(f) * per,
                 "packed scales do not match the weight's format ", format);
@@ -854,7 +831,6 @@ void linear(const Projection& w, const QuantRows& x, int64_t rows, float* out) {
         case kQ4: tile_rows<kQ4>(seg, t - first[s], x, rows, o, ld); break;
         case kQ8: tile_rows<kQ8>(seg, t - first[s], x, rows, o, ld); break;
         case kQ4K: tile_rows<kQ4K>(seg, t - first[s], x, rows, o, ld); break;
-        case kQ8K: tile_rows<kQ8K>(seg, t - first[s], x, rows, o, ld); break;
         case kF16: tile_rows<kF16>(seg, t - first[s], x, rows, o, ld); break;
         case kBF16: tile_rows<kBF16>(seg, t - first[s], x, rows, o, ld); break;
         case kQ5: tile_rows<kQ5>(seg, t - first[s], x, rows, o, ld); break;
