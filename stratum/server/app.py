@@ -1,9 +1,6 @@
-"""The ASGI application: the app's own routes (/health, /metrics, models, count_tokens, negotiation,
-the console), the middleware that authenticates and bounds every request, and the error handlers;
-errors are shaped by `errors.py`, generating routes live in `routes.py`, Message Batches in `batches.py`.
-
-The event loop only does I/O: chat templates and tokenization of a request run in a worker thread,
-and `/health` and `/metrics` read the engine's published snapshot, never waiting for a step."""
+"""The ASGI app: its own routes (/health, /metrics, models, count_tokens, negotiation, the console), the
+middleware that bounds and authenticates every request, and the error handlers. The event loop only
+does I/O: tokenization runs in worker threads; /health and /metrics read the engine's published snapshot."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""What the API renderers share: the frozen `RenderContext` of one request, the `Renderer` protocol
-the lifecycle drives, and the helpers every wire format uses (answers read as text and tool calls,
-ids, the stream's meta). Each renderer (`anthropic_api`, `openai_api`, `responses_api`) imports this
-module and no other renderer."""
+"""What the API renderers share, so that none imports another: the frozen `RenderContext` of a request,
+the `Renderer` protocol the lifecycle drives, and the helpers every wire format uses."""
 
 from __future__ import annotations
 
