@@ -374,7 +374,15 @@ def _checkpoint_info(checkpoint, resolved) -> dict:
         "quantized_tensors": {q: dict(c) for q, c in sorted(by_type.items())},
         "dequantized_to_dense": dense_from,
         "attention": attention_path(model, resolved.device == "cpu" and native.available()),
+        "speculative_decoding": _speculation(model),
     }
+
+
+def _speculation(model) -> str:
+    from stratum.engine.spec_decode import verify_refusal
+
+    why = verify_refusal(model)
+    return f"off: {why}" if why else "verified on the native step (serve --speculative auto by default)"
 
 
 def _parts(fused: str) -> list[str]:
