@@ -433,6 +433,7 @@ def test_served_answers_report_speculation_in_trace_and_metrics(real_model_path)
     counts what was proposed and kept, and /metrics sums it."""
     import openai
 
+    from stratum.client.cost import parse_stratum_cost
     from stratum.engine import LLM
     from stratum.telemetry.trace import decode_trace
     from tests.conftest import ServerProcess
@@ -449,6 +450,8 @@ def test_served_answers_report_speculation_in_trace_and_metrics(real_model_path)
         spec = decode_trace(raw.headers["x-stratum-trace"])["steps"][2]["speculative"]
         assert 0 < spec["accepted_tokens"] <= spec["proposed_tokens"] and spec["verify_steps"] > 0
         assert spec["tokens_per_verify_step"] == round((spec["accepted_tokens"] + spec["verify_steps"]) / spec["verify_steps"], 3)
+        cost = parse_stratum_cost(raw.headers["x-stratum-cost"])
+        assert (cost.spec_proposed_tokens, cost.spec_accepted_tokens) == (spec["proposed_tokens"], spec["accepted_tokens"])
         metrics = httpx_get(server.url + "/metrics")
         assert f"stratum_spec_accepted_tokens_total {float(spec['accepted_tokens'])}" in metrics
         assert f"stratum_spec_verify_steps_total {float(spec['verify_steps'])}" in metrics
