@@ -5,11 +5,11 @@ Workloads (seeded; every server gets the same text):
     edit       the prompt holds a 300-800 token Python file; the answer rewrites it with one small change
     json-echo  the prompt holds a JSON document; the answer returns it with one field changed
     unique     distinct short questions (the control: nothing in the prompt to copy)
-Servers, each started here and stopped after its runs: `stratum serve --speculative off` (the
-baseline), `stratum serve` (speculation on its default, auto), with `--draft-model` also Stratum with
-that draft; with `--llama-server PATH` also llama-server plain, with its n-gram lookup
-(`--spec-type ngram-simple`) and with the draft model. Each workload runs at one stream and at `-c 8`,
-greedy, over the OpenAI chat API, streaming. Prints one JSON document: per server, workload and
+Servers, all started here and stopped at the end: `stratum serve --speculative off` (the baseline),
+`stratum serve` (speculation on its default, auto), with `--draft-model` also Stratum with that draft;
+with `--llama-server PATH` also llama-server plain, with its n-gram lookup (`--spec-type ngram-simple`)
+and with the draft model. Each workload runs at one stream and at `-c 8`, greedy, over the OpenAI chat
+API, streaming, in rounds that visit every server in turn (`run_case`). Prints one JSON document: per server, workload and
 concurrency the decode tokens/s of a stream (output tokens after the first / time after the first
 token), the output tokens/s of the run and TTFT; Stratum's acceptance figures from its /metrics;
 whether each answer equals the baseline's; and the ratios against the baseline with the issue's goals.
@@ -80,6 +80,9 @@ def make_code_file(rng: random.Random, num_functions: int) -> tuple[str, str, st
 
 
 SYSTEM_EDIT = "You edit code. Reply with the complete edited file in one code block."
+# The answer's start, as an agent's harness often writes it: without it the default model (135M) tends to
+# describe the change in prose rather than rewrite the file
+EDIT_PREFILL = "```python\n"
 
 
 def edit_conversations(n: int, seed: int) -> list[Conversation]:
@@ -88,7 +91,7 @@ def edit_conversations(n: int, seed: int) -> list[Conversation]:
     for _ in range(n):
         source, old, new = make_code_file(rng, rng.randint(8, 12))
         convs.append(Conversation((f"```python\n{source}```\n\nRename the function `{old}` to `{new}`.",),
-                                  system=SYSTEM_EDIT))
+                                  system=SYSTEM_EDIT, prefill=EDIT_PREFILL))
     return convs
 
 
@@ -141,7 +144,9 @@ def start(server: Server, log: Path, timeout_s: float = 600.0) -> tuple[subproce
         if proc.poll() is not None:
             raise RuntimeError(f"{server.label} exited ({proc.returncode}); see {log}")
         try:
-            if httpx.get(url + "/health", timeout=2).status_code == 200:
+            health = httpx.get(url + "/health", timeout=2)
+            # a cold start serves on the PyTorch step while its kernels are prepared: wait for them
+            if health.status_code == 200 and not (server.is_stratum and health.json().get("preparing")):
                 return proc, url
         except httpx.HTTPError:
             pass
@@ -171,7 +176,7 @@ def spec_counters(url: str) -> dict[str, float]:
 
 def servers(args: argparse.Namespace, model_path: str) -> list[Server]:
     stratum = (sys.executable, "-m", "stratum.cli", "serve", "--model", args.model, "--data-dir", "",
-               "--max-num-seqs", "16")
+               "--max-num-seqs", "16", *(("--threads", str(args.threads)) if args.threads else ()))
     out = [Server("stratum-off", (*stratum, "--speculative", "off")), Server("stratum", stratum)]
     if args.draft_model:
         out.append(Server("stratum-draft", (*stratum, "--draft-model", args.draft_model)))
@@ -188,25 +193,34 @@ def servers(args: argparse.Namespace, model_path: str) -> list[Server]:
 
 
 # ---- runs -----------------------------------------------------------------------------------------
-def run_case(url: str, model: str, workload: Workload, concurrency: int, max_tokens: int, is_stratum: bool) -> dict:
-    """One workload at one concurrency: the figures, and a digest of every answer."""
-    before = spec_counters(url) if is_stratum else None
+def measure(url: str, model: str, workload: Workload, concurrency: int, max_tokens: int) -> tuple[list, float]:
+    """One round: the workload's conversations at one concurrency. Returns (its requests, wall seconds)."""
     target = Target(url=url, api="openai", model=model, max_tokens=max_tokens, temperature=0.0)
     run = run_level(target, workload, LoadConfig(concurrency=concurrency, timeout_s=1800.0), progress=False)
-    ok = [r for r in run.results if r.is_ok]
+    return run.results, run.summary["duration_s"]
+
+
+def case_doc(results: list, duration_s: float, counters: dict[str, float] | None) -> dict:
+    """One server's figures for one workload and concurrency, over every round: decode tokens/s of a
+    stream (output tokens after the first / time after the first token, the mean over requests), output
+    tokens/s (all output tokens / the rounds' wall time), TTFT, a digest of every answer, and the
+    speculative counters the server counted meanwhile."""
+    ok = [r for r in results if r.is_ok]
     decode = [(r.num_output_tokens - 1) / (r.e2e_s - r.ttft_s) for r in ok
               if r.num_output_tokens > 1 and r.e2e_s is not None and r.ttft_s is not None and r.e2e_s > r.ttft_s]
-    s = run.summary
+    ttft = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
+    num_output = sum(r.num_output_tokens for r in ok)
     out: dict[str, Any] = {
-        "completed": s["completed"], "failed": s["failed"], "error_samples": s["error_samples"],
-        "output_tokens": s["output_tokens"], "duration_s": s["duration_s"], "output_tok_s": s["output_tok_s"],
+        "completed": len(ok), "failed": len(results) - len(ok),
+        "error_samples": sorted({r.error or "unknown error" for r in results if not r.is_ok})[:3],
+        "output_tokens": num_output, "duration_s": round(duration_s, 3),
+        "output_tok_s": round(num_output / duration_s, 3) if duration_s > 0 else None,
         "decode_tok_s_per_stream": round(sum(decode) / len(decode), 2) if decode else None,
-        "ttft_ms_p50": s["ttft_ms"]["p50"],
-        "answers": [hashlib.sha256(r.text.encode()).hexdigest()[:16] for r in sorted(run.results, key=lambda r: r.conversation)],
+        "ttft_ms_p50": round(1000 * ttft[len(ttft) // 2], 1) if ttft else None,
+        "answers": [hashlib.sha256(r.text.encode()).hexdigest()[:16] for r in sorted(results, key=lambda r: r.conversation)],
     }
-    if before is not None:
-        after = spec_counters(url)
-        d = {k: after[k] - before[k] for k in after}
+    if counters is not None:
+        d = counters
         out["speculative"] = {**{k: int(v) for k, v in d.items()},
                               "acceptance_rate": round(d["accepted_tokens"] / d["proposed_tokens"], 4) if d["proposed_tokens"] else None,
                               "tokens_per_verify_step": round((d["accepted_tokens"] + d["verify_steps"]) / d["verify_steps"], 3)
@@ -214,47 +228,91 @@ def run_case(url: str, model: str, workload: Workload, concurrency: int, max_tok
     return out
 
 
-def run_server(server: Server, args: argparse.Namespace, log_dir: Path) -> dict:
-    proc, url = start(server, log_dir / f"{server.label}.log")
-    results: dict[str, Any] = {}
+def run_case(running: dict[str, tuple[Server, str]], args: argparse.Namespace, name: str, c: int) -> dict[str, dict]:
+    """One workload at one concurrency on every server, round by round: each round sends its c
+    conversations to each server in turn, the order rotating, so a load on the machine that drifts
+    during the run weighs on every server alike (two cores shared with other work)."""
+    rounds = args.requests if c == 1 else max(1, -(-args.requests // c))
+    workload = make_spec_workload(name, rounds * c, args.seed + 10 * c)
+    labels = list(running)
+    results: dict[str, list] = {label: [] for label in labels}
+    seconds = dict.fromkeys(labels, 0.0)
+    spec: dict[str, dict[str, float]] = {}
+    for label in labels:
+        server, url = running[label]
+        spec[label] = spec_counters(url) if server.is_stratum else {}
+    for r in range(rounds):
+        part = Workload(name, WorkloadConfig(num_requests=c, seed=args.seed), workload.conversations[r * c : (r + 1) * c])
+        for label in labels[r % len(labels) :] + labels[: r % len(labels)]:
+            server, url = running[label]
+            done, wall = measure(url, "default" if not server.is_stratum else args.model, part, c, args.max_tokens)
+            for res in done:
+                res.conversation += r * c
+            results[label] += done
+            seconds[label] += wall
+    out = {}
+    for label in labels:
+        server, url = running[label]
+        counters = None
+        if server.is_stratum:
+            after = spec_counters(url)
+            counters = {k: after[k] - spec[label][k] for k in after}
+        out[label] = case_doc(results[label], seconds[label], counters)
+        print(f"{label} {name} c={c}: decode {out[label]['decode_tok_s_per_stream']} tok/s per stream, "
+              f"{out[label]['output_tok_s']} tok/s", file=sys.stderr, flush=True)
+    return out
+
+
+def run_all(chosen: list[Server], args: argparse.Namespace, log_dir: Path) -> dict[str, dict]:
+    """Start every server, warm each, run every case on all of them (`run_case`), stop them."""
+    procs: list[subprocess.Popen] = []
+    running: dict[str, tuple[Server, str]] = {}
     try:
-        model = "default" if not server.is_stratum else args.model
-        warm = make_spec_workload("unique", 2, args.seed + 1000)  # distinct prompts: warm, not cached
-        run_level(Target(url, "openai", model, max_tokens=16), warm, LoadConfig(concurrency=1), progress=False)
+        for server in chosen:
+            proc, url = start(server, log_dir / f"{server.label}.log")
+            procs.append(proc)
+            running[server.label] = (server, url)
+        for server, url in running.values():
+            warm = make_spec_workload("unique", 2, args.seed + 1000)  # distinct prompts: warm, not cached
+            model = args.model if server.is_stratum else "default"
+            run_level(Target(url, "openai", model, max_tokens=16), warm, LoadConfig(concurrency=1), progress=False)
+        results: dict[str, dict] = {label: {} for label in running}
         for name in args.workloads:
             for c in args.concurrency:
-                n = max(args.requests, c) if c > 1 else args.requests
-                workload = make_spec_workload(name, n, args.seed + 10 * c)
-                case = run_case(url, model, workload, c, args.max_tokens, server.is_stratum)
-                results.setdefault(name, {})[str(c)] = case
-                print(f"{server.label} {name} c={c}: decode {case['decode_tok_s_per_stream']} tok/s per stream, "
-                      f"{case['output_tok_s']} tok/s", file=sys.stderr, flush=True)
+                for label, case in run_case(running, args, name, c).items():
+                    results[label].setdefault(name, {})[str(c)] = case
+        return results
     finally:
-        stop(proc)
-    return results
+        for proc in procs:
+            stop(proc)
 
 
-def compare(results: dict[str, dict], baseline: str = "stratum-off") -> dict:
-    """Per server, workload and concurrency: decode tok/s per stream and output tok/s against the
-    baseline's, whether every answer equals the baseline's, and the goals met or missed."""
-    base = results[baseline]
+def compare(results: dict[str, dict]) -> dict:
+    """Per server, workload and concurrency: decode tok/s per stream and output tok/s as ratios, whether
+    every answer equals the reference's, and the issue's goals met or missed. Stratum's servers and plain
+    llama-server are set against `stratum-off`; llama-server's speculative ones against plain llama-server
+    (their answers come from its own numerics), and against `stratum-off` too."""
     out: dict[str, Any] = {}
     for label, by_workload in results.items():
-        if label == baseline:
-            continue
-        for name, by_c in by_workload.items():
-            for c, case in by_c.items():
-                ref = base.get(name, {}).get(c)
-                if ref is None:
-                    continue
-                row = {key: round(case[key] / ref[key], 3) if case.get(key) and ref.get(key) else None
-                       for key in ("decode_tok_s_per_stream", "output_tok_s")}
-                row["identical_answers"] = case["answers"] == ref["answers"]
-                goal = GOALS.get((name, int(c))) if label == "stratum" else None
-                if goal is not None and row["decode_tok_s_per_stream"] is not None:
-                    row["goal"] = goal
-                    row["goal_met"] = row["decode_tok_s_per_stream"] >= goal
-                out.setdefault(label, {}).setdefault(name, {})[c] = row
+        refs = ["llama-server", "stratum-off"] if label.startswith("llama-server-") else ["stratum-off"]
+        for ref_label in refs:
+            if label == ref_label or ref_label not in results:
+                continue
+            for name, by_c in by_workload.items():
+                for c, case in by_c.items():
+                    ref = results[ref_label].get(name, {}).get(c)
+                    if ref is None:
+                        continue
+                    row: dict[str, Any] = {"against": ref_label}
+                    row.update({key: round(case[key] / ref[key], 3) if case.get(key) and ref.get(key) else None
+                                for key in ("decode_tok_s_per_stream", "output_tok_s")})
+                    row["identical_answers"] = case["answers"] == ref["answers"]
+                    goal = GOALS.get((name, int(c))) if label == "stratum" else None
+                    if goal is not None and row["decode_tok_s_per_stream"] is not None:
+                        row["goal"] = goal
+                        row["goal_met"] = row["decode_tok_s_per_stream"] >= goal
+                    key = label if ref_label == refs[0] else f"{label} vs {ref_label}"
+                    out.setdefault(key, {}).setdefault(name, {})[c] = row
     return out
 
 
@@ -269,9 +327,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--llama-server", default=None, help="a llama-server binary (adds its columns)")
     p.add_argument("--workloads", default=",".join(WORKLOADS), type=lambda s: [w for w in s.split(",") if w])
     p.add_argument("--concurrency", default="1,8", type=lambda s: [int(c) for c in s.split(",")])
-    p.add_argument("--requests", type=int, default=3, help="requests per level at one stream (at c > 1: at least c)")
+    p.add_argument("--requests", type=int, default=3,
+                   help="rounds at one stream (one request each); at c > 1, requests in rounds of c (at least one round)")
     p.add_argument("--max-tokens", type=int, default=1024)
-    p.add_argument("--threads", type=int, default=None, help="llama-server's threads (default: every core)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="every server's threads (default: Stratum's own choice, llama-server every core)")
     p.add_argument("--only", default=None, help="comma-separated server labels to run (default: all)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--log-dir", type=Path, default=Path("bench-speculative-logs"))
@@ -286,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         keep = set(args.only.split(","))
         chosen = [s for s in chosen if s.label in keep or s.label == "stratum-off"]
     args.log_dir.mkdir(parents=True, exist_ok=True)
-    results = {server.label: run_server(server, args, args.log_dir) for server in chosen}
+    results = run_all(chosen, args, args.log_dir)
     doc = {"benchmark": "speculative", "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version()},
            "config": {"model": args.model, "draft_model": args.draft_model, "llama_server": args.llama_server,
                       "workloads": args.workloads, "concurrency": args.concurrency, "requests": args.requests,
