@@ -1,10 +1,11 @@
 """Preparing a model to serve fast: the native kernels compiled for this CPU, the kernel plan
-measured, the weights repacked for the kernels the plan chose; each cached under $STRATUM_HOME.
+measured, the weights repacked for the native step; each cached under $STRATUM_HOME.
 
-`stratum pull` prepares ahead (`prepare`). A cold `stratum serve` does not wait for it: the engine
-serves on the PyTorch step at once while a `KernelUpgrade` prepares in a child process, at a lower
-CPU priority so that serving keeps the cores it needs, then builds the prepared model in a thread.
-The engine adopts it between two steps (`LLMEngine.switch_kernels`).
+`stratum pull` prepares ahead (`prepare`). A start on a machine whose kernels are not compiled yet
+does not wait for the compiler: the engine serves on the provisional step (`builder.provisional`) at
+once while a `KernelUpgrade` prepares in a child process, at a lower CPU priority so that serving
+keeps the cores it needs, then builds the prepared model in a thread. The engine adopts it between
+two steps (`LLMEngine.switch_kernels`).
 """
 
 from __future__ import annotations
@@ -119,15 +120,13 @@ class KernelUpgrade:
 
         config = replace(self.config, remeasure_plan=False)  # the plan is the one the child just measured
         checkpoint = builder.load(config)
-        native.available()  # loads the libraries the child built (or learns, fast, that they cannot be)
-        # the plan the child just measured, even where serving kept the machine busy meanwhile (a
-        # later start measures such a plan again, in the background as well)
-        resolved = builder.resolve(config, checkpoint, measure=False, take_busy=True)
-        if resolved is None:
-            raise RuntimeError("the prepared kernel plan is not in the cache")
+        if not native.available():  # loads the libraries the child built (or learns, fast, that they cannot be)
+            raise RuntimeError(f"the native kernels did not load: {native.status()}")
+        # the plan the child measured (the CPU family's defaults where serving kept the machine busy)
+        resolved = builder.resolve(config, checkpoint, measure=False)
         model, int4_bytes = builder.build_model(resolved, checkpoint)
         runner = ModelRunner(model, resolved.num_kv_blocks, resolved.block_size, torch.device(resolved.device),
-                             resolved.torch_dtype)
+                             resolved.torch_kv_dtype)
         return Prepared(resolved, model, int4_bytes, runner)
 
 

@@ -154,10 +154,14 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     @app.get("/health")
     async def health():
         snap = engine.snapshot
-        status = "dead" if not snap.alive else "draining" if rt.draining else "ok"
+        # ready only once a request would run now: the engine has reported its KV pool and its step
+        ready = snap.kv_blocks.total > 0 and bool(snap.step)
+        status = ("dead" if not snap.alive else "draining" if rt.draining else "ok" if ready else "loading")
         body: dict[str, Any] = {"status": status, "model": settings.model_name, "mode": snap.mode,
                                 "running": snap.num_running, "waiting": snap.num_waiting, "queued": engine.num_queued,
                                 "kv_blocks": asdict(snap.kv_blocks)}
+        if status == "loading":
+            body["stage"] = "waiting for the engine's first report"
         if snap.step:
             body["step"] = snap.step
         if snap.preparing:  # a cold start serves on PyTorch while its native kernels are prepared

@@ -474,7 +474,9 @@ class RequestLifecycle:
                                 "cache_written_tokens": stats.num_cache_written_tokens}
         if controls.debug:
             extra: dict[str, Any] = {"engine_mode": final.mode, "cache_mode": controls.cache_mode,
-                                     "priority": controls.priority, "low_latency": controls.is_low_latency}
+                                     "priority": controls.priority, "low_latency": controls.is_low_latency and
+                                     rt.engine.info.kernel_choices.get("low_latency_lm_head") is not None,
+                                     "low_latency_asked": controls.is_low_latency}
             if self.compression is not None:
                 extra["compression"] = self.compression
             if "x-stratum-replica" in headers:
