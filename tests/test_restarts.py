@@ -1,12 +1,11 @@
 """What an operator expects of a server they restart: the same answers and the same plan on a busy
-machine, /health 200 only once a request would run, and a new file's first start within 1.5x the
-file's size in memory (no dense copy of the weights)."""
+machine, /health 200 only once a request would run, and a new file's first start costing at most
+1.5x its blocks in memory (no dense copy of the weights)."""
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
@@ -134,17 +133,18 @@ def _peaks(model: Path, home: Path) -> dict:
     return peaks
 
 
-@pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
-def test_a_first_start_of_a_large_file_holds_no_dense_copy(tmp_path, compiled):
-    """A 4-layer Qwen2.5-1.5B-shaped Q4_K_M file (~170 MB: a dense fp32 copy would be ~1.3 GB) at its
-    first start, repacked and served: the server and engine processes' peaks together grow by at most
-    1.5x the file's size over the same start of the tiny model (the runtime's own memory)."""
-    big = tmp_path / "q4km.gguf"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "synthetic_gguf.py"), str(big), "--shape", "qwen2.5-1.5b",
-                    "--layers", "4"], check=True, capture_output=True, timeout=600)
-    tiny = make_tiny_gguf(tmp_path / "tiny.gguf")
-    base = _peaks(tiny, home_with_kernels(tmp_path / "home-tiny"))
-    peaks = _peaks(big, home_with_kernels(tmp_path / "home-big"))
-    size_mb = big.stat().st_size / 2**20
-    growth = peaks["sum_mb"] - base["sum_mb"]
-    assert growth <= 1.5 * size_mb, (peaks, base, size_mb)
+def test_a_first_start_of_a_larger_file_grows_by_its_blocks_not_a_dense_copy(tmp_path, compiled):
+    """Two Qwen2.5-1.5B-shaped Q4_K_M files, 2 and 6 layers, each at its first start (its blocks
+    repacked, its plan measured) and serving a request: the server and engine processes' peaks
+    (VmHWM) together differ by at most 1.5x the files' difference in size. The runtime's own memory
+    (Python, torch, the tokenizer) is the same in both, so this is what each byte of weights costs
+    at a cold start: a dense fp32 copy of Q4_K blocks would cost 7x."""
+    files = {}
+    for layers in (2, 6):
+        files[layers] = tmp_path / f"q4km-{layers}.gguf"
+        subprocess.run([sys.executable, str(ROOT / "scripts" / "synthetic_gguf.py"), str(files[layers]),
+                        "--shape", "qwen2.5-1.5b", "--layers", str(layers)], check=True, capture_output=True, timeout=900)
+    peaks = {layers: _peaks(path, home_with_kernels(tmp_path / f"home-{layers}")) for layers, path in files.items()}
+    size_mb = (files[6].stat().st_size - files[2].stat().st_size) / 2**20
+    growth = peaks[6]["sum_mb"] - peaks[2]["sum_mb"]
+    assert growth <= 1.5 * size_mb, (peaks, size_mb)

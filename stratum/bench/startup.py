@@ -55,6 +55,7 @@ class PeakMemory:
 
         self._root = psutil.Process(pid)
         self.peaks: dict[int, tuple[str, int]] = {}  # pid -> (role, VmHWM bytes)
+        self.cpu: dict[int, tuple[str, float]] = {}  # pid -> (role, CPU seconds used), at the last sample
         self._stop = threading.Event()
         self._every_s = every_s
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -72,11 +73,20 @@ class PeakMemory:
                 try:
                     hwm = _vm_hwm(p.pid)
                     role = _role(p.cmdline())
+                    times = p.cpu_times()
                 except (psutil.Error, OSError):
                     continue
+                self.cpu[p.pid] = (role, times.user + times.system)
                 if hwm:
                     self.peaks[p.pid] = (role, max(hwm, self.peaks.get(p.pid, (role, 0))[1]))
             self._stop.wait(self._every_s)
+
+    def cpu_s(self) -> dict:
+        """CPU seconds each role has used so far (as last sampled): what a start costs, load or not."""
+        roles: dict[str, float] = {}
+        for role, seconds in self.cpu.values():
+            roles[role] = roles.get(role, 0.0) + seconds
+        return {role: round(v, 2) for role, v in sorted(roles.items())}
 
     def stop(self) -> dict:
         self._stop.set()
@@ -120,6 +130,7 @@ def launch(home: Path, model: str, max_tokens: int, wait_native_s: float) -> dic
         _wait_port(proc, port, t0, out)
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=300) as http:
             _wait_health(http, t0, out)
+            out["cpu_s_at_ready"] = memory.cpu_s()
             _first_request(http, model, max_tokens, t0, out)
             _wait_native(http, t0, wait_native_s, out)
     finally:

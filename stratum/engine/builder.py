@@ -30,10 +30,12 @@ from stratum.kernels.plan import Shapes, select_plan
 from stratum.kernels.quant import DenseWeight, Int4Weight, Int8Weight, Parts, Q8Weight, unpack_q4, unpack_q8_0
 from stratum.layers.linear import Linear
 from stratum.models.llama import LlamaForCausalLM
-from stratum.models.loader import Checkpoint, load_checkpoint
+from stratum.models.loader import Checkpoint, load_checkpoint, release_pages
 from stratum.models.registry import resolve_model_path, sampling_defaults
 
 log = logging.getLogger("stratum.engine")
+
+HEAD_ROWS = 16384  # rows of the output projection packed at a time: 27 MB of a 2048-wide Q6_K
 
 # the CPU features the native kernels compile to (kernels/native.py): shown among the rule's inputs
 SIMD_FEATURES = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16",
@@ -173,7 +175,7 @@ def attach_packed(model, quantized: dict, cache_dir: Path | None = None) -> bool
     """Run every layer through the native step on the checkpoint's own blocks, when each projection
     is in one of PACKED_QTYPES (and the output projection too, when it is).
 
-    The repacked blocks are kept in cache_dir/packed-<layout version>.bin when a cache is given,
+    The repacked blocks are kept in cache_dir/packed-<layout version>-head-rows.bin when a cache is given,
     written a layer at a time (each layer's GGUF pages let go of once it is packed) and mapped from
     there, then and at later starts: repacking takes seconds at every start otherwise, and held in
     memory it would double what the weights cost. The projections' dense weights stay empty (a
@@ -199,19 +201,25 @@ def attach_packed(model, quantized: dict, cache_dir: Path | None = None) -> bool
         for names in parts[i * len(FUSED) : (i + 1) * len(FUSED)]:
             for p in names:
                 quantized[p].release()
+        trim_heap()  # the previous layer's buffers, freed
         return [[w.saved() for w in segments] for segments in projections]
 
-    def packed_head() -> list | None:
-        if head is None:
-            return None
-        w = packed_weight(head.qtype, head.data, head.shape).saved()
-        if model.lm_head is not None:  # not read again (tied, it is the embedding, looked up from its blocks)
-            head.release()
+    def head_rows(start: int) -> list:
+        """Rows [start, start + HEAD_ROWS) of the output projection, packed; their GGUF pages let go of
+        (a tied embedding's rows are read back one at a time, at lookup)."""
+        rows = min(HEAD_ROWS, head.shape[0] - start)
+        w = packed_weight(head.qtype, head.data[start : start + rows], (rows, head.shape[1])).saved()
+        release_pages(head.stored[start : start + rows])
+        trim_heap()
         return w
 
-    cache = cache_dir / f"packed-{PACKED_LAYOUT}" if cache_dir is not None else None
-    saved = weight_cache.cached(cache, [("head", packed_head), *((f"layers.{i}", lambda i=i: pack_layer(i)) for i in range(n))])
-    saved = {"layers": [saved[f"layers.{i}"] for i in range(n)], "head": saved["head"]}
+    # the output projection in segments of rows: a large vocabulary's is never all in memory at once
+    head_keys = [(f"head.{r}", lambda r=r: head_rows(r)) for r in range(0, head.shape[0], HEAD_ROWS)] if head else []
+    cache = cache_dir / f"packed-{PACKED_LAYOUT}-head-rows" if cache_dir is not None else None
+    saved = weight_cache.cached(cache, [*head_keys, *((f"layers.{i}", lambda i=i: pack_layer(i)) for i in range(n))])
+    head_parts = [PackedWeight(*saved[key]) for key, _ in head_keys]
+    saved = {"layers": [saved[f"layers.{i}"] for i in range(n)],
+             "head": (head_parts[0] if len(head_parts) == 1 else Parts(head_parts)) if head_parts else None}
     model.packed = PackedStack(model, [[[PackedWeight(*w) for w in segments] for segments in projections]
                                        for projections in saved["layers"]])
     for layer in model.layers:
@@ -219,13 +227,26 @@ def attach_packed(model, quantized: dict, cache_dir: Path | None = None) -> bool
             if isinstance(module, Linear):
                 module.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
     model.weight_forms.update({n: native_form(q.qtype) for n, q in quantized.items() if n.startswith("model.layers.")})
-    if saved["head"] is not None:
-        model.packed_head = PackedWeight(*saved["head"])
+    if saved["head"] is not None:  # the same kernel for every row: its segments' outputs side by side
+        model.packed_head = saved["head"]
         model.weight_forms[name] = native_form(quantized[name].qtype)
     attach_embedding(model, quantized)
     if model.lm_head is not None and model.packed_head is not None:
         model.lm_head.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    trim_heap()
     return True
+
+
+def trim_heap() -> None:
+    """Give the heap's freed memory back to the system (glibc malloc_trim). Buffers of a few MB freed
+    while converting stay in the process otherwise (glibc raises its mmap threshold as they are
+    freed): 137 MB of a 1 B model's first start, measured."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 # a fused projection's parts held alike: (cache key, form, the checkpoint's tensors)

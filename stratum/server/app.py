@@ -107,6 +107,12 @@ class ServerSettings:
         return bool(self.api_keys) and not self.share_prefix_cache
 
 
+def is_ready(snap) -> bool:
+    """Whether a request would run now: the engine has reported its KV pool and the step it runs
+    (before its first report the snapshot is a placeholder with neither)."""
+    return snap.kv_blocks.total > 0 and bool(snap.step)
+
+
 def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="Stratum", version="0.1.0", docs_url="/docs", redoc_url=None)
     rt = pipeline.make_runtime(engine, settings.model_name, settings.pricing, settings.tenant_budget_tokens,
@@ -154,16 +160,14 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     @app.get("/health")
     async def health():
         snap = engine.snapshot
-        # ready only once a request would run now: the engine has reported its KV pool and its step
-        ready = snap.kv_blocks.total > 0 and bool(snap.step)
-        status = ("dead" if not snap.alive else "draining" if rt.draining else "ok" if ready else "loading")
+        status = "dead" if not snap.alive else "draining" if rt.draining else "ok" if is_ready(snap) else "loading"
         body: dict[str, Any] = {"status": status, "model": settings.model_name, "mode": snap.mode,
                                 "running": snap.num_running, "waiting": snap.num_waiting, "queued": engine.num_queued,
                                 "kv_blocks": asdict(snap.kv_blocks)}
-        if status == "loading":
-            body["stage"] = "waiting for the engine's first report"
         if snap.step:
             body["step"] = snap.step
+        if status == "loading":
+            body["stage"] = "waiting for the engine's first report"
         if snap.preparing:  # a cold start serves on PyTorch while its native kernels are prepared
             body["preparing"] = snap.preparing
         if snap.degraded_reason:
