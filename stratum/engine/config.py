@@ -50,8 +50,8 @@ class EngineConfig:
     native_step: bool | None = None  # None: the numerics rule; True/False: the native step where the checkpoint allows / never
     remeasure_plan: bool = False  # measure the kernel plan again, even if one is cached (`stratum info --remeasure`)
     serving: bool = False  # a server leaves one core to its HTTP side by default
-    # a cold start (kernels not built, or no plan) serves on the PyTorch step at once and prepares the
-    # kernels in the background (`engine.prepare`), instead of waiting for them; `stratum serve` sets it
+    # a start on a machine whose native kernels are not compiled yet serves on the provisional step at
+    # once and compiles them in the background (`engine.prepare`), instead of waiting; `stratum serve` sets it
     defer_kernels: bool = False
     seed: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)

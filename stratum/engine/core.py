@@ -102,7 +102,7 @@ class LLMEngine:
         self.kernel_plan = config.kernel_plan
         self.dtype = config.torch_dtype
         self.max_model_len = config.max_model_len
-        self.model, self.int4_bytes = builder.build_model(config, checkpoint)
+        self.model, self.packed_bytes = builder.build_model(config, checkpoint)
         self._fault, self._death_after = parse_faults(os.environ.get("STRATUM_FAULT_INJECT"))
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_cache, fault=self._fault)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, fault=self._fault)
@@ -130,7 +130,7 @@ class LLMEngine:
     def kernel_choices(self) -> dict:
         plan, numerics = self.kernel_plan, self.config.numerics
         return {"numerics": numerics.key(), "dtype": numerics.dtype, "kv_dtype": numerics.kv_dtype,
-                "packed_mb": round(self.int4_bytes / 2**20, 1),
+                "packed_mb": round(self.packed_bytes / 2**20, 1),
                 "low_latency_lm_head": "int8" if self.model.lm_head_int8 is not None else None,
                 "threads": plan.threads, "native_kernels": ("being prepared" if self.upgrade is not None else native.status())
                 if self.device.type == "cpu" else "cpu only",
@@ -439,7 +439,7 @@ class LLMEngine:
         recomputed = [seq for seq in self.scheduler.running if seq.num_computed_tokens > 0]
         for seq in recomputed:
             seq.num_preemptions += 1
-        self.config, self.model, self.int4_bytes, self.runner = prepared.config, prepared.model, prepared.int4_bytes, prepared.runner
+        self.config, self.model, self.packed_bytes, self.runner = prepared.config, prepared.model, prepared.packed_bytes, prepared.runner
         self.kernel_plan, self.dtype = self.config.kernel_plan, self.config.torch_dtype  # numerics: config.numerics
         self.runner.grammars = self.grammars
         self.kv_bytes_per_block = self.runner.kv_cache_bytes // self.config.num_kv_blocks

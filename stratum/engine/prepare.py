@@ -60,7 +60,7 @@ class Prepared:
 
     config: ResolvedConfig
     model: LlamaForCausalLM
-    int4_bytes: int
+    packed_bytes: int
     runner: ModelRunner
 
 
@@ -124,10 +124,10 @@ class KernelUpgrade:
             raise RuntimeError(f"the native kernels did not load: {native.status()}")
         # the plan the child measured (the CPU family's defaults where serving kept the machine busy)
         resolved = builder.resolve(config, checkpoint, measure=False)
-        model, int4_bytes = builder.build_model(resolved, checkpoint)
+        model, packed_bytes = builder.build_model(resolved, checkpoint)
         runner = ModelRunner(model, resolved.num_kv_blocks, resolved.block_size, torch.device(resolved.device),
                              resolved.torch_kv_dtype)
-        return Prepared(resolved, model, int4_bytes, runner)
+        return Prepared(resolved, model, packed_bytes, runner)
 
 
 def main(argv: list[str] | None = None) -> int:
