@@ -69,3 +69,27 @@ def test_an_engines_numerics_do_not_follow_the_plans_threads(tmp_path, monkeypat
         assert resolved.num_threads == threads and resolved.numerics.step == "native"
         keys.add(resolved.numerics.key())
     assert len(keys) == 1
+
+
+def test_the_native_step_gives_the_same_bits_at_every_thread_count(tmp_path):
+    """What lets the plan choose the native step's threads by speed: logits equal bit for bit."""
+    import torch
+
+    from stratum.engine import LLM
+    from stratum.engine.sampling_params import SamplingParams
+    from stratum.kernels import native
+    from tests.factories import make_tiny_gguf
+
+    if not native.available():
+        pytest.skip(native.status())
+    path = make_tiny_gguf(tmp_path / "tiny.gguf")
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, return_logits=True)
+    runs = []
+    for threads in (1, 2):
+        llm = LLM(str(path), num_threads=threads, prefill_threads=threads, num_kv_blocks=64, block_size=4)
+        assert llm.engine.config.numerics.step == "native"
+        out = [llm.engine.add_request(llm.engine.tokenizer.encode(p), params) for p in ("Hello there", "One two three")]
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+        runs.append([torch.stack([s.logits[p] for p in sorted(s.logits)]) for s in out])
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
