@@ -1,9 +1,6 @@
-"""Model and kernel construction: settings + checkpoint -> a resolved configuration and a ready model.
-
-`resolve` is the one place "auto" becomes a value: the numerics by their rule (kernels/numerics.py),
-then the speed choices (threads, by the kernel plan or by rule), context length, KV blocks and
-sampling defaults. `build_model` loads the weights in the forms the numerics name.
-"""
+"""Settings + checkpoint -> a resolved configuration (`resolve`: the numerics by their rule, then the
+speed choices, context, KV blocks, sampling defaults) and a model whose weights are held in the forms
+the numerics name (`build_model`)."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
-"""Preparing a model to serve fast: the native kernels compiled for this CPU, the kernel plan
-measured, the weights repacked for the native step; each cached under $STRATUM_HOME.
-
-`stratum pull` prepares ahead (`prepare`). A start on a machine whose kernels are not compiled yet
-does not wait for the compiler: the engine serves on the provisional step (`builder.provisional`) at
-once while a `KernelUpgrade` prepares in a child process, at a lower CPU priority so that serving
-keeps the cores it needs, then builds the prepared model in a thread. The engine adopts it between
-two steps (`LLMEngine.switch_kernels`).
-"""
+"""Preparing a model to serve fast (native kernels compiled, kernel plan measured, weights repacked;
+cached under $STRATUM_HOME): ahead at `stratum pull` (`prepare`), or behind a start whose kernels are
+not compiled yet (`KernelUpgrade`), which serves on the provisional step meanwhile."""
 
 from __future__ import annotations
 
@@ -65,8 +59,10 @@ class Prepared:
 
 
 class KernelUpgrade:
-    """Prepares config's kernels in a child process, then builds the model on them in a thread of
-    this one; `prepared` holds it once done, `error` says why not (the engine stays on its step).
+    """Prepares config's kernels in a child process, at a lower CPU priority so that serving keeps
+    the cores it needs, then builds the model on them in a thread of this one; `prepared` holds it
+    once done, `error` says why not (the engine stays on its step). The engine adopts it between two
+    steps (`LLMEngine.switch_kernels`).
 
     `stage` names what it is doing now, for /health: "building kernels", "measuring the kernel
     plan", "repacking weights", "loading the prepared kernels".

@@ -1,26 +1,6 @@
-"""The numerics rule: which step, dtypes and weight forms compute a model's KV and logits, decided
-from the file's tensor types, the CPU's features and the user's settings alone, never from a timing,
-so every start of the same server on the same machine gives the same bits.
-
-The rule (`decide`), on the CPU:
-- the native step wherever it can run the file (every projection in one of PACKED_QTYPES, a
-  Llama-shaped family, the native kernels built): weights exactly as stored, activations quantized
-  to int16 per block of 32 with exact integer block sums (kernels/packed.py), fp32 accumulation in a
-  fixed order, fp32 residual stream; KV in fp32 (bf16 with `--dtype bfloat16`);
-- else the PyTorch step in fp32 (or the `--dtype` given): each quantized projection on the native
-  kernel as stored (the native step's own projection numerics), where the kernels are built; int4
-  copies only where the user asked for them (`int4_max_tokens`); dense in the compute dtype only
-  what no kernel here takes (or everything, with `int4_max_tokens=0`);
-- the int8 output projection a request may ask for ("Prioritize low-latency over accuracy") exists
-  only where the user chose bf16 on the PyTorch step: elsewhere no request is served lossier.
-On CUDA: the PyTorch step in bf16 (or `--dtype`), weights dense.
-
-Why this default: it is the fastest path whose results stay within int16 rounding of llama.cpp's
-reference dequantization (fp32 weights, fp32 activations). bf16 rounds activations and dequantized
-weights to 8 bits of mantissa, which changed greedy answers against fp32 in 5 of 7 families; the
-native step's int16 blocks keep 15 bits, finer than llama.cpp's own int8 activations (measured:
-top-1 agreement 325/325 with fp32 on SmolLM2, 97.5% with int8 activations; tests/test_kernels.py).
-"""
+"""The numerics rule: which step, dtypes and weight forms compute a model's KV and logits, from the
+file's tensor types, the CPU's features and the user's settings alone (never from a timing), so every
+start of the same server on the same machine gives the same bits; `Numerics` is its record."""
 
 from __future__ import annotations
 
@@ -107,7 +87,27 @@ class Numerics:
 
 
 def decide(inputs: RuleInputs, model: str) -> Numerics:
-    """The rule (module docstring): the numerics a start of `model` runs with, given `inputs`."""
+    """The numerics a start of `model` runs with, given `inputs`.
+
+    On the CPU:
+    - the native step wherever it can run the file (every projection in one of PACKED_QTYPES, a
+      Llama-shaped family, the native kernels built): weights exactly as stored, activations quantized
+      to int16 per block of 32 with exact integer block sums (kernels/packed.py), fp32 accumulation in a
+      fixed order, fp32 residual stream; KV in fp32 (bf16 with `--dtype bfloat16`);
+    - else the PyTorch step in fp32 (or the `--dtype` given): each quantized projection on the native
+      kernel as stored (the native step's own projection numerics), where the kernels are built; int4
+      copies only where the user asked for them (`int4_max_tokens`); dense in the compute dtype only
+      what no kernel here takes (or everything, with `int4_max_tokens=0`);
+    - the int8 output projection a request may ask for ("Prioritize low-latency over accuracy") exists
+      only where the user chose bf16 on the PyTorch step: elsewhere no request is served lossier.
+    On CUDA: the PyTorch step in bf16 (or `--dtype`), weights dense.
+
+    Why this default: it is the fastest path whose results stay within int16 rounding of llama.cpp's
+    reference dequantization (fp32 weights, fp32 activations). bf16 rounds activations and dequantized
+    weights to 8 bits of mantissa, which changed greedy answers against fp32 in 5 of 7 families; the
+    native step's int16 blocks keep 15 bits, finer than llama.cpp's own int8 activations (measured:
+    top-1 agreement 325/325 with fp32 on SmolLM2, 97.5% with int8 activations; tests/test_kernels.py).
+    """
     types = inputs.tensor_types
     if inputs.device != "cpu":
         dtype = "bfloat16" if inputs.dtype == "auto" else inputs.dtype

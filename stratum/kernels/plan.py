@@ -1,12 +1,5 @@
-"""The kernel plan: the speed choices that leave the numerics as they are (kernels/numerics.py decides those).
-
-It measures the native step's thread count, which gives the same bits at any value (packed_step.cpp
-shares out whole tiles of output rows), timed on stand-ins of the file's own formats. Measured once,
-at `stratum pull` or the first start, and cached under $STRATUM_HOME/kernels, keyed on the CPU, the
-kernels' build and the model's shapes; re-measured only by `stratum info --remeasure`, a new build or
-other hardware. A measurement that other processes disturbed is not trusted: the plan then holds the
-defaults known good for the CPU family (`defaults`), says so, and is cached as such.
-"""
+"""The kernel plan: the speed choices that leave the numerics as they are (the native step's threads),
+measured once within a time budget and cached; on a busy machine, the CPU family's defaults."""
 
 from __future__ import annotations
 
@@ -29,6 +22,10 @@ PLAN_VERSION = 7  # 7: the native step's threads only; the numerics follow a rul
 MARGIN = 0.95  # another thread count replaces the default only where it is at least 5% faster
 BUSY_CORES = 0.25  # a run during which other processes used more CPU than this is not trusted
 MAX_RUNS = 4  # measurement runs per plan; it stops once two quiet runs agree
+# wall seconds all runs may take together: a quiet run of a 1 B Q4_K_M file's layer takes ~0.2 s, while
+# on cores other processes hold, one 2-thread call waits 100x longer (65 ms, measured), so a start
+# would otherwise wait minutes for figures it cannot trust anyway
+MAX_SECONDS = 3.0
 ROWS = (1, 16)  # rows per step timed: one decode, a batch of decodes
 STAND_IN_ROWS = 1024  # a stand-in's rows at most: enough to show the thread scaling, quick to build
 STAND_IN = "Q4_1"  # the stand-in format where the checkpoint's are not given (a test's bare shapes)
@@ -75,15 +72,25 @@ class Shapes:
         return [sorted((n, list(s)) for n, s in self.layer.items()), formats]
 
 
-def _time_us(fn, reps: int) -> float:
-    """The fastest of `reps` timed calls: robust to other processes sharing the cores."""
-    fn()
-    fn()
+class OutOfTime(Exception):
+    """The measurement's budget (MAX_SECONDS) ran out before its run ended."""
+
+
+def _time_us(fn, reps: int, deadline: float) -> float:
+    """The fastest of `reps` timed calls: robust to other processes sharing the cores.
+
+    Raises:
+        OutOfTime: `deadline` (perf_counter) passed; checked after each call.
+    """
     best = float("inf")
-    for _ in range(reps):
+    for i in range(reps + 2):  # two warm-up calls
         t = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - t)
+        now = time.perf_counter()
+        if now > deadline:
+            raise OutOfTime
+        if i >= 2:
+            best = min(best, now - t)
     return best * 1e6
 
 
@@ -157,8 +164,9 @@ def _stand_ins(shapes: Shapes, g: torch.Generator) -> list[tuple[float, list[Pac
     return out
 
 
-def _measure_once(steps: list, candidates: list[int]) -> dict[str, dict[int, float]]:
-    """One run: the layer's projections at each of ROWS, at each thread count, in microseconds."""
+def _measure_once(steps: list, candidates: list[int], deadline: float) -> dict[str, dict[int, float]]:
+    """One run: the layer's projections at each of ROWS, at each thread count, in microseconds
+    (OutOfTime past `deadline`)."""
     g = torch.Generator().manual_seed(0)
     xs = {m: {k: torch.randn(m, k, generator=g) for k in {w.in_features for _, ws in steps for w in ws}} for m in ROWS}
     timings: dict[str, dict[int, float]] = {}
@@ -166,7 +174,8 @@ def _measure_once(steps: list, candidates: list[int]) -> dict[str, dict[int, flo
         torch.set_num_threads(threads)
         for m in ROWS:
             reps = max(5, 48 // m)
-            t = sum(share * _time_us(lambda ws=ws: [w.matmul(xs[m][w.in_features]) for w in ws], reps) for share, ws in steps)
+            t = sum(share * _time_us(lambda ws=ws: [w.matmul(xs[m][w.in_features]) for w in ws], reps, deadline)
+                    for share, ws in steps)
             timings.setdefault(f"native_{threads}_threads", {})[m] = round(t, 1)
     return timings
 
@@ -186,10 +195,12 @@ def defaults(threads: int, why: str) -> KernelPlan:
                       basis=f"defaults for {cpu_family()}: {why}")
 
 
-def measure_plan(shapes: Shapes, cores: int, max_runs: int = MAX_RUNS, busy_cores: float = BUSY_CORES) -> KernelPlan:
-    """Measure until two quiet runs agree (at most max_runs), each figure the fastest over the quiet
-    runs. A run during which other processes kept more than `busy_cores` cores busy is not trusted;
-    with no quiet run, the plan is the CPU family's defaults (`quiet=False`), its figures kept to show why."""
+def measure_plan(shapes: Shapes, cores: int, max_runs: int = MAX_RUNS, busy_cores: float = BUSY_CORES,
+                 budget_s: float = MAX_SECONDS) -> KernelPlan:
+    """Measure until two quiet runs agree (at most max_runs, within budget_s wall seconds), each figure
+    the fastest over the quiet runs. A run during which other processes kept more than `busy_cores`
+    cores busy is not trusted, nor one the budget cut short; with no quiet run, the plan is the CPU
+    family's defaults (`quiet=False`), its figures kept to show why."""
     steps = _stand_ins(shapes, torch.Generator().manual_seed(0))
     if not steps:
         return defaults(cores, "the native kernels are not built")
@@ -198,12 +209,19 @@ def measure_plan(shapes: Shapes, cores: int, max_runs: int = MAX_RUNS, busy_core
     quiet: list[dict] = []
     every: list[dict] = []
     loads: list[float] = []
+    deadline = time.perf_counter() + budget_s
+    out_of_time = False
     try:
         for _ in range(max_runs):
             with OtherLoad() as load:
-                run = _measure_once(steps, candidates)
-            every.append(run)
+                try:
+                    run = _measure_once(steps, candidates, deadline)
+                except OutOfTime:
+                    run, out_of_time = None, True
             loads.append(round(load.cores, 2))
+            if run is None:
+                break
+            every.append(run)
             if load.cores <= busy_cores:
                 quiet.append(run)
                 if len(quiet) >= 2 and decide(quiet[-1], cores) == decide(quiet[-2], cores):
@@ -212,7 +230,9 @@ def measure_plan(shapes: Shapes, cores: int, max_runs: int = MAX_RUNS, busy_core
         torch.set_num_threads(threads_before)
     timings = _fastest(quiet or every)
     if not quiet:
-        plan = defaults(cores, f"other processes kept {min(loads)}+ cores busy in every run of the measurement")
+        why = (f"the measurement ran past its {budget_s:g} s with other processes keeping {max(loads)} cores busy"
+               if out_of_time else f"other processes kept {min(loads)}+ cores busy in every run of the measurement")
+        plan = defaults(cores, why)
         return KernelPlan(**{**plan.describe(), "timings_us": timings, "runs": len(every), "other_load": loads})
     return KernelPlan("cpu", decide(timings, cores), cpu_name(), timings, runs=len(every), other_load=loads,
                       basis=f"measured: {len(quiet)} quiet runs of {len(every)}")
