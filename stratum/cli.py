@@ -380,14 +380,14 @@ def _checkpoint_info(checkpoint, resolved) -> dict:
         "quantized_tensors": {q: dict(c) for q, c in sorted(by_type.items())},
         "dequantized_to_dense": dense_from,
         "attention": attention_path(model, resolved.device == "cpu" and native.available()),
-        "speculative_decoding": _speculation(model),
+        "speculative_decoding": _speculation(resolved.numerics, model),
     }
 
 
-def _speculation(model) -> str:
+def _speculation(numerics, model) -> str:
     from stratum.engine.spec_decode import verify_refusal
 
-    why = verify_refusal(model)
+    why = verify_refusal(numerics, model)
     return f"off: {why}" if why else "verified on the native step (serve --speculative auto by default)"
 
 

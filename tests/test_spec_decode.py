@@ -356,7 +356,7 @@ def test_a_draft_model_proposes_and_the_output_is_the_targets(tiny_gguf, tmp_pat
     assert all(o.stats.num_spec_accepted_tokens == o.stats.num_spec_proposed_tokens > 0 for o in by_itself)
     _, by_other = _run(_engine(tiny_gguf, "draft", draft_model=str(other)), PROMPTS, [_greedy(30)] * 4)
     assert [o.token_ids for o in by_other] == [o.token_ids for o in plain]
-    assert same.kernel_choices["speculative"]["proposer"] == f"draft model {tiny_gguf}"
+    assert same.kernel_choices["speculative"]["proposer"] == f"draft model {tiny_gguf} (native step)"
 
 
 def test_a_draft_model_with_another_tokenizer_is_refused(tiny_model_dir, tmp_path):

@@ -115,9 +115,10 @@ class LLMEngine:
         if spec.uses_draft:
             from stratum.engine.spec_decode.draft import DraftModel
 
-            draft = DraftModel(spec.draft_model, checkpoint.tokenizer, settings, config.num_threads)
+            draft = DraftModel(spec.draft_model, checkpoint.tokenizer, settings, config.num_threads,
+                               provisional=self.upgrade is not None)
             draft.attach(config.num_kv_blocks, config.block_size)
-        self.speculator = Speculator(spec, self.model, self.kernel_plan, draft)
+        self.speculator = Speculator(spec, lambda: self.config.numerics, self.model, self.kernel_plan, draft)
         self.requests: dict[str, _Request] = {}
         self.step_stats: deque[StepStats] = deque(maxlen=1024)
         self.num_steps = 0
@@ -483,6 +484,7 @@ class LLMEngine:
         self.kernel_plan, self.dtype = self.config.kernel_plan, self.config.torch_dtype  # numerics: config.numerics
         self.runner.grammars = self.grammars
         if self.speculator.draft is not None:
+            self.speculator.draft.follow(provisional=False)
             self.speculator.draft.attach(self.config.num_kv_blocks, self.config.block_size)
         self.speculator.set_target(self.model, self.kernel_plan)
         self.kv_bytes_per_block = self._kv_cache_bytes() // self.config.num_kv_blocks

@@ -39,35 +39,64 @@ def check_same_tokenizer(target, draft, draft_name: str) -> None:
 class DraftModel:
     """The draft model and its KV pool (`attach`).
 
+    Its numerics come from the rule (kernels/numerics.py) applied to the draft's file with the target's
+    settings, on the kernels the target has: a cold start's draft runs on the provisional step as its
+    target does, and follows it to the native kernels at the switch (`follow`).
+
     Args:
         path: the draft's GGUF file or folder (or registered name).
         tokenizer: the target's tokenizer, which the draft's must equal.
         settings: the target's EngineConfig: the draft runs on the device, dtype and step it asks for.
         threads: the engine's threads.
+        provisional: the target serves on a cold start's provisional step (its kernels being prepared).
     Raises:
         ValueError: the draft cannot be loaded, or its tokenizer is not the target's.
     """
 
-    def __init__(self, path: str, tokenizer, settings: EngineConfig, threads: int):
+    def __init__(self, path: str, tokenizer, settings: EngineConfig, threads: int, provisional: bool = False):
         from stratum.engine import builder
 
-        config = EngineConfig(model=path, device=settings.device, dtype=settings.dtype, num_threads=threads,
-                              int4_max_tokens=settings.int4_max_tokens, native_step=settings.native_step, num_kv_blocks=16)
-        checkpoint = builder.load(config)
-        check_same_tokenizer(tokenizer, checkpoint.tokenizer, path)
-        resolved = builder.resolve(config, checkpoint)
         self.name = path
+        self.settings = EngineConfig(model=path, device=settings.device, dtype=settings.dtype, num_threads=threads,
+                                     int4_max_tokens=settings.int4_max_tokens, native_step=settings.native_step,
+                                     num_kv_blocks=16)
+        checkpoint = builder.load(self.settings)
+        check_same_tokenizer(tokenizer, checkpoint.tokenizer, path)
         self.config = checkpoint.config
-        self.device, self.dtype = torch.device(resolved.device), resolved.torch_dtype
-        self.model, _ = builder.build_model(resolved, checkpoint)
-        self.kernel_plan = resolved.kernel_plan
         self.runner: ModelRunner | None = None
         self.level_s = 0.0  # the latest draft forward of one token per request, measured
+        self._build(checkpoint, provisional)
+
+    def _build(self, checkpoint, provisional: bool) -> None:
+        from stratum.engine import builder
+
+        resolved = (builder.provisional(self.settings, checkpoint) if provisional
+                    else builder.resolve(self.settings, checkpoint, measure=False))
+        self.numerics = resolved.numerics
+        self.provisional = provisional
+        self.device, self.kv_dtype = torch.device(resolved.device), resolved.torch_kv_dtype
+        self.model, _ = builder.build_model(resolved, checkpoint)
+
+    def follow(self, provisional: bool) -> None:
+        """The target switched kernels: rebuild the draft on the kernels the target now has (its KV
+        pool follows at `attach`)."""
+        if provisional != self.provisional:
+            from stratum.engine import builder
+
+            self._build(builder.load(self.settings), provisional)
+
+    def disagreement(self, target) -> str | None:
+        """Why the draft cannot propose for a target with numerics `target` (None: it can): the two
+        share block ids, so they sit on one device. Which step the draft runs on never changes an
+        answer (the target verifies every proposal); it only changes what a proposal costs."""
+        if self.numerics.device != target.device:
+            return f"the draft model runs on {self.numerics.device}, the target on {target.device}"
+        return None
 
     def attach(self, num_blocks: int, block_size: int) -> None:
         """A KV pool over the target's block ids (a new one on a kernel switch: its requests were
         preempted, so none holds draft KV)."""
-        self.runner = ModelRunner(self.model, num_blocks, block_size, self.device, self.dtype)
+        self.runner = ModelRunner(self.model, num_blocks, block_size, self.device, self.kv_dtype)
 
     @property
     def kv_cache_bytes(self) -> int:

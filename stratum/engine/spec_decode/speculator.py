@@ -1,15 +1,14 @@
 """The engine's speculation: before each step it proposes tokens for the decoding requests, and after
 it settles what was kept.
 
-Proposals are only verified where a verify row computes what a decode row would, bit for bit (the
-native step: each row by the same operations whatever the batch), so greedy answers are the same
-with speculation and without. Where the step is not batch-invariant (the PyTorch step of a cold
-start, of CUDA, of the families the native step refuses), speculation is off, by rule.
+Proposals are verified only where the numerics say the step is batch-invariant (a verify row then
+computes what a decode row would, bit for bit), read at each step: elsewhere speculation is off.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from stratum.engine.spec_decode.ngram import NgramIndex
 from stratum.engine.spec_decode.policy import DRAFT_BUCKET, Acceptance, StepCost, bucket_of, choose
@@ -70,11 +69,13 @@ class SpecState:
     draft_preemptions: int = 0  # the request's preemptions when draft_computed was last true
 
 
-def verify_refusal(model) -> str | None:
-    """Why the target's step cannot verify proposals exactly (None where it can)."""
-    if model.packed is None:
-        return ("the PyTorch step is not batch-invariant (which kernel runs a matmul depends on its rows), so a "
-                "verify row need not compute what a decode row would")
+def verify_refusal(numerics, model) -> str | None:
+    """Why the target's step cannot verify proposals exactly (None where it can). Greedy answers stay
+    those of plain decoding only where a token's logits do not depend on the rows beside it
+    (`Numerics.is_batch_invariant`, kernels/numerics.py), the output projection's included."""
+    if not numerics.is_batch_invariant:
+        return (f"the {numerics.step} step ({numerics.dtype}) is not batch-invariant: which kernel runs a matmul "
+                "depends on its rows, so a verify row need not compute what a decode row would")
     if model.packed_head is None:
         return "the output projection is not on the native kernel, so its rows depend on the batch"
     return None
@@ -83,20 +84,33 @@ def verify_refusal(model) -> str | None:
 class Speculator:
     """Args:
         config: what the user set.
+        numerics: the target's numerics now (the engine's `config.numerics`, which a kernel switch
+            changes): read whenever the speculator decides whether it may verify.
         model, plan: the target model and its kernel plan (`set_target` on a kernel switch).
         draft: the draft model, when one is given.
     """
 
-    def __init__(self, config: SpecConfig, model, plan, draft=None):
+    def __init__(self, config: SpecConfig, numerics: Callable, model, plan, draft=None):
         self.config = config
+        self.numerics = numerics
         self.draft = draft
         self.acceptance = Acceptance()
         self.set_target(model, plan)
 
     def set_target(self, model, plan) -> None:
-        self.refusal = None if self.config.mode != "off" else "--speculative off"
-        self.refusal = self.refusal or verify_refusal(model)
+        self.model = model
         self.cost = StepCost(plan.timings_us, model.config.num_layers, plan.threads)
+
+    @property
+    def refusal(self) -> str | None:
+        """Why nothing is verified now (None: proposals are)."""
+        if self.config.mode == "off":
+            return "--speculative off"
+        numerics = self.numerics()
+        why = verify_refusal(numerics, self.model)
+        if why is None and self.draft is not None:
+            why = self.draft.disagreement(numerics)
+        return why
 
     @property
     def is_active(self) -> bool:
@@ -104,9 +118,10 @@ class Speculator:
 
     def describe(self) -> dict:
         """For `kernel_choices` (and `stratum info`)."""
-        if not self.is_active:
-            return {"mode": "off", "why": self.refusal}
-        proposer = f"draft model {self.draft.name}" if self.draft is not None else (
+        why = self.refusal
+        if why is not None:
+            return {"mode": "off", "why": why}
+        proposer = f"draft model {self.draft.name} ({self.draft.numerics.step} step)" if self.draft is not None else (
             f"prompt lookup, {self.config.lookup_min}- to {self.config.lookup_max}-grams")
         return {"mode": self.config.mode, "proposer": proposer, "max_tokens_per_step": self.config.num_tokens}
 
