@@ -94,6 +94,19 @@ def test_the_cost_fit_finds_the_steps_scale_and_base_despite_outliers():
     assert cost.scale == pytest.approx(3.0, rel=0.01) and cost.base == pytest.approx(0.002, rel=0.05)
 
 
+def test_without_a_believable_plan_the_fit_finds_a_rows_cost():
+    """A plan whose one-row step timed slower than sixteen rows (other processes held the cores) gives
+    no shape: rows are free until measured, then cost what the steps say (2 ms + 1.5 ms a row here)."""
+    cost = StepCost({"native_2_threads": {1: 11976.0, 16: 524.8}}, num_layers=30, threads=2)
+    assert not cost.is_shaped and choose(cost, [(0.6, 16)], 1, 1) == [16]
+    for i in range(64):
+        rows = 1 + i % 8
+        cost.observe(rows, rows, (0.002 + 0.0015 * rows) * (10 if i % 16 == 5 else 1))
+    assert cost.scale == pytest.approx(0.0015, rel=0.01) and cost.base == pytest.approx(0.002, rel=0.05)
+    assert choose(cost, [(0.6, 16)], 1, 1) == [1]  # the first proposal (kept 60% of the time) pays, the second (36%) not
+    assert choose(cost, [(0.99, 16)], 1, 1)[0] > 8
+
+
 def test_acceptance_moves_from_the_prior_to_what_is_measured():
     acc = Acceptance()
     b = bucket_of(9)

@@ -63,6 +63,12 @@ def _interpolate(points: list[tuple[int, float]], x: int) -> float:
     return tb + (tb - ta) * (x - b) / (b - a)
 
 
+def _rising(points: list[tuple[int, float]]) -> list[tuple[int, float]]:
+    """A kernel's timings by rows, or none where more rows took less time (a plan measured while other
+    processes held the cores: its figures say nothing of the shape)."""
+    return points if all(ta <= tb for (_, ta), (_, tb) in zip(points, points[1:])) else []
+
+
 class StepCost:
     """A target step's seconds by its rows (tokens computed) and logit rows.
 
@@ -74,10 +80,10 @@ class StepCost:
     makes the fit possible. Until they do, scale is 1 and base the median residual.
 
     Args:
-        timings: the kernel plan's `timings_us`: a decoder layer's projections on the native kernel
-            by rows ("packed", or "native_<threads>_threads" at the engine's threads), and the
-            output projection by rows ("head_packed") where it was timed. A plan that timed nothing
-            leaves the fit to find the cost of a row from the steps alone.
+        timings: the kernel plan's `timings_us` where its measurement was quiet: a decoder layer's
+            projections on the native kernel by rows ("packed", or "native_<threads>_threads" at the
+            engine's threads), and the output projection by rows ("head_packed") where it was timed.
+            A plan that timed nothing leaves the fit to find the cost of a row from the steps alone.
         num_layers: the model's decoder layers.
         threads: the engine's threads.
     """
@@ -85,12 +91,15 @@ class StepCost:
     def __init__(self, timings: dict, num_layers: int, threads: int = 0):
         self.num_layers = num_layers
         layer = timings.get("packed") or timings.get(f"native_{threads}_threads") or {}
-        self.layer = sorted((int(m), us * 1e-6) for m, us in layer.items())
-        self.head = sorted((int(m), us * 1e-6) for m, us in (timings.get("head_packed") or {}).items())
-        if not self.layer:  # nothing timed: rows cost alike, and the fit finds what one costs
-            self.layer, self.num_layers = [(1, 1e-6)], 1
+        self.layer = _rising(sorted((int(m), us * 1e-6) for m, us in layer.items()))
+        self.head = _rising(sorted((int(m), us * 1e-6) for m, us in (timings.get("head_packed") or {}).items()))
+        # nothing timed (or nothing believable): P(rows) = rows, and the fit finds a row's seconds, free
+        # until measured (the proposals made meanwhile vary the rows, which the fit needs)
+        self.is_shaped = bool(self.layer)
+        if not self.is_shaped:
+            self.layer, self.num_layers, self.head = [(1, 1.0)], 1, []
         self.observed: deque[tuple[float, float]] = deque(maxlen=OBSERVED_STEPS)  # (P(rows), seconds)
-        self.scale, self.base = 1.0, 0.0
+        self.scale, self.base = (1.0 if self.is_shaped else 0.0), 0.0
         self._since_fit = 0
 
     def plan_s(self, rows: int, logit_rows: int) -> float:
@@ -108,8 +117,11 @@ class StepCost:
         points = list(self.observed)
         slopes = [(tb - ta) / (pb - pa) for i, (pa, ta) in enumerate(points) for pb, tb in points[i + 1 :]
                   if pb - pa > 0.05 * max(pa, pb)]
-        scale = statistics.median(slopes) if len(slopes) >= MIN_SLOPES else 1.0
-        self.scale = min(max(scale, MIN_SCALE), MAX_SCALE)
+        if self.is_shaped:
+            scale = statistics.median(slopes) if len(slopes) >= MIN_SLOPES else 1.0
+            self.scale = min(max(scale, MIN_SCALE), MAX_SCALE)
+        elif len(slopes) >= MIN_SLOPES:  # seconds per row, measured
+            self.scale = max(0.0, statistics.median(slopes))
         self.base = max(0.0, statistics.median(t - self.scale * p for p, t in points))
 
     def time(self, rows: int, logit_rows: int) -> float:
@@ -140,7 +152,7 @@ def choose(cost: StepCost, candidates: list[tuple[float, int]], num_decodes: int
         gain, i = heapq.heappop(heap)
         gain = -gain
         t_new = cost.time(rows + 1, logit_rows + 1) + level_s * max(depth, ks[i] + 1)
-        if (tokens + gain) * t <= tokens * t_new:
+        if t_new > t and (tokens + gain) * t <= tokens * t_new:  # a row that costs nothing always pays
             break
         ks[i] += 1
         depth = max(depth, ks[i])

@@ -99,7 +99,8 @@ class Speculator:
 
     def set_target(self, model, plan) -> None:
         self.model = model
-        self.cost = StepCost(plan.timings_us, model.config.num_layers, plan.threads)
+        # a plan measured while other processes held the cores kept its figures only to show why
+        self.cost = StepCost(plan.timings_us if plan.quiet else {}, model.config.num_layers, plan.threads)
 
     @property
     def refusal(self) -> str | None:
