@@ -346,6 +346,30 @@ def test_speculation_under_continuous_batching_and_preemption(tiny_gguf):
     assert engine.scheduler.num_preemptions > 0
 
 
+@pytestmark_native
+def test_aborts_between_verify_steps_leak_no_block(tiny_gguf):
+    """Requests aborted after verify steps (some with rejected rows) give every block back; the others
+    finish as plain decoding would."""
+    params = [_greedy(60)] * 4
+    _, plain = _run(_engine(tiny_gguf, "off"), PROMPTS, params)
+    engine = _engine(tiny_gguf, "ngram")
+    seqs = [engine.add_request(engine.tokenizer.encode(p), sp, request_id=f"r{i}") for i, (p, sp) in enumerate(zip(PROMPTS, params))]
+    def verified(seq, rejected):
+        return seq.spec is not None and (seq.spec.num_rejected if rejected else seq.spec.num_steps) > 0
+
+    while engine.has_unfinished() and not (verified(seqs[0], True) and verified(seqs[2], False)):
+        engine.step()
+    assert not seqs[0].is_finished and not seqs[2].is_finished
+    for rid in ("r0", "r2"):
+        engine.abort(rid)
+    finals = {}
+    while engine.has_unfinished():
+        finals.update({o.request_id: o for o in engine.step() if o.finished})
+    engine.block_manager.check_integrity()
+    assert engine.block_manager.num_used_blocks == 0
+    assert [finals[r].token_ids for r in ("r1", "r3")] == [plain[1].token_ids, plain[3].token_ids]
+
+
 def test_the_pytorch_step_does_not_speculate(tiny_model_dir):
     from stratum.engine import LLM
 
