@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from stratum.engine.config import EngineConfig, ResolvedConfig
+from stratum.engine.config import EngineConfig, ResolvedConfig, default_threads
 from stratum.home import stratum_home
 from stratum.kernels import native
 from stratum.kernels import KernelPlan
@@ -36,23 +36,6 @@ log = logging.getLogger("stratum.engine")
 
 def load(config: EngineConfig) -> Checkpoint:
     return load_checkpoint(resolve_model_path(config.model))
-
-
-def default_threads(serving: bool, native_step: bool = False) -> int:
-    """$STRATUM_NUM_THREADS, else every core; a server on the PyTorch step leaves one core to its
-    HTTP side.
-
-    Measured on the 2-core reference machine: with the PyTorch step, 1 engine thread served 1.6x (one
-    stream) and 1.16x (32 streams) the tokens/s of 2 threads, whose spin-waiting lost to the server's
-    own work. With the native step it is the other way round (`stratum bench compare`, 2 threads
-    over 1, Intel machine): 1.69x at one stream, 1.34x at 16 unique streams, 1.27x at 32 streams
-    under a shared prompt and 1.27x on the multiturn workload.
-    """
-    env = int(os.environ.get("STRATUM_NUM_THREADS", 0) or 0)
-    if env > 0:
-        return env
-    cores = os.cpu_count() or 1
-    return max(1, cores - 1) if serving and not native_step else cores
 
 
 def resolve(config: EngineConfig, checkpoint: Checkpoint, measure: bool = True, take_busy: bool = False) -> ResolvedConfig | None:
