@@ -181,7 +181,7 @@ def _start_engine(args, config, engine, starting):
     if engine is not None:
         starting.wait_listening()  # the server's event loop reads the engine's events
         return engine.connect(on_stage=lambda stage: setattr(starting, "stage", stage), loop=starting.loop), "a process"
-    from stratum.engine.client import start_thread_engine
+    from stratum.engine.loop import start_thread_engine
     from stratum.engine.core import LLMEngine
 
     starting.stage = "loading model"

@@ -16,11 +16,11 @@ import pytest
 from stratum.engine import (
     LLM, EngineConfig, EngineDeadError, InvalidRequestError, RequestOutput, RequestStats, SamplingParams,
 )
-from stratum.engine.client import start_thread_engine
+from stratum.engine.loop import EngineLoop, start_thread_engine
 from stratum.engine.process import EngineProcess, start_process_engine
 from stratum.engine.protocol import (
     Abort, Accepted, AddRequest, EngineDied, EngineInfo, EngineSnapshot, HeldKeys, KVBlocks, ListHeld, RequestFailed,
-    Routed, Started, Stop, StreamDecoder, decode, decode_info, encode, encode_info,
+    Routed, StartFailed, Started, Starting, Stop, StreamDecoder, TokenizerData, decode, encode,
 )
 from stratum.engine.request import CachePolicy
 
@@ -66,9 +66,32 @@ def test_every_message_round_trips_as_its_own_type(tiny_model_dir):
     assert isinstance(decode(wire(encode(add))).pin_prefixes[0], tuple)
     assert isinstance(RequestFailed("r", "m", "invalid_request").exception(), InvalidRequestError)
     assert isinstance(RequestFailed("r", "m", "unavailable").exception(), EngineDeadError)
-    info = EngineInfo.of(LLM(str(tiny_model_dir), num_kv_blocks=32).engine)
-    assert decode_info(wire(encode_info(info))) == info
-    assert decode(wire(encode(info))) == info  # the event sent again after a switch of kernels
+    engine = LLM(str(tiny_model_dir), num_kv_blocks=32).engine
+    info = EngineInfo.of(engine)
+    assert decode(wire(encode(info))) == info  # the start-up's last message, and the event after a switch of kernels
+    tokenizer = TokenizerData.of(engine.tokenizer, engine.chat_template.source)
+    for message in (Starting("loading model"), tokenizer, StartFailed("ModelLoadError: no such file")):
+        assert decode(wire(encode(message))) == message
+    rebuilt, template = decode(wire(encode(tokenizer))).build()
+    assert rebuilt.encode("hello there") == engine.tokenizer.encode("hello there")
+    assert template.source == engine.chat_template.source
+
+
+def test_a_replica_sets_snapshot_adds_up_its_replicas():
+    a = EngineSnapshot(alive=True, num_running=2, num_waiting=1, kv_blocks=KVBlocks(64, 10, 4, 50), num_steps=30,
+                       overhead_ratio=0.1, mean_step_s=0.02, threads=1, rss_mb=100.0, step="native")
+    b = EngineSnapshot(alive=True, mode="basic", degraded_reason="cache: boom", num_running=1,
+                       kv_blocks=KVBlocks(64, 60, 0, 4), num_steps=10, overhead_ratio=0.5, mean_step_s=0.05, threads=1,
+                       rss_mb=120.0, step="pytorch", preparing="measuring")
+    dead = EngineSnapshot(alive=False, error="gone")
+    total = EngineSnapshot.summed({"a": a, "b": b, "c": dead})
+    assert total.alive and total.error is None and total.num_engines == 2 and total.mode == "basic"
+    assert (total.num_running, total.num_waiting, total.kv_blocks) == (3, 1, KVBlocks(128, 70, 4, 54))
+    assert total.overhead_ratio == pytest.approx((0.1 * 30 + 0.5 * 10) / 40) and total.mean_step_s == 0.05
+    assert (total.threads, total.rss_mb, total.step) == (2, 220.0, "native+pytorch")
+    assert (total.degraded_reason, total.preparing, total.gpu_memory_allocated_mb) == ("b: cache: boom", "b: measuring", None)
+    gone = EngineSnapshot.summed({"c": dead})
+    assert not gone.alive and gone.error == "c: gone" and gone.num_engines == 0
 
 
 def test_a_step_is_one_compact_frame():
@@ -83,8 +106,6 @@ def test_a_step_is_one_compact_frame():
 
 def test_an_aborted_request_ends_with_a_last_output(tiny_model_dir):
     """The loop emits an aborted request's last output, so the side that assembles deltas forgets it."""
-    from stratum.engine.client import EngineLoop
-
     emitted: list = []
     loop = EngineLoop(LLM(str(tiny_model_dir), num_kv_blocks=32).engine, emitted.extend)
     loop.submit(AddRequest("a1", [1, 5, 9], SamplingParams(max_tokens=50, ignore_eos=True)))

@@ -104,7 +104,7 @@ def starting_server():
 
 
 def test_requests_during_start_up_get_503_in_their_api_shape_then_the_app_answers(starting_server, tiny_model_dir):
-    from stratum.engine.client import start_thread_engine
+    from stratum.engine.loop import start_thread_engine
     from stratum.engine.core import LLMEngine
     from stratum.engine.config import EngineConfig
     from stratum.server.app import ServerSettings, create_app
