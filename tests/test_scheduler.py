@@ -227,7 +227,7 @@ def test_a_preempted_request_rehits_its_own_cached_prefix():
     assert v.token_ids == expected_tokens(range(100, 109), 3)
 
 
-# ---- abort, caps -----------------------------------------------------------------------------------------
+# ---- abort, caps --------------------------------------------------------------------------------------
 
 
 def test_abort_from_waiting_and_running_frees_every_block():

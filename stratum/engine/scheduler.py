@@ -74,7 +74,7 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def add(self, seq: Sequence) -> None:
-        """Queue a request."""
+        """Queue a request (admission is decided before it reaches the engine: `stratum.server`)."""
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=self.sort_key)
 
