@@ -31,7 +31,7 @@ def _engine_config(args, serving: bool = False):
 
 
 THREADS_HELP = ("engine threads (default: $STRATUM_NUM_THREADS, else every core; a server on the PyTorch step "
-                "leaves one to its HTTP side)")
+                "leaves one to its HTTP side, and --replicas share the cores but one)")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:

@@ -94,6 +94,23 @@ def test_a_replica_sets_snapshot_adds_up_its_replicas():
     assert not gone.alive and gone.error == "c: gone" and gone.num_engines == 0
 
 
+def test_one_thread_rule_for_an_engine_and_for_replicas(monkeypatch):
+    """`default_threads` is what the builder and `cluster.launch` both ask: the numbers each had before."""
+    from stratum.engine.config import default_threads
+
+    monkeypatch.delenv("STRATUM_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 9)
+    assert default_threads(serving=True, native_step=True) == 9  # the native step: every core
+    assert default_threads(serving=True) == 8  # the PyTorch step leaves one to the HTTP side
+    assert default_threads(serving=False) == 9  # offline: nothing else runs
+    assert default_threads(serving=True, replicas=2) == 4  # replicas share the cores but one
+    assert default_threads(serving=True, native_step=True, replicas=16) == 1
+    monkeypatch.setenv("STRATUM_NUM_THREADS", "3")
+    assert default_threads(serving=True, replicas=2) == 3
+    monkeypatch.setenv("STRATUM_NUM_THREADS", "-1")  # not a thread count: ignored
+    assert default_threads(serving=True, replicas=2) == 4
+
+
 def test_a_step_is_one_compact_frame():
     """Every event of a step travels in one msgpack frame; a running output costs its deltas, a tag
     of one byte and its fields, not its text so far."""
