@@ -111,6 +111,25 @@ def test_one_thread_rule_for_an_engine_and_for_replicas(monkeypatch):
     assert default_threads(serving=True, replicas=2) == 4
 
 
+def test_the_builder_takes_its_threads_from_the_one_rule(monkeypatch):
+    """The PyTorch step's threads are `default_threads`' (the plan measures only the native step's);
+    --threads, else $STRATUM_NUM_THREADS, is taken as set."""
+    from stratum.engine import builder
+    from stratum.engine.config import EngineConfig
+    from stratum.kernels.numerics import PYTORCH, Numerics
+
+    numerics = Numerics("m", "cpu", PYTORCH, "float32", "float32", (), "pytorch", None)
+    monkeypatch.delenv("STRATUM_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 9)
+    plan = builder._plan(EngineConfig(serving=True), None, numerics, measure=False)
+    assert (plan.threads, plan.source) == (8, "rule")
+    assert builder._plan(EngineConfig(), None, numerics, measure=False).threads == 9
+    assert builder._plan(EngineConfig(num_threads=5), None, numerics, measure=False).source == "configured"
+    monkeypatch.setenv("STRATUM_NUM_THREADS", "3")
+    plan = builder._plan(EngineConfig(serving=True), None, numerics, measure=False)
+    assert (plan.threads, plan.source) == (3, "configured")
+
+
 def test_a_step_is_one_compact_frame():
     """Every event of a step travels in one msgpack frame; a running output costs its deltas, a tag
     of one byte and its fields, not its text so far."""
