@@ -25,6 +25,10 @@ test: $(STAMP)
 	@command -v chromium >/dev/null || [ "$$(id -u)" != 0 ] || (apt-get install -y -q chromium >/dev/null 2>&1 || \
 		(apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1)) || \
 		echo "no chromium: the console's browser tests will be skipped"
+	@{ command -v aarch64-linux-gnu-g++ && command -v qemu-aarch64; } >/dev/null || [ "$$(id -u)" != 0 ] || \
+		(apt-get install -y -q g++-aarch64-linux-gnu qemu-user >/dev/null 2>&1 || \
+		(apt-get update -q >/dev/null 2>&1 && apt-get install -y -q g++-aarch64-linux-gnu qemu-user >/dev/null 2>&1)) || \
+		echo "no aarch64 cross compiler or qemu: the NEON kernel test will be skipped"
 	$(PY) -m pytest -q
 
 clean:
