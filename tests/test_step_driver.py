@@ -38,14 +38,15 @@ pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ comp
 
 
 def _build(compiler: str, flags: list[str], out_dir: Path) -> Path:
-    """The driver built by `compiler` with `flags` (cached by the sources, flags and compiler version)."""
+    """The driver built by `compiler` with `flags` (an object file with -c), cached by the sources, flags
+    and compiler version."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(f"{compiler}|{flags}|{version}".encode())
     for path in [DRIVER, *native.STEP.files()]:
         key.update(path.read_bytes())
-    exe = out_dir / f"step_driver-{key.hexdigest()[:16]}"
+    exe = out_dir / f"step_driver-{key.hexdigest()[:16]}{'.o' if '-c' in flags else ''}"
     if not exe.exists():
-        tmp = exe.with_suffix(f".tmp{os.getpid()}")
+        tmp = exe.with_name(f"{exe.name}.tmp{os.getpid()}")
         proc = subprocess.run([compiler, *flags, str(DRIVER), "-o", str(tmp)], capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, f"{compiler} {' '.join(flags)}:\n{proc.stderr[-4000:]}"
         tmp.rename(exe)
@@ -66,22 +67,39 @@ def _assert_same(results: dict[str, str], reference: dict[str, str], what: str) 
     assert not differ, f"{what} ({results['simd']}) differs from {reference['simd']} in {len(differ)} cases: {differ[:8]}"
 
 
+def _is_x86() -> bool:
+    return platform.machine() in ("x86_64", "AMD64")
+
+
+def _runnable() -> list[str]:
+    """The -march of every x86 family this CPU runs, "native" first."""
+    flags = cpu_flags()
+    return ["native"] + ([m for m, _, needs in X86_VARIANTS + EXTRA_X86 if needs <= flags] if _is_x86() else [])
+
+
 @pytest.fixture(scope="module")
-def builds(request, tmp_path_factory) -> Path:
-    cache = getattr(request.config, "cache", None)  # kept between runs, so only the first compiles
-    return Path(cache.mkdir("step-driver-builds")) if cache is not None else tmp_path_factory.mktemp("builds")
+def builds(request, tmp_path_factory):
+    """Every build the tests below use, started at once, one compiler per core: {name: Future[Path]} with
+    names "-march=M" (run here), "object -march=M" (compiled only) and "aarch64". Cached in pytest's cache
+    folder between runs, so only the first compiles."""
+    cache = getattr(request.config, "cache", None)
+    out = Path(cache.mkdir("step-driver-builds")) if cache is not None else tmp_path_factory.mktemp("builds")
+    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        jobs = {f"-march={m}": pool.submit(_build, "c++", [*FLAGS, f"-march={m}"], out) for m in _runnable()}
+        if _is_x86():
+            for march, path, needs in X86_VARIANTS + EXTRA_X86:
+                if not needs <= cpu_flags():
+                    flags = [*FLAGS, f"-march={march}", f'-DSTRATUM_EXPECT_SIMD="{path}"', "-c"]
+                    jobs[f"object -march={march}"] = pool.submit(_build, "c++", flags, out)
+        if all(shutil.which(tool) for tool in (CROSS, QEMU)):
+            jobs["aarch64"] = pool.submit(_build, CROSS, [*FLAGS, "-march=armv8-a", "-static"], out)
+        yield jobs
 
 
 @pytest.fixture(scope="module")
 def x86_results(builds) -> dict[str, dict[str, str]]:
     """Each x86 family this CPU runs, built and run: {-march: results}, "native" first."""
-    flags = cpu_flags()
-    variants = ["native"]
-    if platform.machine() in ("x86_64", "AMD64"):
-        variants += [m for m, _, needs in X86_VARIANTS + EXTRA_X86 if needs <= flags]
-    with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # one compiler per core
-        exes = list(pool.map(lambda m: _build("c++", [*FLAGS, f"-march={m}"], builds), variants))
-    return {m: _run([str(exe)]) for m, exe in zip(variants, exes)}
+    return {m: _run([str(builds[f"-march={m}"].result())]) for m in _runnable()}
 
 
 def test_every_x86_family_this_cpu_runs_prints_the_same_bits(x86_results):
@@ -96,18 +114,15 @@ def test_every_x86_family_this_cpu_runs_prints_the_same_bits(x86_results):
 
 
 @pytest.mark.parametrize("march, path", [(m, p) for m, p, _ in X86_VARIANTS + EXTRA_X86])
-def test_families_this_cpu_cannot_run_still_compile(march, path):
+def test_families_this_cpu_cannot_run_still_compile(march, path, builds):
     """AVX-512 and AVX-VNNI where the CPU lacks them: the driver compiled to an object (code generated,
     not only parsed), asserting at compile time that it built that family; running them is left to a
     machine that has them."""
-    if platform.machine() not in ("x86_64", "AMD64"):
+    if not _is_x86():
         pytest.skip("x86 families: an x86 compiler")
-    needs = next(n for m, _, n in X86_VARIANTS + EXTRA_X86 if m == march)
-    if needs <= cpu_flags():
+    if f"object -march={march}" not in builds:
         pytest.skip(f"this CPU runs -march={march}: compared bit for bit by the test above")
-    proc = subprocess.run(["c++", *FLAGS, f"-march={march}", f'-DSTRATUM_EXPECT_SIMD="{path}"', "-c", str(DRIVER),
-                           "-o", os.devnull], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert builds[f"object -march={march}"].result().stat().st_size > 0
 
 
 def test_neon_under_qemu_prints_the_bits_of_the_x86_families(x86_results, builds):
@@ -115,7 +130,6 @@ def test_neon_under_qemu_prints_the_bits_of_the_x86_families(x86_results, builds
     if missing:
         pytest.skip(f"no {' or '.join(missing)}: the NEON kernels are not checked here (`make test` installs "
                     "g++-aarch64-linux-gnu and qemu-user when run as root)")
-    exe = _build(CROSS, [*FLAGS, "-march=armv8-a", "-static"], builds)
-    results = _run([QEMU, str(exe)])
+    results = _run([QEMU, str(builds["aarch64"].result())])
     assert results["simd"] == "neon"
     _assert_same(results, x86_results["native"], "aarch64 under qemu")
