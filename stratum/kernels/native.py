@@ -1,12 +1,13 @@
 """Native CPU kernels (csrc/), compiled for this machine on first use and cached under $STRATUM_HOME.
 
-Two libraries: the native step (packed_step.cpp over csrc/step/, the whole forward on the GGUF blocks) and the
-PyTorch path's kernels (paged attention, the Q8_0 projection, rotary). Each is built once per
-machine, source, flags and torch version (`stratum pull` builds them ahead; later starts load the
-cached copies). They are compiled for this CPU (-march=native, or $STRATUM_MARCH, e.g. "haswell" to
-build what an AVX2-only machine would run), and the native step picks its instructions from what
-the compiler was told the CPU has (`simd_path()`). Without a C++ compiler, or with STRATUM_NATIVE=0,
-`available()` is False and the layers keep their PyTorch paths, which compute the same thing.
+Two libraries: the native step (packed_step.cpp over csrc/step/, the whole forward on the GGUF
+blocks; repack.cpp, the blocks into its tiles) and the PyTorch path's kernels (paged attention,
+the Q8_0 projection, rotary). Each is built once per machine, source, flags and torch version (`stratum pull` builds
+them ahead; later starts load the cached copies). They are compiled for this CPU (-march=native,
+or $STRATUM_MARCH, e.g. "haswell" to build what an AVX2-only machine would run), and the native
+step picks its instructions from what the compiler was told the CPU has (`simd_path()`). Without a
+C++ compiler, or with STRATUM_NATIVE=0, `available()` is False and the layers keep their PyTorch
+paths, which compute the same thing.
 
 Flags: the PyTorch path's kernels use -ffast-math (a vector exp; each row's arithmetic is still the
 same whatever the batch, since a row's code path never depends on the rows beside it). The native
@@ -47,7 +48,7 @@ class Library:
         return [CSRC / s for s in self.sources] + headers
 
 
-STEP = Library("stratum_step", ("packed_step.cpp",), ("-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"), "step")
+STEP = Library("stratum_step", ("packed_step.cpp", "repack.cpp"), ("-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"), "step")
 KERNELS = Library("stratum_native", ("paged_attention.cpp", "q8_linear.cpp", "rotary_cache.cpp"),
                   ("-O3", "-ffast-math", "-fopenmp"))
 LIBRARIES = (STEP, KERNELS)
