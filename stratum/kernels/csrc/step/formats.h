@@ -1,6 +1,7 @@
-// The tile formats: how a packed segment stores its weights (kernels/packed.py writes them, with the same
-// numbers), read here into int16 pairs and fp32 scales for any SIMD family. A new format is one more
-// entry in each list of this file; a new way of scaling a block's sums is a `Rule` (projection.h).
+// The tile formats: how a packed segment stores its weights, written here (`put_row`, `put_scales`: the
+// native repack, csrc/repack.cpp; kernels/packed.py `pack_reference` writes the same bytes in NumPy) and
+// read into int16 pairs and fp32 scales for any SIMD family. A new format is one more entry in each list
+// of this file; a new way of scaling a block's sums is a `Rule` (projection.h).
 #pragma once
 
 #include <type_traits>
@@ -176,6 +177,49 @@ inline void group_values(const uint8_t* wb, int g, int part, typename S::I p[4])
         for (int c = 0; c < 4; ++c) p[c] = S::sub16(p[c], 32);
     }
   }
+}
+
+// Writing a tile-block (csrc/repack.cpp), the drawings above from the other side. Row i's q of one block
+// (32 values: 4-, 5- or 6-bit unsigned, or kQ8's int8 bits) into the zeroed integer tile-block wb.
+inline void put_row(Format f, int64_t i, const uint8_t* q, uint8_t* wb) {
+  if (f == kQ8) {
+    for (int64_t j = 0; j < kBlock; ++j) wb[(j / 2) * 2 * kTile + 2 * i + j % 2] = q[j];
+    return;
+  }
+  const int64_t quad = i / 4, k = i % 4;
+  uint8_t* high = wb + kTile * kBlock / 2;
+  for (int64_t g = 0; g < 4; ++g)
+    for (int64_t h = 0; h < 2; ++h)
+      for (int64_t e = 0; e < 2; ++e) {
+        const int64_t r = h * 8 + k * 2 + e;  // the byte in the row quad's 16 of group g
+        const uint8_t lo = q[8 * g + 2 * h + e], hi = q[8 * g + 4 + 2 * h + e];
+        wb[g * 64 + quad * 16 + r] = (lo & 15) | (hi & 15) << 4;
+        if (high_bits(f) == 1) {
+          high[g * 16 + r] |= (lo >> 4) << quad | (hi >> 4) << (4 + quad);
+        } else if (high_bits(f) == 2) {
+          high[g * 32 + r] |= (lo >> 4) << (2 * quad);
+          high[g * 32 + 16 + r] |= (hi >> 4) << (2 * quad);
+        }
+      }
+}
+
+// Row i's 32 16-bit floats of one block into the float tile-block wb.
+inline void put_row_float(int64_t i, const uint16_t* v, uint8_t* wb) {
+  for (int64_t j = 0; j < kBlock; ++j) std::memcpy(wb + (j * kTile + i) * 2, v + j, 2);
+}
+
+// Row i's scales of block b into its tile's scales sc (zeroed bytes, scale_bytes_per_tile of them):
+// the format's fp16 values (d, then m where it has one), or for the super-block formats the block's two
+// integer scales (sc and min; sc_lo and sc_hi) and the super-block's fp16 D (and Dmin).
+inline void put_scales(Format f, int64_t b, int64_t i, const uint8_t* ints, const uint16_t* fp16, uint8_t* sc) {
+  if (!super_scales(f)) {
+    for (int64_t s = 0; s < block_scales(f) / kTile; ++s) std::memcpy(sc + ((b * block_scales(f)) + s * kTile + i) * 2, fp16 + s, 2);
+    return;
+  }
+  uint8_t* sup = sc + b / kSuper * super_bytes(f);
+  sup[b % kSuper * 2 * kTile + i] = ints[0];
+  sup[b % kSuper * 2 * kTile + kTile + i] = ints[1];
+  for (int64_t s = 0; s < (f == kQ6K ? 1 : 2); ++s) std::memcpy(sup + kSuper * 2 * kTile + (s * kTile + i) * 2, fp16 + s, 2);
 }
 
 // Fetches, kPrefetch ahead, the 64-byte lines of an integer tile-block that group g's turn covers: the
