@@ -2,7 +2,7 @@
 
 Two libraries: the native step (packed_step.cpp over csrc/step/, the whole forward on the GGUF
 blocks; repack.cpp, the blocks into its tiles) and the PyTorch path's kernels (paged attention,
-the Q8_0 projection, rotary). Each is built once per machine, source, flags and torch version (`stratum pull` builds
+rotary). Each is built once per machine, source, flags and torch version (`stratum pull` builds
 them ahead; later starts load the cached copies). They are compiled for this CPU (-march=native,
 or $STRATUM_MARCH, e.g. "haswell" to build what an AVX2-only machine would run), and the native
 step picks its instructions from what the compiler was told the CPU has (`simd_path()`). Without a
@@ -49,7 +49,7 @@ class Library:
 
 
 STEP = Library("stratum_step", ("packed_step.cpp", "repack.cpp"), ("-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"), "step")
-KERNELS = Library("stratum_native", ("paged_attention.cpp", "q8_linear.cpp", "rotary_cache.cpp"),
+KERNELS = Library("stratum_native", ("paged_attention.cpp", "rotary_cache.cpp"),
                   ("-O3", "-ffast-math", "-fopenmp"))
 LIBRARIES = (STEP, KERNELS)
 _state: dict[str, object] = {}
