@@ -63,7 +63,7 @@ FORMATS = {"Q4_0": Q4, "Q4_1": Q4, "Q8_0": Q8, "Q5_0": Q5, "Q5_1": Q5M, "Q4_K": 
 PACKED_QTYPES = tuple(FORMATS)
 _SUPER = {Q4K: 2, Q5K: 2, Q6K: 1}  # formats with fp16 scales per super-block of 256 inputs: how many
 _SUPER_BLOCKS = kquant.QK_K // GROUP_SIZE  # blocks of 32 in a super-block
-LAYOUT_VERSION = 3  # of the tiles below and csrc/step/formats.h's reading of them; names the cached copy
+LAYOUT_VERSION = 3  # of the tiles below and csrc/step/formats.h's (which writes and reads them); names the cached copy
 
 
 def _fp16(blocks: np.ndarray, offset: int) -> np.ndarray:
