@@ -31,8 +31,7 @@ class RunnerOutput:
     accepted: dict[str, tuple[list[int], list]] = field(default_factory=dict)
     logprobs: dict[str, Logprobs] = field(default_factory=dict)  # request_id -> its token's logprobs, where asked for
     forward_s: float = 0.0  # wall time inside the model forward and logits
-    sample_s: float = 0.0  # masks and sampling
-    mask_s: float = 0.0  # grammar masks alone
+    mask_s: float = 0.0  # grammar masks
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -56,7 +55,8 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.device = device
         num_slots = num_blocks * block_size
-        # kv_caches[layer] = (k, v), each [num_slots, num_kv_heads, head_dim]
+        # kv_caches[layer] = (k, v), each [num_slots, num_kv_heads, head_dim]; the native step keeps
+        # each block of k transposed, [num_kv_heads, head_dim, block_size] (`PackedStack.keys` reads it)
         shape = (num_slots, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [(_zeros(shape, dtype, device), _zeros(shape, dtype, device)) for _ in range(cfg.num_layers)]
         self._offsets = torch.arange(block_size, device=device)
@@ -113,7 +113,6 @@ class ModelRunner:
             if seq.sampling.return_logits:  # the rows whose input was kept: their positions are computed
                 for i in range(len(tokens)):
                     seq.logits.setdefault(seq.num_computed_tokens + i, rows[i].clone())
-        out.sample_s = time.perf_counter() - t1
         return out
 
     def _sample(self, logits: torch.Tensor, samplers: list, out: RunnerOutput, t1: float) -> None:

@@ -101,6 +101,3 @@ class StepStats:
     num_verify_seqs: int = 0
     draft_s: float = 0.0
 
-    @property
-    def overhead_s(self) -> float:
-        return self.step_s - self.forward_s
