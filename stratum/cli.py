@@ -23,6 +23,7 @@ def _engine_config(args, serving: bool = False):
         dtype=args.dtype,
         kv_cache_memory_mb=args.kv_cache_mb,
         max_model_len=args.max_model_len,
+        rope_scaling=args.rope_scaling, rope_scale=args.rope_scale, yarn_orig_ctx=args.yarn_orig_ctx,
         enable_prefix_cache=not args.no_prefix_cache,
         num_threads=args.threads,
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_num_seqs,
@@ -35,7 +36,14 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
     p.add_argument("--kv-cache-mb", type=int, default=256, help="memory for the KV pool")
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (default: the model's trained context; beyond it needs --rope-scaling)")
+    p.add_argument("--rope-scaling", default=None, choices=["none", "linear", "yarn"],
+                   help="extend the context beyond the trained one by scaling RoPE positions (default: none)")
+    p.add_argument("--rope-scale", type=float, default=None,
+                   help="the context scaling factor (default: --max-model-len / the trained context)")
+    p.add_argument("--yarn-orig-ctx", type=int, default=None,
+                   help="the context the scaling extends (default: the model's trained context)")
     p.add_argument("--max-batched-tokens", type=int, default=512, help="token budget per step (prefill chunk)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-waiting", type=int, default=256, help="waiting-queue cap; beyond it 529 overloaded")

@@ -35,7 +35,11 @@ log = logging.getLogger("stratum.engine")
 
 
 def load(config: EngineConfig) -> Checkpoint:
-    return load_checkpoint(resolve_model_path(config.model))
+    """The checkpoint, at the context asked for (ContextLengthError where the model cannot reach it)."""
+    checkpoint = load_checkpoint(resolve_model_path(config.model))
+    checkpoint.config = checkpoint.config.with_context(config.max_model_len, config.rope_scaling, config.rope_scale,
+                                                       config.yarn_orig_ctx)
+    return checkpoint
 
 
 def default_threads(serving: bool, native_step: bool = False) -> int:
