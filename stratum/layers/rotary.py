@@ -49,7 +49,10 @@ def _yarn(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: dict[str
     def dim_of(rotations: float) -> float:  # the dimension whose frequency turns `rotations` times over `original`
         return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
-    low, high = max(math.floor(dim_of(fast)), 0), min(math.ceil(dim_of(slow)), head_dim - 1)
+    low, high = dim_of(fast), dim_of(slow)
+    if scaling.get("truncate", True):  # whole dimensions, as the paper's code has it (a checkpoint may say otherwise)
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
     ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
     return inv_freq / factor * ramp + inv_freq * (1 - ramp)
 
