@@ -214,7 +214,8 @@ def _serving_app(args, client, name: str):
                                   args.host in ("127.0.0.1", "localhost", "::1") or bool(keys))),
                               default_temperature=config.default_temperature, default_top_p=config.default_top_p,
                               tenant_budget_tokens=args.tenant_budget_tokens, budget_window_s=args.budget_window_s,
-                              pollution_policy=args.pollution_policy, pricing=pricing_from_spec(args.pricing))
+                              pollution_policy=args.pollution_policy, pricing=pricing_from_spec(args.pricing),
+                              responses_store_bytes=args.responses_store_mb * 2**20)
     client.tokenizer.offload_large_texts(LARGE_TEXT_CHARS)
     if keys:
         print(f"stratum: {len(keys)} API key{'s' if len(keys) != 1 else ''}; " + (
@@ -448,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="where Message Batches are kept, in SQLite (default $STRATUM_HOME/data); '' to serve none")
     p.add_argument("--batch-expiry-h", type=float, default=24.0, help="a batch expires this long after creation")
     p.add_argument("--batch-retention-days", type=float, default=29.0, help="results are kept this long after a batch ends")
+    p.add_argument("--responses-store-mb", type=int, default=64,
+                   help="stored Responses API responses, kept in memory up to this much JSON (oldest dropped first)")
     p.add_argument("--console", choices=["auto", "on", "off"], default="auto",
                    help="the web console at /console; auto: on when serving loopback only or with API keys")
     p.add_argument("--header-wait-s", type=float, default=2.0,

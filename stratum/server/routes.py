@@ -10,10 +10,11 @@ from fastapi import FastAPI, Request
 from stratum.server import anthropic_api, openai_api, responses_api, responses_chat
 from stratum.server.auth import owner_of
 from stratum.server.body import read_request
-from stratum.server.chat import anthropic_input, openai_input
+from stratum.server.chat import anthropic_input, build_prompt, openai_input
 from stratum.server.errors import InvalidRequest
 from stratum.server.lifecycle import RequestLifecycle
-from stratum.server.protocol import ChatCompletionRequest, CompletionRequest, MessagesRequest, ResponsesRequest
+from stratum.server.protocol import (ChatCompletionRequest, CompletionRequest, InputTokensRequest, MessagesRequest,
+                                     ResponsesRequest)
 from stratum.server.runtime import Runtime
 from stratum.server.sampling import check_output_limit
 from stratum.server.settings import ServerSettings
@@ -105,6 +106,17 @@ def responses_routes(app: FastAPI, rt: Runtime, settings: ServerSettings, read) 
             shell = responses_api.ResponseShell(req, sampling.temperature, sampling.top_p)
             renderer = responses_api.Responses(lc.render_context(req.model), shell, names, keep)
             return await lc.respond(renderer, req.stream)
+
+    @app.post("/v1/responses/input_tokens")
+    async def count_input_tokens(request: Request):
+        req = await read_request(request, InputTokensRequest, settings.max_body_bytes, settings.body_timeout_s)
+        if req.model is not None:
+            settings.check_model(req.model)
+        items, _ = responses_chat.conversation(req, store, owner_of(request, keyed))
+        offered, forced = responses_chat.choose_tools(req, responses_chat.offered_tools(req, items))
+        chat = responses_chat.responses_input(req, items, offered, forced)
+        prompt = await asyncio.to_thread(build_prompt, rt.engine.chat_template, chat)
+        return {"object": "response.input_tokens", "input_tokens": len(prompt.token_ids)}
 
     @app.get("/v1/responses/{response_id}")
     async def retrieve_response(request: Request, response_id: str):

@@ -5,7 +5,7 @@ the bodies the routes read are named here."""
 from stratum.server.protocol.chat_completions import ChatCompletionRequest, CompletionRequest
 from stratum.server.protocol.messages import BatchCreateRequest, CountTokensRequest, MessagesRequest
 from stratum.server.protocol.response_items import RespMessage
-from stratum.server.protocol.responses import ResponsesRequest
+from stratum.server.protocol.responses import InputTokensRequest, ResponsesRequest
 
-__all__ = ["BatchCreateRequest", "ChatCompletionRequest", "CompletionRequest", "CountTokensRequest", "MessagesRequest",
-           "RespMessage", "ResponsesRequest"]
+__all__ = ["BatchCreateRequest", "ChatCompletionRequest", "CompletionRequest", "CountTokensRequest", "InputTokensRequest",
+           "MessagesRequest", "RespMessage", "ResponsesRequest"]

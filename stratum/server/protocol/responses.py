@@ -82,7 +82,7 @@ class ResponsesRequest(Loose):
     @property
     def items(self) -> list:
         """The input as items: a string input is one user message."""
-        return [RespMessage(role="user", content=self.input)] if isinstance(self.input, str) else list(self.input)
+        return [RespMessage(role="user", content=self.input)] if isinstance(self.input, str) else list(self.input or [])
 
     @property
     def additional_tools(self) -> list:
@@ -95,3 +95,11 @@ class ResponsesRequest(Loose):
         if fmt is None or fmt.type == "text":
             return None
         return {"type": "object"} if fmt.type == "json_object" else fmt.schema_
+
+
+class InputTokensRequest(ResponsesRequest):
+    """POST /v1/responses/input_tokens: what a response to the same body would read, counted; `model` and
+    `input` may be left out (a stored response continued is the input then)."""
+
+    model: str | None = Field(default=None, min_length=1, max_length=256)
+    input: str_or_list(RespInputItem, "a list of input items") | None = None
