@@ -16,6 +16,7 @@ import subprocess
 from pathlib import Path
 
 import anthropic
+import httpx
 import openai
 import pytest
 
@@ -444,6 +445,23 @@ def agent_server(tmp_path_factory):
     server.stop()
 
 
+CAPTURES = sorted(AGENTS_DATA.glob("*/*/*.json"))
+
+
+@pytest.mark.parametrize("capture", CAPTURES, ids=[f"{c.parent.parent.name}-{c.parent.name}-{c.stem}" for c in CAPTURES])
+def test_a_captured_request_is_read(agent_server, capture):
+    """Each request the CLIs were recorded sending (tests/data/agents) is read as they sent it: counted
+    (count_tokens; responses/input_tokens, which takes no model name: the captures name the default model)
+    to the same prompt the generating route builds."""
+    body = {k: v for k, v in json.loads(capture.read_text())["body"].items() if k not in ("stream", "max_tokens", "metadata")}
+    path = "/v1/responses/input_tokens" if "input" in body else "/v1/messages/count_tokens"
+    if "input" in body:
+        del body["model"]
+    r = httpx.post(agent_server.url + path, json=body, timeout=120)
+    assert r.status_code == 200, r.text[:1000]
+    assert r.json()["input_tokens"] > 4000
+
+
 def test_claude_code_default_tools_end_to_end(agent_server, tmp_path):
     """`claude -p` with its default tool set (its prompt is over 12k tokens): Claude Code asks for
     max_tokens 128000, reads the 400's limit, asks again with it, and completes its turn."""
@@ -478,9 +496,14 @@ def extended_real_server(real_model_path):
 
 
 @pytest.mark.integration
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
 def test_codex_on_the_default_model(extended_real_server, tmp_path):
     """`codex exec` on the default model with Codex's default tools and settings: a completed turn with an
-    answer, the whole stream kept alive through the long prefill (`response.in_progress`)."""
+    answer, the stream kept alive through the long prefill (`response.in_progress`). The long variant
+    (--slow): on the loaded 2-core reference machine its 9,215-token prefill took 12 minutes (Codex,
+    which reconnects after 5 minutes without an event, did not), and decoding at that context ran at
+    about 1 token/s; the default run has `test_codex_default_tools_end_to_end` on a tiny model."""
     binary = install_codex()
     events = run_codex(binary, extended_real_server, tmp_path, "smollm2-135m")
     kinds = [e["type"] for e in events]
