@@ -41,7 +41,9 @@ class ResponseStore:
         self.max_bytes = max_bytes
         self.num_bytes = 0
         self._responses: OrderedDict[str, Stored] = OrderedDict()
-        self._items: dict[str, str] = {}  # item id -> the id of the response that holds it
+        # (owner, item id) -> the id of the response that holds it: clients choose item ids (Codex sends its
+        # own), so one owner's ids never shadow another's
+        self._items: dict[tuple[str, str], str] = {}
         self._lock = threading.Lock()  # written from the event loop, read by GETs: kept consistent by one lock
 
     def put(self, owner: str, body: dict[str, Any], input_items: list[dict[str, Any]], previous_id: str | None) -> None:
@@ -55,7 +57,7 @@ class ResponseStore:
             self._responses[body["id"]] = stored
             self.num_bytes += stored.num_bytes
             for item_id in stored.item_ids:
-                self._items[item_id] = body["id"]
+                self._items[owner, item_id] = body["id"]
             while self.num_bytes > self.max_bytes:
                 self._drop(next(iter(self._responses)))
 
@@ -103,7 +105,7 @@ class ResponseStore:
     def item(self, owner: str, item_id: str) -> dict[str, Any]:
         """An item of a stored response (input or output) by its id. Raises NotFound."""
         with self._lock:
-            response_id = self._items.get(item_id)
+            response_id = self._items.get((owner, item_id))
             stored = self._responses.get(response_id) if response_id is not None else None
         if stored is None or stored.owner != owner:
             raise NotFound(f"Item with id '{item_id}' not found.")
@@ -113,5 +115,5 @@ class ResponseStore:
         stored = self._responses.pop(response_id)
         self.num_bytes -= stored.num_bytes
         for item_id in stored.item_ids:
-            if self._items.get(item_id) == response_id:
-                del self._items[item_id]
+            if self._items.get((stored.owner, item_id)) == response_id:
+                del self._items[stored.owner, item_id]
