@@ -25,6 +25,9 @@ class Loose(BaseModel):
 
 
 def check_object_schema(v: dict[str, Any]) -> dict[str, Any]:
+    # the anthropic SDK's InputSchema model dumps its unset `properties` / `required` as null: a null
+    # keyword says nothing, so it is left out rather than refused
+    v = {key: value for key, value in v.items() if value is not None}
     if v.get("type") != "object":
         raise ValueError("a tool's schema must have type 'object'")
     return v
