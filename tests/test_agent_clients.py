@@ -365,17 +365,20 @@ AGENT_EOS_LOGIT = 170.0
 
 def install_npm(package: str, version: str, command: str) -> Path:
     """`package`@`version` from npm, cached under $STRATUM_HOME/npm (one install, under a lock, whatever
-    number of test processes ask); its `command`. Skips only where npm or its registry cannot be reached."""
+    number of test processes ask); its `command`. Skips only where node is missing, or the package is not
+    cached and npm or its registry cannot be reached."""
     from stratum.home import stratum_home
 
-    if shutil.which("npm") is None:
-        pytest.skip(f"npm is not installed: cannot fetch {package}")
+    if shutil.which("node") is None:
+        pytest.skip(f"node is not installed: cannot run {package}")
     prefix = stratum_home() / "npm" / f"{package.rsplit('/', 1)[-1]}-{version}"
     binary = prefix / "node_modules" / ".bin" / command
     prefix.mkdir(parents=True, exist_ok=True)
     with open(prefix / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not binary.exists():
+            if shutil.which("npm") is None:
+                pytest.skip(f"npm is not installed: cannot fetch {package}@{version} (not cached in {prefix})")
             r = subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(prefix), f"{package}@{version}"],
                                capture_output=True, text=True, timeout=600)
             unreachable = ("ENOTFOUND", "ECONNREFUSED", "ETIMEDOUT", "EAI_AGAIN", "ECONNRESET", "ENETUNREACH")
