@@ -173,6 +173,24 @@ def responses_input(req: ResponsesRequest, items: list, offered: list[ToolSpec],
                      parallel_calls=req.parallel_tool_calls is not False)
 
 
+@dataclass(frozen=True, slots=True)
+class AsChat:
+    """A Responses request as the model reads it: its chat input, the tools offered (to name calls back)
+    and its input as it would be stored."""
+
+    chat: ChatInput
+    offered: list[ToolSpec]
+    stored_input: list[dict[str, Any]]
+
+
+def as_chat(req: ResponsesRequest, store: ResponseStore, owner: str) -> AsChat:
+    """`conversation`, the tools it offers and chooses, and its chat turns: what both the generating
+    route and /v1/responses/input_tokens read (one count for one prompt)."""
+    items, stored_input = conversation(req, store, owner)
+    offered, forced = choose_tools(req, offered_tools(req, items))
+    return AsChat(responses_input(req, items, offered, forced), offered, stored_input)
+
+
 def _turns(item, names: dict[str, str]) -> list[dict[str, Any]]:
     kind = item.type
     if kind == "message":

@@ -92,16 +92,14 @@ def responses_routes(app: FastAPI, rt: Runtime, settings: ServerSettings, read) 
     async def responses(request: Request):
         req = await read(request, ResponsesRequest)
         owner = owner_of(request, keyed)
-        items, stored_input = responses_chat.conversation(req, store, owner)
-        offered, forced = responses_chat.choose_tools(req, responses_chat.offered_tools(req, items))
-        chat = responses_chat.responses_input(req, items, offered, forced)
+        asked = responses_chat.as_chat(req, store, owner)
         sampling = settings.sampling_defaults.apply(max_tokens=req.max_output_tokens, temperature=req.temperature,
                                                     top_p=req.top_p, seed=req.seed, ignore_eos=req.ignore_eos)
-        names = {s.model_name: (s.namespace, s.name, s.is_custom) for s in offered}
-        keep = (lambda body: store.put(owner, body, stored_input, req.previous_response_id)) if req.is_stored else None
+        names = {s.model_name: (s.namespace, s.name, s.is_custom) for s in asked.offered}
+        keep = (lambda body: store.put(owner, body, asked.stored_input, req.previous_response_id)) if req.is_stored else None
         async with RequestLifecycle.admit(rt, request, "/v1/responses", req.max_output_tokens,
                                           req.safety_identifier or req.user) as lc:
-            await lc.prepare(chat, sampling, default_max=req.max_output_tokens is None)
+            await lc.prepare(asked.chat, sampling, default_max=req.max_output_tokens is None)
             await lc.submit()
             shell = responses_api.ResponseShell(req, sampling.temperature, sampling.top_p)
             renderer = responses_api.Responses(lc.render_context(req.model), shell, names, keep)
@@ -112,9 +110,7 @@ def responses_routes(app: FastAPI, rt: Runtime, settings: ServerSettings, read) 
         req = await read_request(request, InputTokensRequest, settings.max_body_bytes, settings.body_timeout_s)
         if req.model is not None:
             settings.check_model(req.model)
-        items, _ = responses_chat.conversation(req, store, owner_of(request, keyed))
-        offered, forced = responses_chat.choose_tools(req, responses_chat.offered_tools(req, items))
-        chat = responses_chat.responses_input(req, items, offered, forced)
+        chat = responses_chat.as_chat(req, store, owner_of(request, keyed)).chat
         prompt = await asyncio.to_thread(build_prompt, rt.engine.chat_template, chat)
         return {"object": "response.input_tokens", "input_tokens": len(prompt.token_ids)}
 
