@@ -124,7 +124,7 @@ def starting_server():
 
 
 def test_requests_during_start_up_get_503_in_their_api_shape_then_the_app_answers(starting_server, tiny_model_dir):
-    from stratum.engine.client import start_thread_engine
+    from stratum.engine.loop import start_thread_engine
     from stratum.engine.core import LLMEngine
     from stratum.engine.config import EngineConfig
     from stratum.server.app import ServerSettings, create_app
@@ -186,7 +186,7 @@ def test_every_report_of_the_kernels_follows_the_switch(tiny_gguf, uncompiled, s
     """A cold start served over HTTP: once /health says the native step has taken over, a request's
     `X-Stratum-Debug: full` trace reports it and its numerics, not the provisional step the server
     started on (the engine sends its `EngineInfo` again when it switches)."""
-    from stratum.engine.client import start_thread_engine
+    from stratum.engine.loop import start_thread_engine
     from stratum.server.app import ServerSettings, create_app
     from stratum.telemetry.trace import decode_trace
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from stratum.engine import weight_cache
-from stratum.engine.config import EngineConfig, ResolvedConfig
+from stratum.engine.config import EngineConfig, ResolvedConfig, configured_threads, default_threads
 from stratum.home import stratum_home
 from stratum.kernels import KernelPlan, native
 from stratum.kernels import numerics as rule
@@ -45,23 +45,6 @@ def load(config: EngineConfig) -> Checkpoint:
     checkpoint.config = checkpoint.config.with_context(config.max_model_len, config.rope_scaling, config.rope_scale,
                                                        config.yarn_orig_ctx)
     return checkpoint
-
-
-def default_threads(serving: bool, native_step: bool = False) -> int:
-    """$STRATUM_NUM_THREADS, else every core; a server on the PyTorch step leaves one core to its
-    HTTP side.
-
-    Measured on the 2-core reference machine: with the PyTorch step, 1 engine thread served 1.6x (one
-    stream) and 1.16x (32 streams) the tokens/s of 2 threads, whose spin-waiting lost to the server's
-    own work. With the native step it is the other way round (`stratum bench compare`, 2 threads
-    over 1, Intel machine): 1.69x at one stream, 1.34x at 16 unique streams, 1.27x at 32 streams
-    under a shared prompt and 1.27x on the multiturn workload.
-    """
-    env = int(os.environ.get("STRATUM_NUM_THREADS", 0) or 0)
-    if env > 0:
-        return env
-    cores = os.cpu_count() or 1
-    return max(1, cores - 1) if serving and not native_step else cores
 
 
 def rule_inputs(config: EngineConfig, checkpoint: Checkpoint, device: str) -> RuleInputs:
@@ -131,13 +114,14 @@ def _resolved(config: EngineConfig, checkpoint: Checkpoint, numerics: Numerics, 
 def _plan(config: EngineConfig, checkpoint: Checkpoint, numerics: Numerics, measure: bool) -> KernelPlan:
     """The speed choices: the native step's threads from the kernel plan; elsewhere by rule, since
     the PyTorch step's fp32 matmuls may sum in another order at another thread count."""
-    configured = config.num_threads or int(os.environ.get("STRATUM_NUM_THREADS", 0) or 0)
+    configured = configured_threads(config.num_threads)
     if configured:
         return KernelPlan(numerics.device, configured, cpu_name(), source="configured", basis="set by the user")
+    threads = default_threads(config.serving, native_step=numerics.step == NATIVE)
     if numerics.step != NATIVE:
-        return KernelPlan(numerics.device, default_threads(config.serving), cpu_name(), source="rule",
-                          basis="builder.default_threads")
-    return select_plan(stratum_home(), Shapes.of(checkpoint.config, checkpoint.quantized), os.cpu_count() or 1,
+        return KernelPlan(numerics.device, threads, cpu_name(), source="rule", basis="config.default_threads")
+    # the rule's count (every core) is the plan's default and the most it tries
+    return select_plan(stratum_home(), Shapes.of(checkpoint.config, checkpoint.quantized), threads,
                        remeasure=config.remeasure_plan, measure=measure)
 
 
