@@ -61,6 +61,19 @@ def cold_engine(tiny_gguf):
     return LLM(str(tiny_gguf), defer_kernels=True, num_kv_blocks=128, block_size=4).engine
 
 
+def test_a_cold_start_serves_without_loading_the_native_kernels(tiny_gguf, uncompiled, monkeypatch):
+    """Loading them would compile them in the foreground: the wait the provisional step exists to avoid."""
+    from stratum.kernels import native
+
+    monkeypatch.setattr(native, "available", lambda: pytest.fail("a cold start loaded the native kernels"))
+    engine = cold_engine(tiny_gguf)
+    try:
+        assert engine.config.numerics.step == "pytorch" and not engine.runner.native
+        run(engine, [engine.tokenizer.encode(PROMPTS[0])], max_tokens=2)
+    finally:
+        engine.upgrade.cancel()
+
+
 def test_a_cold_engine_switches_to_the_prepared_step_with_requests_in_flight(tiny_gguf, uncompiled):
     engine = cold_engine(tiny_gguf)
     assert engine.upgrade is not None and not engine.runner.native  # nothing native waited for

@@ -47,12 +47,13 @@ def load(config: EngineConfig) -> Checkpoint:
     return checkpoint
 
 
-def rule_inputs(config: EngineConfig, checkpoint: Checkpoint, device: str) -> RuleInputs:
-    """What the numerics rule reads. On the CPU it loads the native kernels (compiling them once)."""
+def rule_inputs(config: EngineConfig, checkpoint: Checkpoint, device: str, load_native: bool = True) -> RuleInputs:
+    """What the numerics rule reads. On the CPU it loads the native kernels (compiling them once), unless
+    told not to (`load_native=False`: a cold start's provisional step must not wait for a compile)."""
     quantized = checkpoint.quantized
     return RuleInputs(device, config.dtype, config.native_step, config.int4_max_tokens,
                       tuple(sorted({t.qtype for t in quantized.values()})), native_step_refusal(checkpoint.config, quantized),
-                      device == "cpu" and native.available(), tuple(sorted(cpu_flags() & SIMD_FEATURES)))
+                      device == "cpu" and load_native and native.available(), tuple(sorted(cpu_flags() & SIMD_FEATURES)))
 
 
 def resolve(config: EngineConfig, checkpoint: Checkpoint, measure: bool = True, defer: bool = False) -> ResolvedConfig | None:
@@ -76,7 +77,7 @@ def resolve(config: EngineConfig, checkpoint: Checkpoint, measure: bool = True, 
 def provisional(config: EngineConfig, checkpoint: Checkpoint) -> ResolvedConfig:
     """What a cold start serves on while the native kernels are compiled (`engine.prepare`): the
     PyTorch layers on int4 copies where the format allows (`numerics.provisional`), nothing measured."""
-    inputs = replace(rule_inputs(config, checkpoint, "cpu"), native_kernels=False)
+    inputs = rule_inputs(config, checkpoint, "cpu", load_native=False)
     numerics = rule.provisional(inputs, checkpoint.identity)
     numerics = replace(numerics, platform=_platform(numerics))
     threads = config.num_threads or default_threads(config.serving)
