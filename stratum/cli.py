@@ -28,6 +28,8 @@ def _engine_config(args, serving: bool = False):
         num_threads=args.threads,
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_num_seqs,
                                   max_waiting=args.max_waiting),
+        speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+        prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max, draft_model=args.draft_model,
     )
 
 
@@ -55,6 +57,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=256, help="waiting-queue cap; beyond it 529 overloaded")
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--no-prefix-cache", action="store_true")
+    p.add_argument("--speculative", default="auto", choices=["auto", "off", "ngram", "draft"],
+                   help="speculative decoding: auto (default) proposes by prompt lookup, or by --draft-model, per request "
+                        "where the measured step cost and its acceptance say it pays; ngram / draft: that proposer "
+                        "whenever it has a proposal; off: never")
+    p.add_argument("--num-speculative-tokens", type=int, default=16, help="the most tokens proposed per request and step")
+    p.add_argument("--prompt-lookup-min", type=int, default=2, help="the shortest n-gram prompt lookup matches")
+    p.add_argument("--prompt-lookup-max", type=int, default=5, help="the longest n-gram prompt lookup matches")
+    p.add_argument("--draft-model", default=None, metavar="FILE",
+                   help="a smaller model with the same tokenizer (GGUF file or folder) that proposes tokens")
     p.add_argument("--engine", default="process", choices=["process", "thread"],
                    help="where the engine loop runs: a process of its own (default), or a thread of the server "
                         "(with --replicas, each replica's process runs it)")
@@ -400,7 +411,15 @@ def _checkpoint_info(checkpoint, resolved) -> dict:
         "quantized_tensors": {q: dict(c) for q, c in sorted(by_type.items())},
         "dequantized_to_dense": dense_from,
         "attention": attention_path(model, resolved.device == "cpu" and native.available()),
+        "speculative_decoding": _speculation(resolved.numerics, model),
     }
+
+
+def _speculation(numerics, model) -> str:
+    from stratum.engine.spec_decode import verify_refusal
+
+    why = verify_refusal(numerics, model)
+    return f"off: {why}" if why else "verified on the native step (serve --speculative auto by default)"
 
 
 def _parts(fused: str) -> list[str]:
@@ -437,7 +456,7 @@ def cmd_warmup(args) -> int:
     return 0 if report["failed"] == 0 else 1
 
 
-BENCHMARKS = ("offline", "serve", "compare", "roofline", "soak", "constrained", "batch", "cluster", "startup")
+BENCHMARKS = ("offline", "serve", "compare", "roofline", "soak", "constrained", "batch", "cluster", "startup", "speculative")
 
 
 def cmd_bench(args, rest) -> int:
@@ -554,7 +573,7 @@ def _warmup_parser(sub) -> None:
 
 
 def _bench_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: offline, serve, compare, roofline, soak, constrained, batch, cluster, startup (each takes --help)", add_help=False)
+    p = sub.add_parser("bench", help="benchmarks: offline, serve, compare, roofline, soak, constrained, batch, cluster, startup, speculative (each takes --help)", add_help=False)
     p.add_argument("kind", choices=BENCHMARKS)
     p.set_defaults(func=None)
 

@@ -57,8 +57,8 @@ def uncompiled(monkeypatch, tmp_path):
     monkeypatch.setattr(native, "is_built", lambda: False)
 
 
-def cold_engine(tiny_gguf):
-    return LLM(str(tiny_gguf), defer_kernels=True, num_kv_blocks=128, block_size=4).engine
+def cold_engine(tiny_gguf, **kw):
+    return LLM(str(tiny_gguf), defer_kernels=True, num_kv_blocks=128, block_size=4, **kw).engine
 
 
 def test_a_cold_start_serves_without_loading_the_native_kernels(tiny_gguf, uncompiled, monkeypatch):
@@ -75,11 +75,15 @@ def test_a_cold_start_serves_without_loading_the_native_kernels(tiny_gguf, uncom
 
 
 def test_a_cold_engine_switches_to_the_prepared_step_with_requests_in_flight(tiny_gguf, uncompiled):
-    engine = cold_engine(tiny_gguf)
+    # with a draft model (the file itself): it follows the target's kernels, and speculation verifies
+    # only once the step is batch-invariant, so the answers are still plain decoding's
+    engine = cold_engine(tiny_gguf, draft_model=str(tiny_gguf), speculative="draft")
     assert engine.upgrade is not None and not engine.runner.native  # nothing native waited for
     assert engine.kernel_choices["step"] == "pytorch" and engine.kernel_choices["native_kernels"] == "being prepared"
     provisional = engine.config.numerics
     assert provisional.step == "pytorch" and "int4" in dict(provisional.weights).values()  # from the blocks, not dense
+    assert engine.speculator.draft.numerics == provisional  # the same file, by the same rule, on the same kernels
+    assert "batch-invariant" in engine.kernel_choices["speculative"]["why"]
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
     seqs = [engine.add_request(p, greedy()) for p in prompts]
     for _ in range(STEPS_BEFORE_SWITCH):  # a step never switches: the loop does, between steps
@@ -95,11 +99,13 @@ def test_a_cold_engine_switches_to_the_prepared_step_with_requests_in_flight(tin
     assert engine.upgrade is None and engine.kernel_choices["step"] == "native, packed blocks"
     assert engine.config.numerics.step == "native" and engine.config.numerics.key() != provisional.key()
     assert engine.kernel_choices["numerics"] == engine.config.numerics.key()  # the key follows the step
+    assert engine.speculator.draft.numerics == engine.config.numerics and engine.kernel_choices["speculative"]["mode"] == "draft"
     assert engine.block_manager.num_cached_blocks == 0  # the old pool's cache is gone with it
     while engine.has_unfinished():
         engine.step()
     assert engine.block_manager.num_used_blocks == 0  # nothing leaked
     assert all(s.num_preemptions == 1 and s.num_output_tokens == MAX_TOKENS for s in seqs)
+    assert sum(s.spec.num_accepted for s in seqs) > 0  # the draft proposed after the switch, and was kept
 
     # Up to the switch: the provisional step's tokens (another provisional engine, alone).
     alone = cold_engine(tiny_gguf)

@@ -192,7 +192,8 @@ async def run_load(target: Target, workload: Workload, load: LoadConfig, progres
                     r = RequestResult(i, turn, conv.kind, start_s=time.perf_counter() - t_start)
                     try:
                         async with asyncio.timeout(load.timeout_s):
-                            await send_request(client, target, conv.system, list(messages), r)
+                            prefill = [{"role": "assistant", "content": conv.prefill}] if conv.prefill else []
+                            await send_request(client, target, conv.system, messages + prefill, r)
                     except TimeoutError:
                         r.error = f"timeout after {load.timeout_s:g} s"
                     except asyncio.CancelledError:

@@ -57,6 +57,10 @@ class BlockManager:
         total = math.ceil((seq.num_computed_tokens + num_new_tokens) / self.block_size)
         return max(0, total - len(seq.block_table))
 
+    def num_blocks_needed_for(self, num_tokens: int) -> int:
+        """Blocks that hold num_tokens positions."""
+        return -(-num_tokens // self.block_size)
+
     def can_allocate(self, num_blocks: int) -> bool:
         if num_blocks <= len(self.free_blocks):
             return True
@@ -167,6 +171,15 @@ class BlockManager:
                 self.free_blocks.append(b)
         seq.block_table = []
         seq.num_inserted_blocks = 0
+
+    def truncate(self, seq: Sequence, num_blocks: int) -> None:
+        """Return seq's blocks past its first num_blocks: blocks it alone holds, never cached (the
+        lookahead of a verify step whose proposals were rejected)."""
+        for b in seq.block_table[num_blocks:]:
+            self.ref_counts[b] -= 1
+            assert self.ref_counts[b] == 0 and not self.cache.contains_block(b), f"truncating shared block {b}"
+            self.free_blocks.append(b)
+        del seq.block_table[num_blocks:]
 
     def reset_prefix_cache(self) -> int:
         """Evict every unreferenced cached block. Returns how many were freed."""

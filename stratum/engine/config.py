@@ -85,6 +85,12 @@ class EngineConfig:
     defer_kernels: bool = False
     seed: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    # speculative decoding (engine.spec_decode.SpecConfig): "auto" | "off" | "ngram" | "draft"
+    speculative: str = "auto"
+    num_speculative_tokens: int = 16  # the most tokens proposed per request and step
+    prompt_lookup_min: int = 2  # the n-gram lengths prompt lookup matches
+    prompt_lookup_max: int = 5
+    draft_model: str | None = None  # a GGUF file or folder with the model's tokenizer
 
     def to_json(self) -> str:
         """For another process of this runtime (the engine process, the preparing child)."""
