@@ -67,7 +67,12 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_mb
     kv_cache_memory_mb: int = 256
-    max_model_len: int | None = None  # None: the checkpoint's context length
+    max_model_len: int | None = None  # None: the checkpoint's context length (or what rope_scaling reaches)
+    # RoPE scaling that extends the context beyond the trained one, as llama.cpp's --rope-scaling /
+    # --rope-scale / --yarn-orig-ctx (`ModelConfig.with_context`); None: the trained context, at most
+    rope_scaling: str | None = None
+    rope_scale: float | None = None
+    yarn_orig_ctx: int | None = None
     enable_prefix_cache: bool = True
     num_threads: int | None = None  # torch threads for decode-bound steps; None: `default_threads`
     prefill_threads: int | None = None  # for steps with at least PREFILL_STEP_TOKENS tokens; None: every core
