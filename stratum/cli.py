@@ -24,6 +24,8 @@ def _engine_config(args, serving: bool = False):
         kv_cache_memory_mb=args.kv_cache_mb,
         max_model_len=args.max_model_len,
         enable_prefix_cache=not args.no_prefix_cache,
+        kv_disk_gb=args.kv_disk_gb,
+        kv_disk_dir=args.kv_disk_dir,
         num_threads=args.threads,
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_num_seqs,
                                   max_waiting=args.max_waiting),
@@ -41,6 +43,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=256, help="waiting-queue cap; beyond it 529 overloaded")
     p.add_argument("--threads", type=int, default=None, help="engine threads (serve default: cores - 1)")
     p.add_argument("--no-prefix-cache", action="store_true")
+    p.add_argument("--kv-disk-gb", type=float, default=None,
+                   help="the prefix cache's disk tier bound in GiB (default: a tenth of the free disk, at most 16; 0: off)")
+    p.add_argument("--kv-disk-dir", default=None, help="the disk tier's folder (default: $STRATUM_HOME/kv)")
     p.add_argument("--engine", default="process", choices=["process", "thread"],
                    help="where the engine loop runs: a process of its own (default), or a thread of the server "
                         "(with --replicas, each replica's process runs it)")
@@ -400,7 +405,7 @@ def cmd_warmup(args) -> int:
     return 0 if report["failed"] == 0 else 1
 
 
-BENCHMARKS = ("offline", "serve", "compare", "roofline", "soak", "constrained", "batch", "cluster", "startup")
+BENCHMARKS = ("offline", "serve", "compare", "roofline", "soak", "constrained", "batch", "cluster", "startup", "disktier")
 
 
 def cmd_bench(args, rest) -> int:
@@ -502,7 +507,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-key", default=None)
     p.set_defaults(func=cmd_warmup)
 
-    p = sub.add_parser("bench", help="benchmarks: offline, serve, compare, roofline, soak, constrained, batch, cluster, startup (each takes --help)", add_help=False)
+    p = sub.add_parser("bench", help="benchmarks: offline, serve, compare, roofline, soak, constrained, batch, cluster, startup, disktier (each takes --help)", add_help=False)
     p.add_argument("kind", choices=BENCHMARKS)
     p.set_defaults(func=None)
 

@@ -106,7 +106,7 @@ class ReplicaSetTransport(Transport):
             mean_step_s=max(s.mean_step_s for s in snaps), threads=sum(s.threads for s in snaps),
             rss_mb=sum(s.rss_mb for s in snaps), step="+".join(sorted({s.step for s in alive if s.step})),
             preparing="; ".join(f"{v.name}: {v.snapshot.preparing}" for v in views if v.snapshot.preparing) or None,
-            published_at=min(s.published_at for s in snaps))
+            published_at=min(s.published_at for s in snaps), kv_tiers=_summed_tiers(snaps))
 
     # ---- requests -----------------------------------------------------------------------------------
     def send(self, commands: list[AddRequest]) -> None:
@@ -146,3 +146,16 @@ class ReplicaSetTransport(Transport):
     def shutdown(self) -> None:
         if self._on_shutdown is not None:
             self._on_shutdown()
+
+
+def _summed_tiers(snaps: list[EngineSnapshot]) -> dict:
+    """The replicas' tier figures added up, except the disk tier's size and bound: one tier on the
+    machine, which every replica reports whole."""
+    out: dict[str, dict] = {}
+    for snap in snaps:
+        for tier, figures in snap.kv_tiers.items():
+            into = out.setdefault(tier, {})
+            for name, value in figures.items():
+                shared = tier == "disk" and name in ("size_bytes", "blocks", "limit_bytes", "enabled")
+                into[name] = max(into.get(name, 0), value) if shared else into.get(name, 0) + value
+    return out

@@ -78,6 +78,7 @@ def take_snapshot(engine, rss_mb: float, kv_blocks: KVBlocks) -> EngineSnapshot:
         mean_step_s=total / len(steps) if steps else 0.0, threads=torch.get_num_threads(), rss_mb=rss_mb,
         gpu_memory_allocated_mb=gpu, step="native" if engine.model.packed is not None else "pytorch",
         preparing=engine.upgrade.stage if engine.upgrade is not None else None,
+        kv_tiers=engine.tier.report(),
     )
 
 

@@ -43,6 +43,10 @@ class EngineConfig:
     kv_cache_memory_mb: int = 256
     max_model_len: int | None = None  # None: the checkpoint's context length
     enable_prefix_cache: bool = True
+    # the disk tier under the prefix cache (`disk_tier`): GiB (None: $STRATUM_KV_DISK_GB, else a tenth of the
+    # free disk, at most 16; 0: off) under kv_disk_dir (None: $STRATUM_HOME/kv)
+    kv_disk_gb: float | None = None
+    kv_disk_dir: str | None = None
     num_threads: int | None = None  # torch threads for decode-bound steps; None: $STRATUM_NUM_THREADS, else see `serving`
     prefill_threads: int | None = None  # for steps with at least PREFILL_STEP_TOKENS tokens; None: every core
     int4_max_tokens: int | None = None  # None: measured (kernels.plan); 0: never pack; N: packed int4 up to N rows

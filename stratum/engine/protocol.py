@@ -48,6 +48,9 @@ class EngineSnapshot:
     step: str = ""  # "native" or "pytorch": what runs the model now
     preparing: str | None = None  # a cold start's kernels being prepared in the background: the stage
     published_at: float = field(default_factory=time.time)
+    # per tier of the prefix cache ("pool", "disk"): hit tokens, bytes read / written, evicted blocks,
+    # size (`disk_tier.DiskTier.report`)
+    kv_tiers: dict = field(default_factory=dict)
 
     @property
     def kv_usage(self) -> float:
