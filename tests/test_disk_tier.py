@@ -56,6 +56,16 @@ def settled(llm: LLM) -> LLM:
     return llm
 
 
+@pytest.fixture(autouse=True)
+def close_tiers():
+    """Each test's tiers stop their threads when it ends."""
+    yield
+    from stratum.engine import disk_tier
+
+    for tier in list(disk_tier._live):
+        tier.close()
+
+
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
     return make_tiny_gguf(tmp_path_factory.mktemp("tiny-gguf") / "tiny.gguf")
@@ -302,3 +312,26 @@ def test_a_block_evicted_before_its_write_is_written_as_it_was_or_not_at_all(sta
         assert key not in tier.index and not tier.store.path(b"b" * 32, key).exists()
         assert tier.report()["disk"]["dropped_blocks"] == 1
     tier.close()
+
+
+def test_requests_waiting_on_a_read_share_it_and_an_abort_mid_read_leaks_no_block(tiny_model_dir, tmp_path):
+    p, kv = prompt(30), tmp_path / "kv"
+    writer = tiny_llm(tiny_model_dir, kv)
+    reference = run(writer, [p])[0]
+    settled(writer)
+    llm = tiny_llm(tiny_model_dir, kv)
+    engine, tier = llm.engine, llm.engine.tier
+    a = engine.add_request(p, GREEDY)
+    b = engine.add_request(p, GREEDY)
+    gone = engine.add_request(p[:100] + prompt(31, 100), GREEDY)  # its first 6 blocks are a's too
+    engine.step()
+    assert tier.num_loading == 1  # one read for the three of them
+    engine.abort(gone.request_id)
+    while engine.has_unfinished():
+        engine.step()
+    assert tier.num_loading == 0
+    assert a.output_token_ids == b.output_token_ids == reference.output_token_ids
+    assert a.num_disk_cached_tokens == 192 and b.num_cached_tokens == 192
+    bm = engine.block_manager
+    bm.check_integrity()
+    assert bm.num_used_blocks == 0 and bm.num_free_blocks + bm.num_cached_blocks == bm.num_blocks

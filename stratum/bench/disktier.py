@@ -8,7 +8,8 @@ An agent session sends a long system prompt (default 6,000 tokens) with each use
 - evicted: TTFT of the session's next request after other requests pushed its prefix out of the KV pool;
 - bytes read per token of a disk hit (the tier's own counters);
 and in one process (the engine's step records): the step time of running decodes while the tier
-writes (eight decoding streams, a long prompt's blocks written meanwhile), tier on against tier off.
+writes (eight decoding streams, a long prompt's blocks written meanwhile), tier on against tier off in
+alternating rounds.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -123,7 +125,9 @@ def agent_system_prompt(model: str, num_tokens: int, seed: int) -> str:
 
     tok = load_checkpoint(resolve_model_path(model)).tokenizer
     head = "You are a coding agent. Follow the rules and use the tools described below.\n\n"
-    text = head + make_text(random.Random(seed), num_tokens)
+    text = head + make_text(random.Random(seed), 2 * num_tokens)  # words run longer than CHARS_PER_TOKEN here
+    ids = tok.encode(text)
+    text = tok.decode(ids[: num_tokens + 64])
     ids = tok.encode(text)
     while len(ids) > num_tokens:  # trim whole sentences until it fits
         text = text[: text.rfind(".", 0, len(text) - 2) + 1]
@@ -158,6 +162,8 @@ def restart(args, system: str, work: Path) -> dict:
         "without_tier": {"after_restart": cold_off},
         "with_tier": {"first_session_first_request": cold_on, "first_session_second_request": second,
                       "after_restart": warm, "tiers_after_first_session": written, "tiers_after_restart": tiers},
+        "reader_cpu_ms_per_mib": round(disk["read_cpu_seconds"] * 1e3 / (disk["read_bytes"] / 2**20), 3)
+        if disk.get("read_bytes") else None,
         "ttft_ratio_after_restart": round(warm["ttft_s"] / cold_off["ttft_s"], 4),
         "disk_bytes_read_per_token": round(disk["read_bytes"] / disk["hit_tokens"], 1) if disk.get("hit_tokens") else None,
     }
@@ -171,11 +177,16 @@ def evicted(args, system: str, work: Path) -> dict:
         server = Server(args.model, args.kv_cache_mb, gb, work / f"evict-{label}", work / "serve.log").wait_ready()
         try:
             first = ask(server.url, system, make_question(rng, 24))
-            pool_before = server.tiers().get("pool", {}).get("evicted_blocks", 0)
-            load = [ask(server.url, make_text(rng, args.load_tokens), make_question(rng, 24)) for _ in range(args.load_requests)]
-            pool_evicted = server.tiers().get("pool", {}).get("evicted_blocks", 0) - pool_before
+            prefix_blocks = first["usage"]["input_tokens"] // 16
+            before = server.tiers()["pool"]["evicted_blocks"]
+            load = []  # unique requests, two at a time, until the pool let the prefix's blocks go
+            while server.tiers()["pool"]["evicted_blocks"] - before < prefix_blocks and len(load) < 16:
+                pairs = [(make_text(rng, args.load_tokens), make_question(rng, 24)) for _ in range(2)]
+                with ThreadPoolExecutor(2) as pool:
+                    load += pool.map(lambda pair: ask(server.url, *pair), pairs)
             after = ask(server.url, system, make_question(rng, 24))
-            out[label] = {"first": first, "load_ttft_s": [x["ttft_s"] for x in load], "pool_evicted_blocks": pool_evicted,
+            out[label] = {"first": first, "load_ttft_s": [x["ttft_s"] for x in load],
+                          "pool_evicted_blocks": server.tiers()["pool"]["evicted_blocks"] - before,
                           "after_eviction": after, "tiers": server.tiers()}
         finally:
             server.stop()
@@ -184,53 +195,61 @@ def evicted(args, system: str, work: Path) -> dict:
     return out
 
 
-def _decode_run(args, disk_gb: float, kv_dir: Path, seed: int) -> dict:
-    """Eight decoding streams, a long unique prompt admitted among them; each step's time and whether
-    the tier had writes in flight when it ran (the engine's own step records)."""
+def decode_while_writing(args, work: Path) -> dict:
+    """Two engines in this process, tier off and tier on, the same decoding streams in each. In rounds
+    (the order alternating, so a drift in the machine's load hits both alike), each engine admits the
+    same new long prompt and runs a fixed number of steps while the other waits and its tier's writes
+    have finished; the tier-on engine's writer writes its new blocks meanwhile. Compared: the decode-only
+    steps of each round (the engine's own step records)."""
     from stratum.engine import LLM
     from stratum.engine.sampling_params import SamplingParams
 
-    llm = LLM(args.model, kv_cache_memory_mb=args.kv_cache_mb, kv_disk_gb=disk_gb, kv_disk_dir=str(kv_dir))
-    engine, rng = llm.engine, random.Random(seed)
-    tok = engine.tokenizer
-    streams = SamplingParams(max_tokens=args.decode_tokens, temperature=0.0, ignore_eos=True)
-    for _ in range(args.decode_streams):
-        engine.add_request(tok.encode(make_text(rng, 128)), streams)
-    long_prompt = tok.encode(make_text(rng, args.load_tokens))
-    steps = []
-    while engine.has_unfinished():
-        if len(steps) == 8:
+    engines = {label: LLM(args.model, kv_cache_memory_mb=args.kv_cache_mb, kv_disk_gb=gb, kv_disk_dir=str(work / label)).engine
+               for label, gb in (("tier_off", 0), ("tier_on", args.kv_disk_gb))}
+    rng = random.Random(args.seed)
+    tok = engines["tier_on"].tokenizer
+    streams = [tok.encode(make_text(rng, 128)) for _ in range(args.decode_streams)]
+    for engine in engines.values():
+        for ids in streams:
+            engine.add_request(ids, SamplingParams(max_tokens=args.rounds * args.round_steps + 64, temperature=0.0,
+                                                   ignore_eos=True))
+        while any(not s.is_decoding for s in engine.scheduler.running) or engine.scheduler.waiting:
+            engine.step()
+    rounds = []
+    for r in range(args.rounds):
+        long_prompt = tok.encode(make_text(rng, args.load_tokens))
+        row = {}
+        for label in (("tier_off", "tier_on") if r % 2 == 0 else ("tier_on", "tier_off")):
+            engines["tier_on"].tier.flush(60.0)
+            engine = engines[label]
+            written0 = engine.tier.report()["disk"]["written_bytes"]
             engine.add_request(long_prompt, SamplingParams(max_tokens=1, temperature=0.0))
-        writing = engine.tier.report()["disk"]["pending_blocks"] > 0
-        n = len(engine.step_stats)
-        engine.step()
-        if len(engine.step_stats) > n:
-            s = engine.step_stats[-1]
-            steps.append((s.num_seqs == s.num_decode_seqs, writing or engine.tier.report()["disk"]["pending_blocks"] > 0,
-                          s.step_s, s.num_decode_seqs))
-    written = engine.tier.report()["disk"]["written_bytes"]
-    engine.tier.close()
-    decode = [t for only, _, t, n in steps if only and n == args.decode_streams]
-    writing = [t for only, w, t, n in steps if only and w and n == args.decode_streams]
-    mixed = [t for only, _, t, n in steps if not only and n > 0]
-    return {"decode_only_steps": len(decode), "decode_step_ms_median": _ms(decode),
-            "decode_steps_while_writing": len(writing), "decode_step_ms_median_while_writing": _ms(writing),
-            "mixed_steps": len(mixed), "mixed_step_ms_median": _ms(mixed), "disk_bytes_written": written}
+            steps = []
+            for _ in range(args.round_steps):
+                writing = engine.tier.report()["disk"]["pending_blocks"] > 0
+                engine.step()
+                s = engine.step_stats[-1]
+                if s.num_seqs == s.num_decode_seqs == args.decode_streams:
+                    steps.append((s.step_s, writing or engine.tier.report()["disk"]["pending_blocks"] > 0))
+            row[label] = {"decode_step_ms": _ms([t for t, _ in steps]), "steps": len(steps),
+                          "steps_while_writing": sum(w for _, w in steps),
+                          "decode_step_ms_while_writing": _ms([t for t, w in steps if w]),
+                          "bytes_written_during_round": engine.tier.report()["disk"]["written_bytes"] - written0}
+        row["ratio"] = round(row["tier_on"]["decode_step_ms"] / row["tier_off"]["decode_step_ms"], 4)
+        rounds.append(row)
+    disk = engines["tier_on"].tier.report()["disk"]
+    for engine in engines.values():
+        engine.tier.close()
+    ratios = [row["ratio"] for row in rounds]
+    return {"rounds": rounds, "decode_step_slowdown_while_writing": round(statistics.median(ratios) - 1, 4),
+            "slowdown_per_round": [round(x - 1, 4) for x in ratios],
+            # the writer's own CPU time (its thread's clock): what writing takes from the cores, whatever the load
+            "writer_cpu_ms_per_mib": round(disk["write_cpu_s"] * 1e3 / (disk["written_bytes"] / 2**20), 3)
+            if disk["written_bytes"] else None}
 
 
 def _ms(values: list[float]) -> float | None:
     return round(statistics.median(values) * 1e3, 3) if values else None
-
-
-def decode_while_writing(args, work: Path) -> dict:
-    """Tier off and on, alternated (off, on, off, on), so a drift in the machine's load hits both."""
-    runs: dict[str, list[dict]] = {"tier_off": [], "tier_on": []}
-    for i in range(args.repeats):
-        runs["tier_off"].append(_decode_run(args, 0, work / "decode-off", args.seed + i))
-        runs["tier_on"].append(_decode_run(args, args.kv_disk_gb, work / f"decode-on-{i}", args.seed + i))
-    off = statistics.median(r["decode_step_ms_median"] for r in runs["tier_off"])
-    on = statistics.median(r["decode_step_ms_median_while_writing"] or r["decode_step_ms_median"] for r in runs["tier_on"])
-    return {**runs, "decode_step_slowdown_while_writing": round(on / off - 1, 4)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,8 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--load-tokens", type=int, default=1500, help="each unique request of the load that evicts the prefix")
     p.add_argument("--load-requests", type=int, default=2)
     p.add_argument("--decode-streams", type=int, default=8)
-    p.add_argument("--decode-tokens", type=int, default=160)
-    p.add_argument("--repeats", type=int, default=2, help="alternated tier off / on runs of the decode figure")
+    p.add_argument("--rounds", type=int, default=8, help="alternated tier off / on rounds of the decode figure")
+    p.add_argument("--round-steps", type=int, default=24)
     p.add_argument("--scenarios", default="restart,evicted,decode")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None)

@@ -167,7 +167,7 @@ class DiskTier:
         self.max_pending = self.staging_limit = 0
         self.pool = dict(hit_tokens=0, read_bytes=0, written_bytes=0, evicted_blocks=0)
         self.disk = dict(hit_tokens=0, read_bytes=0, written_bytes=0, evicted_blocks=0, dropped_blocks=0,
-                         corrupt_blocks=0, size_bytes=0, blocks=0)
+                         corrupt_blocks=0, size_bytes=0, blocks=0, write_cpu_s=0.0, read_cpu_s=0.0)
         if self.enabled:
             for target, name in ((self._read_loop, "stratum-kv-read"), (self._write_loop, "stratum-kv-write")):
                 threading.Thread(target=target, name=name, daemon=True).start()
@@ -381,10 +381,12 @@ class DiskTier:
             if load is None:
                 return
             if load.generation == self.generation and self.enabled:
+                cpu = time.thread_time()
                 try:
                     self._read(load)
                 except Exception:  # a bug here must cost the read, never the request
                     log.exception("KV disk tier: reading a prefix failed; it is computed instead")
+                self.disk["read_cpu_s"] += time.thread_time() - cpu
             load.read_s = time.perf_counter() - load.submitted
             with self._lock:
                 self._done.append(load)
@@ -436,6 +438,7 @@ class DiskTier:
                     drops, self._drops = self._drops, []
                 for binding, keys in _by_binding(drops).items():  # before the writes: one may be a block's rewrite
                     self.store.drop(conn, binding, keys)
+                cpu = time.thread_time()
                 if batch:
                     self._write_batch(conn, batch)
                 for binding, keys in _by_binding(touches).items():
@@ -443,6 +446,7 @@ class DiskTier:
                 if time.monotonic() - last >= MAINTAIN_EVERY_S or batch:
                     version = self._maintain(conn, version)
                     last = time.monotonic()
+                self.disk["write_cpu_s"] += time.thread_time() - cpu
                 if batch:
                     with self._lock:  # written, indexed and within the bound: what `flush` waits for
                         self._busy = False

@@ -188,6 +188,8 @@ class _TierCollector:
         ("stratum_kv_tier_evicted_blocks", "Blocks the tier evicted", "evicted_blocks"),
         ("stratum_kv_tier_dropped_blocks", "Blocks not written to the tier (queue full, evicted first)", "dropped_blocks"),
         ("stratum_kv_tier_corrupt_blocks", "Blocks that failed their checksum on read (dropped, recomputed)", "corrupt_blocks"),
+        ("stratum_kv_tier_write_cpu_seconds", "CPU time of the tier's writer thread (its own clock)", "write_cpu_s"),
+        ("stratum_kv_tier_read_cpu_seconds", "CPU time of the tier's reader thread (its own clock)", "read_cpu_s"),
     )
     GAUGES = (
         ("stratum_kv_tier_size_bytes", "Bytes the tier holds", "size_bytes"),
