@@ -48,8 +48,12 @@ def kv_binding(config, model, checkpoint_path: Path) -> bytes:
     plan's decision, and the kernels' build (native) or torch and its CPU path and threads (PyTorch).
     A cold start's provisional PyTorch step and the native step it switches to bind differently.
 
-    The one place the tier's binding is computed: issue 32's numerics record (`ResolvedConfig.numerics`)
-    replaces the body here when it lands."""
+    The one place the tier's binding is computed: with issue 32's record (`ResolvedConfig.numerics`)
+    it is that record's key (and the block size); the rest of the body is for a tree without it."""
+    numerics = getattr(config, "numerics", None)  # issue 32's record, where it has landed: the one key of KV numerics
+    if numerics is not None:
+        ident = {"tier_format": FORMAT, "numerics": numerics.key(), "block_size": config.block_size}
+        return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).digest()
     from stratum.kernels import native
 
     native_step = model.packed is not None
