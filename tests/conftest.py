@@ -122,7 +122,9 @@ class ServerProcess:
             except httpx.HTTPError:
                 pass
             time.sleep(0.2)
-        raise TimeoutError(f"server not ready: {self.output()}")
+        output = self.output()
+        self.stop()  # the fixture that started it never gets it back to stop: it would serve on, busy, to the end
+        raise TimeoutError(f"server not ready: {output}")
 
     def output(self) -> str:
         self.log.flush()

@@ -16,7 +16,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from stratum.engine.admission import CostAdmission, PollutionDetector, mask_high_entropy
+from stratum.server.budget import CostAdmission
+from stratum.server.pollution import PollutionDetector, mask_high_entropy
 from tests.conftest import ServerProcess
 from tests.test_telemetry_cost import long_text, uncached_tokens
 

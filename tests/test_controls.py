@@ -19,8 +19,8 @@ from tests.conftest import ServerProcess
 from tests.factories import rereads
 from tests.test_telemetry_cost import BLOCK, decode, long_text, parse_cost, prompt_tokens, unique_system
 
-COMPRESS_THRESHOLD = 1024  # Runtime.compress_threshold_tokens
-COMPRESS_CHUNK = 384  # Runtime.compress_chunk_tokens
+COMPRESS_THRESHOLD = 1024  # CompressionSettings.threshold_tokens
+COMPRESS_CHUNK = 384  # CompressionSettings.chunk_tokens
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,7 @@ def test_outputs_round_trip_and_deltas_accumulate():
     decoder = StreamDecoder()
     first = RequestOutput("r", "Hel", [5, 6], "Hel", [5, 6], False, stats=stats(), state="prefill_complete")
     second = RequestOutput("r", "lo", [7], "Hello", [5, 6, 7], False, state="decode_step_2", kv_cache_efficiency=0.5)
-    last = RequestOutput("r", "!", [8], "Hello!", [5, 6, 7, 8], True, "stop", 2, stats(), None, "finished", 0.5)
+    last = RequestOutput("r", "!", [8], "Hello!", [5, 6, 7, 8], True, "stop", 2, stats(), "finished", 0.5)
     got = [decoder.decode(wire(encode(o))) for o in (first, second, last)]
     assert got == [first, second, last]
     assert isinstance(got[0].stats, RequestStats) and got[0].stats.token_times == [1.7, 1.8, 1.9]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import pytest
 
 from stratum.engine.config import SchedulerConfig
-from stratum.engine.sampling_params import InvalidRequestError
 from stratum.engine.scheduler import Scheduler, SchedulerOutput
 from stratum.engine.request import CachePolicy, SequenceStatus
 from tests.factories import make_block_manager, make_seq
@@ -58,10 +57,10 @@ def plan(out: SchedulerOutput) -> list[tuple[str, int]]:
 
 
 def make_scheduler(num_blocks=64, block_size=4, budget=512, max_num_seqs=64, watermark=0,
-                   enable_prefix_cache=True, admission=None) -> tuple[Scheduler, FakeRunner]:
+                   enable_prefix_cache=True) -> tuple[Scheduler, FakeRunner]:
     bm = make_block_manager(num_blocks=num_blocks, block_size=block_size, enable_prefix_cache=enable_prefix_cache)
     config = SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_num_seqs, watermark_blocks=watermark)
-    scheduler = Scheduler(config, bm, admission=admission)
+    scheduler = Scheduler(config, bm)
     return scheduler, FakeRunner(scheduler)
 
 
@@ -228,7 +227,7 @@ def test_a_preempted_request_rehits_its_own_cached_prefix():
     assert v.token_ids == expected_tokens(range(100, 109), 3)
 
 
-# ---- abort, caps, admission -----------------------------------------------------------------------------
+# ---- abort, caps --------------------------------------------------------------------------------------
 
 
 def test_abort_from_waiting_and_running_frees_every_block():
@@ -300,21 +299,6 @@ def test_a_request_that_fits_the_pool_is_admitted_when_nothing_runs():
     steps = runner.run(max_steps=20)
     assert steps[0] == [("big", 24)]
     assert seq.token_ids == expected_tokens(range(24), 4)
-
-
-def test_admission_hook_rejects_before_queueing():
-    def admit(seq):
-        if seq.num_prompt_tokens > 8:
-            raise InvalidRequestError(f"prompt of {seq.num_prompt_tokens} tokens exceeds 8")
-
-    sched, runner = make_scheduler(admission=admit)
-    with pytest.raises(InvalidRequestError, match="exceeds 8"):
-        sched.add(make_seq("long", range(9)))
-    assert sched.waiting == [] and sched.num_unfinished == 0
-    ok = make_seq("ok", range(8), max_tokens=1)
-    sched.add(ok)
-    assert sched.waiting == [ok]
-    assert runner.run() == [[("ok", 8)]]
 
 
 def test_max_tokens_zero_prefills_only():

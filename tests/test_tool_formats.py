@@ -77,14 +77,15 @@ def streamed(fmt: tools.ToolFormat, text: str, step: int) -> tuple[str, list[tup
         events += splitter.feed(text[i : i + step])
     events += splitter.flush()
     out, calls = "", []
-    for kind, value in events:
-        if kind == "text":
-            assert not calls, "text after a call is not streamed"
-            out += value
-        elif kind == "name":
-            calls.append([value, ""])
-        elif kind == "args":
-            calls[-1][1] += value
+    for event in events:
+        match event:
+            case tools.TextPiece(text):
+                assert not calls, "text after a call is not streamed"
+                out += text
+            case tools.CallStart(name):
+                calls.append([name, ""])
+            case tools.CallArguments(fragment):
+                calls[-1][1] += fragment
     return out, [(name, tools._loads_lenient(args)) for name, args in calls]
 
 
@@ -481,7 +482,7 @@ def test_auto_choice_answers_text_or_a_valid_call(family_server):
 def test_special_token_markers_are_tokens_in_the_grammar(tmp_path):
     """With a vocabulary that holds [TOOL_CALLS] as a control token (Mistral's), the auto-mode grammar
     takes the call opened by that token, as the model writes it, and the answer parses, with the token
-    in the text (tool requests keep it: `pipeline.check_request`) or without."""
+    in the text (tool requests keep it: `sampling.for_prompt`) or without."""
     from stratum.engine.grammar import GrammarCompiler
     from stratum.models.tokenizer import tokenizer_from_sentencepiece
     from stratum.server.structured import tool_grammar

@@ -173,7 +173,6 @@ class LLMEngine:
 
         Raises:
             InvalidRequestError: out-of-range parameters or too long for the context.
-            Whatever the scheduler's admission hook raises.
         """
         self.check_request(len(prompt_token_ids), sampling)
         vocab_size = self.model_config.vocab_size

@@ -69,10 +69,9 @@ class RequestOutput:
     text: str
     token_ids: list[int]
     finished: bool
-    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None = None  # "stop" | "length" | "abort"; a failed request is a RequestFailed event
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     stats: RequestStats | None = None
-    error: str | None = None
     state: str = ""  # the request's meta-token state after this output
     kv_cache_efficiency: float = 0.0
     mode: str = "normal"  # "basic" when served by the degraded engine

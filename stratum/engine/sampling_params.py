@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 
 # Temperatures below this sample as greedy: dividing logits by them overflows to inf/nan.
@@ -14,9 +14,9 @@ class InvalidRequestError(ValueError):
     """A request's parameters are out of range; the message names the field and the limit."""
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class SamplingParams:
-    """How to sample one request.
+    """How to sample one request; frozen: a changed copy is `dataclasses.replace(params, ...)`.
 
     temperature 0 is greedy. top_k 0 and top_p 1.0 disable those filters. max_tokens 0 prefills
     only (the prompt is computed and cached, nothing is sampled). `seed` makes sampling
@@ -29,14 +29,19 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
-    stop: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     skip_special_tokens: bool = True
     return_logits: bool = False  # keep the fp32 logits of every prompt position and sampled token (tests)
     logprobs: int | None = None  # report each sampled token's log-probability and this many top alternatives
     prompt_logprobs: int | None = None  # score every prompt token (and this many alternatives); the prompt is recomputed
     grammar: str | None = None  # an llguidance grammar the output must follow (see stratum.engine.grammar)
+
+    def __post_init__(self) -> None:
+        # lists are accepted (and arrive from the engine protocol's codec), kept as tuples: nothing can change them
+        object.__setattr__(self, "stop", tuple(self.stop))
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
 
     def validate(self) -> None:
         """Raises InvalidRequestError for any out-of-range field."""

@@ -15,7 +15,6 @@ from __future__ import annotations
 import bisect
 import time
 from dataclasses import dataclass, field
-from typing import Callable
 
 from stratum.engine.block_manager import BlockManager
 from stratum.engine.config import SchedulerConfig
@@ -58,16 +57,14 @@ class Scheduler:
     """Args:
         config: step limits.
         block_manager: the KV pool.
-        admission: called on every new request before it is queued; raise to reject it.
     """
 
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 admission: Callable[[Sequence], None] | None = None, fifo: bool = False, fault: str | None = None):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager, fifo: bool = False,
+                 fault: str | None = None):
         self.config = config
         self.sort_key = (lambda s: s.arrival_order) if fifo else Sequence.sort_key  # basic mode ignores priority
         self.fault = fault
         self.bm = block_manager
-        self.admission = admission
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -78,9 +75,7 @@ class Scheduler:
         return len(self.waiting) + len(self.running)
 
     def add(self, seq: Sequence) -> None:
-        """Queue a request. Raises whatever the admission hook raises; nothing is queued then."""
-        if self.admission is not None:
-            self.admission(seq)
+        """Queue a request (admission is decided before it reaches the engine: `stratum.server`)."""
         seq.status = SequenceStatus.WAITING
         bisect.insort(self.waiting, seq, key=self.sort_key)
 

@@ -2,61 +2,45 @@
 
 from __future__ import annotations
 
-import json
-import uuid
 from typing import Any, Iterable
 
 from stratum.engine.outputs import RequestOutput
-from stratum.server import tools as tool_fmt
-from stratum.server.chat import Prompt
 from stratum.server.errors import APIError, sse_error
-from stratum.server.lifecycle import RequestLifecycle
-from stratum.server.pipeline import stream_meta, usage_of
+from stratum.server.render import RenderContext, answer_splitter, new_id, split_output, stream_meta, to_json
+from stratum.server.tools import AnswerEvent, CallArguments, CallEnd, CallStart, TextPiece
+from stratum.server.usage import usage_of
 
 
-def _forced(prompt: Prompt) -> str:
-    """What the prompt itself began of the answer: a forced tool call's opening (tool_choice any / tool)."""
-    return prompt.prefill if prompt.is_forced_tool else ""
+def new_tool_id() -> str:
+    """A tool_use block's id."""
+    return new_id("toolu_")
 
 
-def split_output(prompt: Prompt, text: str) -> tuple[str, list[tuple[str, dict]]]:
-    """A whole answer: its text and its tool calls."""
-    full = _forced(prompt) + text
-    if not prompt.tool_names:
-        return full, []
-    return tool_fmt.parse_tool_calls(full, prompt.tool_names, prompt.tool_format)
-
-
-def answer_splitter(prompt: Prompt) -> tool_fmt.AnswerSplitter:
-    """An answer as it streams: its text and its tool calls' pieces."""
-    return tool_fmt.AnswerSplitter(prompt.tool_names, _forced(prompt), prompt.tool_format)
-
-
-def stop_reason(lc: RequestLifecycle, out: RequestOutput, has_calls: bool) -> tuple[str, str | None]:
+def stop_reason(ctx: RenderContext, out: RequestOutput, has_calls: bool) -> tuple[str, str | None]:
     if out.finish_reason == "length":  # a call cut short too: its input may be incomplete
-        return ("model_context_window_exceeded" if lc.is_context_capped else "max_tokens"), None
+        return ("model_context_window_exceeded" if ctx.is_context_capped else "max_tokens"), None
     if has_calls:
         return "tool_use", None
-    if isinstance(out.stop_reason, str) and out.stop_reason != lc.prompt.tool_format.stop:
+    if isinstance(out.stop_reason, str) and out.stop_reason != ctx.prompt.tool_format.stop:
         return "stop_sequence", out.stop_reason
     return "end_turn", None
 
 
 def sse(event: str, data: dict[str, Any]) -> bytes:
-    return f"event: {event}\ndata: {json.dumps(data, ensure_ascii=False)}\n\n".encode()
+    return f"event: {event}\ndata: {to_json(data)}\n\n".encode()
 
 
 class Messages:
-    """A `lifecycle.Renderer`. The stream: message_start, per block content_block_start / _delta / _stop,
+    """A `render.Renderer`. The stream: message_start, per block content_block_start / _delta / _stop,
     message_delta, the Stratum cost event, message_stop; pings while waiting. Text deltas carry `meta`
     from the runtime's state machine; a tool call's arguments stream as `input_json_delta`s while they
     are generated."""
 
     ping = sse("ping", {"type": "ping"})
 
-    def __init__(self, lc: RequestLifecycle, model: str):
-        self.lc, self.model, self.id = lc, model, "msg_" + uuid.uuid4().hex[:24]
-        self.splitter = answer_splitter(lc.prompt)
+    def __init__(self, ctx: RenderContext):
+        self.ctx, self.id = ctx, new_id("msg_")
+        self.splitter = answer_splitter(ctx.prompt)
         self.index = -1
         self.kind: str | None = None  # the open block's type
         self.has_calls = False
@@ -64,25 +48,25 @@ class Messages:
 
     def body(self, outs: list[RequestOutput]) -> dict[str, Any]:
         out, = outs
-        text, calls = split_output(self.lc.prompt, out.text)
+        text, calls = split_output(self.ctx.prompt, out.text)
         content: list[dict[str, Any]] = []
         if text:
             content.append({"type": "text", "text": text})
         for name, args in calls:
-            content.append({"type": "tool_use", "id": tool_fmt.new_tool_id(), "name": name, "input": args})
-        reason, sequence = stop_reason(self.lc, out, bool(calls))
+            content.append({"type": "tool_use", "id": new_tool_id(), "name": name, "input": args})
+        reason, sequence = stop_reason(self.ctx, out, bool(calls))
         return {
-            "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": content,
-            "stop_reason": reason, "stop_sequence": sequence, "usage": usage_of(out, self.lc.cache_breakpoint),
+            "id": self.id, "type": "message", "role": "assistant", "model": self.ctx.model, "content": content,
+            "stop_reason": reason, "stop_sequence": sequence, "usage": usage_of(out, self.ctx.cache_breakpoint),
         }
 
-    def start(self, first: RequestOutput | None) -> Iterable[bytes]:
-        usage0 = self.lc.admitted_usage()
+    def start(self, first: RequestOutput | None, admitted: dict[str, int]) -> Iterable[bytes]:
+        usage = admitted
         if first is not None and first.stats is not None:
-            usage0 = dict(usage_of(first, self.lc.cache_breakpoint), output_tokens=0)
+            usage = dict(usage_of(first, self.ctx.cache_breakpoint), output_tokens=0)
         yield sse("message_start", {"type": "message_start", "message": {
-            "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
-            "stop_reason": None, "stop_sequence": None, "usage": usage0}})
+            "id": self.id, "type": "message", "role": "assistant", "model": self.ctx.model, "content": [],
+            "stop_reason": None, "stop_sequence": None, "usage": usage}})
 
     def output(self, out: RequestOutput, choice: int) -> Iterable[bytes]:
         if out.state == "tool_use_prepared":
@@ -93,38 +77,39 @@ class Messages:
     def end(self, final: RequestOutput, cost: dict[str, Any]) -> Iterable[bytes]:
         yield from self._blocks(self.splitter.flush(), stream_meta(final))
         yield from self._close()
-        reason, sequence = stop_reason(self.lc, final, self.has_calls)
+        reason, sequence = stop_reason(self.ctx, final, self.has_calls)
         yield sse("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                    "usage": usage_of(final, self.lc.cache_breakpoint)})
+                                    "usage": usage_of(final, self.ctx.cache_breakpoint)})
         yield sse("stratum_cost", {"type": "stratum_cost", **cost})
         yield sse("message_stop", {"type": "message_stop"})
 
     def error(self, e: APIError) -> bytes:
-        return sse_error(e, self.lc.request_id, self.lc.endpoint)
+        return sse_error(e, self.ctx.request_id, self.ctx.endpoint)
 
     def _close(self) -> Iterable[bytes]:
         if self.kind is not None:
             self.kind = None
             yield sse("content_block_stop", {"type": "content_block_stop", "index": self.index})
 
-    def _blocks(self, pieces, meta: dict[str, Any]) -> Iterable[bytes]:
-        for what, value in pieces:
-            if what == "text":
-                if self.kind != "text":
+    def _open(self, kind: str, block: dict[str, Any]) -> Iterable[bytes]:
+        yield from self._close()
+        self.index, self.kind = self.index + 1, kind
+        yield sse("content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block})
+
+    def _blocks(self, events: list[AnswerEvent], meta: dict[str, Any]) -> Iterable[bytes]:
+        for event in events:
+            match event:
+                case TextPiece(text):
+                    if self.kind != "text":
+                        yield from self._open("text", {"type": "text", "text": ""})
+                    yield sse("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": {
+                        "type": "text_delta", "text": text, "meta": meta}})
+                case CallStart(name):
+                    self.has_calls = True
+                    yield from self._open("tool_use", {"type": "tool_use", "id": new_tool_id(), "name": name, "input": {}})
+                case CallArguments(fragment):
+                    yield sse("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": {
+                        "type": "input_json_delta", "partial_json": fragment, "meta": self.call_meta or meta}})
+                    self.call_meta = None
+                case CallEnd():
                     yield from self._close()
-                    self.index, self.kind = self.index + 1, "text"
-                    yield sse("content_block_start", {"type": "content_block_start", "index": self.index,
-                                                      "content_block": {"type": "text", "text": ""}})
-                yield sse("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": {
-                    "type": "text_delta", "text": value, "meta": meta}})
-            elif what == "name":
-                yield from self._close()
-                self.index, self.kind, self.has_calls = self.index + 1, "tool_use", True
-                yield sse("content_block_start", {"type": "content_block_start", "index": self.index, "content_block": {
-                    "type": "tool_use", "id": tool_fmt.new_tool_id(), "name": value, "input": {}}})
-            elif what == "args":
-                yield sse("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": {
-                    "type": "input_json_delta", "partial_json": value, "meta": self.call_meta or meta}})
-                self.call_meta = None
-            else:
-                yield from self._close()

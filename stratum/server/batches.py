@@ -10,6 +10,7 @@ ASGI), so authentication, the tenant's budget and cache isolation, usage and the
 interactive ones. Its requests carry the batch priority: the scheduler admits every waiting
 interactive request before them. While interactive requests are in flight only `busy_concurrency`
 batch requests run at once (their decodes share the step); on an idle server up to `idle_concurrency`.
+`batch_routes` is the API over them.
 """
 
 from __future__ import annotations
@@ -24,12 +25,24 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import Response
+
+from stratum.server.auth import tenant_of
+from stratum.server.body import read_request
+from stratum.server.errors import APIError, InvalidRequest, NotFound, error_object
+from stratum.server.protocol import BatchCreateRequest
+
+if TYPE_CHECKING:
+    from stratum.server.runtime import Runtime
+    from stratum.server.settings import ServerSettings
 
 log = logging.getLogger("stratum.batches")
 
+BATCHES_PATH = "/v1/messages/batches"
 BATCH_PRIORITY = 100  # below interactive requests (0); lower runs first
 INTERNAL_HEADER = "x-stratum-internal"  # the runner's calls: the per-process secret
 TENANT_HEADER = "x-stratum-batch-tenant"  # the tenant the batch belongs to, honoured with the secret only
@@ -253,8 +266,8 @@ class BatchRunner:
         try:
             body = json.loads(params)
             if body.get("stream"):
-                result = {"type": "errored", "error": {"type": "invalid_request_error",
-                                                       "message": "stream is not supported in a batch request"}}
+                result = {"type": "errored",
+                          "error": error_object(InvalidRequest("stream is not supported in a batch request"))}
             else:
                 r = await client.post("/v1/messages", content=params, headers={
                     INTERNAL_HEADER: self.secret, TENANT_HEADER: tenant, "content-type": "application/json"})
@@ -266,7 +279,8 @@ class BatchRunner:
                     result = {"type": "succeeded", "message": data, "stratum_cost": {
                         "header": r.headers.get("x-stratum-cost"), "mode": r.headers.get("x-stratum-mode")}}
                 else:
-                    result = {"type": "errored", "error": data.get("error", {"type": "api_error", "message": r.text[:500]})}
+                    error = data["error"] if "error" in data else error_object(APIError(r.text[:500]))
+                    result = {"type": "errored", "error": error}
             await asyncio.to_thread(self.store.finish, *key, result)
         except asyncio.CancelledError:
             raise
@@ -275,3 +289,59 @@ class BatchRunner:
             await asyncio.sleep(1.0)
         finally:
             self.in_flight.pop(key, None)
+
+
+def batch_routes(app: FastAPI, rt: Runtime, settings: ServerSettings, store: BatchStore) -> None:
+    """Message Batches: create, retrieve, list, cancel, delete, results (JSONL). With tenants, a batch is
+    visible to its own tenant only."""
+
+    def owner(request: Request) -> str | None:
+        return tenant_of(request, None) if rt.isolate_tenants else None
+
+    async def get(request: Request, batch_id: str) -> dict[str, Any]:
+        batch = await asyncio.to_thread(store.get, batch_id, owner(request))
+        if batch is None:
+            raise NotFound(f"no message batch {batch_id!r}")
+        return batch
+
+    @app.post(BATCHES_PATH)
+    async def create_batch(request: Request):
+        req = await read_request(request, BatchCreateRequest, settings.max_batch_bytes, settings.body_timeout_s)
+        ids = [r.custom_id for r in req.requests]
+        if len(set(ids)) != len(ids):
+            raise InvalidRequest("requests: custom_id values must be unique within a batch")
+        batch_id = await asyncio.to_thread(store.create, tenant_of(request, None),
+                                           [(r.custom_id, r.params) for r in req.requests], settings.batch_ttl_s)
+        return await get(request, batch_id)
+
+    @app.get(BATCHES_PATH)
+    async def list_batches(request: Request, limit: int = 20, after_id: str | None = None, before_id: str | None = None):
+        if not 1 <= limit <= 1000:
+            raise InvalidRequest("limit must be in [1, 1000]")
+        page = await asyncio.to_thread(store.list, owner(request), limit, after_id, before_id)
+        return {"data": page.data, "has_more": page.has_more, "first_id": page.data[0]["id"] if page.data else None,
+                "last_id": page.data[-1]["id"] if page.data else None}
+
+    @app.get(BATCHES_PATH + "/{batch_id}")
+    async def retrieve_batch(request: Request, batch_id: str):
+        return await get(request, batch_id)
+
+    @app.post(BATCHES_PATH + "/{batch_id}/cancel")
+    async def cancel_batch(request: Request, batch_id: str):
+        await get(request, batch_id)
+        await asyncio.to_thread(store.cancel, batch_id)
+        return await get(request, batch_id)
+
+    @app.delete(BATCHES_PATH + "/{batch_id}")
+    async def delete_batch(request: Request, batch_id: str):
+        if (await get(request, batch_id))["processing_status"] != "ended":
+            raise InvalidRequest("a message batch can be deleted once it has ended: cancel it first")
+        await asyncio.to_thread(store.delete, batch_id)
+        return {"id": batch_id, "type": "message_batch_deleted"}
+
+    @app.get(BATCHES_PATH + "/{batch_id}/results")
+    async def batch_results(request: Request, batch_id: str):
+        if (await get(request, batch_id))["processing_status"] != "ended":
+            raise InvalidRequest("the batch has not ended: its results are not available yet")
+        lines = await asyncio.to_thread(store.results, batch_id)
+        return Response("".join(line + "\n" for line in lines), media_type="application/x-jsonl")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from stratum.models.chat_template import ChatTemplate, ChatTemplateError
@@ -79,8 +79,10 @@ class ChatInput:
         return "\n".join(m["content"] for m in self.messages)
 
 
-@dataclass
+@dataclass(frozen=True)
 class Prompt:
+    """A request's prompt as the engine gets it, and what reading its answer needs to know."""
+
     token_ids: list[int]
     prefill: str = ""  # assistant text the output continues (part of the answer only if it is a forced tool call)
     tool_names: set[str] = field(default_factory=set)
@@ -327,8 +329,21 @@ def build_prompt(template: ChatTemplate, chat: ChatInput) -> Prompt:
     prompt = Prompt(ids, prefill, {t["name"] for t in tools or []}, forced_tool is not False, template_tools,
                     forced_tool if isinstance(forced_tool, str) else None, tool_format=fmt,
                     parallel_calls=chat.parallel_calls and fmt.parallel and template_tools is not None)
-    prompt.grammar = structured.answer_grammar(chat, prompt)
-    return prompt
+    return replace(prompt, grammar=structured.answer_grammar(chat, prompt))
+
+
+PIN_TTLS = {"5m": 300.0, "1h": 3600.0}
+
+
+def pins_for(template: ChatTemplate, messages: list[dict[str, Any]], marked: dict[int, str | None],
+             tools) -> list[tuple[int, float]]:
+    """cache_control on a message's block pins the prompt prefix through the end of that message:
+    (the prefix's length in tokens, its ttl in seconds) per marked message."""
+    pins = []
+    for index, ttl in marked.items():
+        prefix = template.encode(messages[: index + 1], tools=tools, add_generation_prompt=False)
+        pins.append((len(prefix), PIN_TTLS.get(ttl or "5m", 300.0)))
+    return pins
 
 
 def _short_ids(message: dict[str, Any], length: int) -> dict[str, Any]:

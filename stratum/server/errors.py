@@ -112,12 +112,18 @@ def is_openai(path: str) -> bool:
     return path.startswith(OPENAI_PATHS)
 
 
+def error_object(e: APIError) -> dict[str, Any]:
+    """Anthropic's error object: what an error body holds under `error`, and a Message Batches errored
+    result's `error`."""
+    return {"type": e.type, "message": e.message, **e.extra}
+
+
 def error_body(e: APIError, request_id: str, path: str) -> dict[str, Any]:
     if is_openai(path):
         code = e.extra.get("stratum_reason")
         error = {"message": e.message, "type": _OPENAI_TYPES.get(e.type, e.type), "param": None, "code": code, **e.extra}
         return {"error": error, "request_id": request_id}
-    return {"type": "error", "error": {"type": e.type, "message": e.message, **e.extra}, "request_id": request_id}
+    return {"type": "error", "error": error_object(e), "request_id": request_id}
 
 
 def error_response(e: APIError, request_id: str, path: str) -> JSONResponse:

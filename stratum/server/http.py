@@ -7,7 +7,7 @@
   nothing for that long is closed. A refused connection is half-closed, and what the client still
   sends is read and dropped for a moment, so the client reads the answer instead of a reset.
 - Connections beyond `max_connections` have their requests answered 529 (see `app.Envelope`).
-- SIGTERM or SIGINT starts a drain (`pipeline.drain`); a second signal exits at once.
+- SIGTERM or SIGINT starts a drain (`runtime.drain`); a second signal exits at once.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from stratum.server.errors import APIError, BodyTimeout, HeadersTooLarge, InvalidRequest, error_body, new_request_id
 
 if TYPE_CHECKING:
-    from stratum.server import pipeline
+    from stratum.server.runtime import Runtime
 
 log = logging.getLogger("stratum.server")
 
@@ -137,7 +137,7 @@ class Server(uvicorn.Server):
     then has nothing to drain and exits at once.
     """
 
-    def __init__(self, config: uvicorn.Config, rt: pipeline.Runtime | None, drain_timeout_s: float):
+    def __init__(self, config: uvicorn.Config, rt: Runtime | None, drain_timeout_s: float):
         super().__init__(config)
         self.rt = rt
         self.drain_timeout_s = drain_timeout_s
@@ -159,11 +159,11 @@ class Server(uvicorn.Server):
         self._drain = asyncio.ensure_future(self._drain_then_exit(why))
 
     async def _drain_then_exit(self, why: str) -> None:
-        from stratum.server import pipeline
+        from stratum.server.runtime import drain
 
         log.warning("%s: draining %d requests in flight (up to %gs), refusing new ones", why, len(self.rt.active),
                     self.drain_timeout_s)
-        num_cut = await pipeline.drain(self.rt, self.drain_timeout_s)
+        num_cut = await drain(self.rt, self.drain_timeout_s)
         if num_cut:
             log.warning("drain timeout: ended %d requests with an error", num_cut)
         self.should_exit = True

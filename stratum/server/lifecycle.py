@@ -1,16 +1,17 @@
 """One request on the serving side, owned from admission to its end by a `RequestLifecycle`.
 
     admit    503 draining, 418 pollution, 429 cost, 529 queue: before any tokenization
-    prepare  controls, the prompt (chat template; compressive mode; cache_control pins), the context
-             rule, and its upper bound of cost reserved against the tenant's budget (429)
+    prepare  controls, the prompt (chat template; `compression`; cache_control pins), `sampling` fitted to
+             it, and its upper bound of cost reserved against the tenant's budget (`budget.Reservation`)
     submit   the engine stream (prefix-cache blocks salted with the tenant when tenants are isolated)
     outputs  the engine's outputs to the last one, paced; `events` is the one stream loop over them
-    finish   telemetry: x-stratum-cost, trace, metrics, the budget settled at the measured cost
+    finish   telemetry (`report`), the reservation settled at the measured cost
     close    however the request ended; `_end` is the one place it is released and settled
 
 A route runs a request as `async with RequestLifecycle.admit(...) as lc:`; leaving the block closes
 it, unless a streamed response has taken it over (`respond`), and then the response's own end does.
-The API modules are `Renderer`s: they map outputs to their wire format and hold no resource.
+The API modules are `render.Renderer`s over its `render_context`: they map outputs to their wire format
+and hold no resource.
 """
 
 from __future__ import annotations
@@ -19,22 +20,26 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator, Iterable, Protocol
+from typing import Any, AsyncIterator
 
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from stratum.engine.admission import PollutionDetector
 from stratum.engine.client import QueueFull, RequestGroup, RequestStream
 from stratum.engine.outputs import EngineDeadError, RequestOutput
 from stratum.engine.request import CachePolicy
 from stratum.engine.sampling_params import SamplingParams
-from stratum.server.chat import ChatInput, Prompt, build_prompt
-from stratum.server.errors import APIError, CachePollution, EngineUnavailable, InvalidRequest, Overloaded, as_api_error
-from stratum.server.pipeline import (Controls, Runtime, check_control_headers, check_request, controls_of, measured_cost,
-                                     merge, over_budget, pins_for, ratelimit_headers, tenant_of, usage_of)
-from stratum.telemetry.cost import CostFields
-from stratum.telemetry.trace import build_trace, encode_trace, hardware_view
+from stratum.server import sampling as fit
+from stratum.server.auth import tenant_of
+from stratum.server.budget import Reservation
+from stratum.server.chat import ChatInput, Prompt, build_prompt, pins_for
+from stratum.server.compression import compress
+from stratum.server.controls import Controls, check_control_headers, controls_of
+from stratum.server.errors import APIError, EngineUnavailable, Overloaded, as_api_error
+from stratum.server.render import RenderContext, Renderer
+from stratum.server.report import Facts, Report, early_headers, final_report
+from stratum.server.runtime import Runtime
+from stratum.server.usage import merge, usage_of
 
 log = logging.getLogger("stratum.server")
 
@@ -42,25 +47,31 @@ log = logging.getLogger("stratum.server")
 _DISCONNECT_CHECK_S = 0.5
 
 
-class Renderer(Protocol):
-    """One API's wire format for one request (`anthropic_api`, `openai_api`, `responses_api`)."""
+@dataclass(frozen=True, slots=True)
+class Admitted:
+    """Who a request is, decided at admission."""
 
-    ping: bytes  # the keep-alive sent when ping_interval_s passes without an output
+    tenant: str
+    session: str  # X-Stratum-Session-Id, else the user id, else the tenant: what pollution is judged over
+    is_batch: bool  # a Message Batches request: runs below every interactive one
+    cache_salt: str | None  # the tenant, when tenants' prefix caches are isolated
+    is_advised: bool  # the session pollutes the cache: answers carry advice
 
-    def body(self, outs: list[RequestOutput]) -> dict[str, Any]:
-        """The response body of a request read to its end: the finished output of each choice, in order."""
 
-    def start(self, first: RequestOutput | None) -> Iterable[bytes]:
-        """The events before any output (`first`: the prefill's output, when it came before the headers)."""
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A request ready to queue: its prompts and what they run with."""
 
-    def output(self, out: RequestOutput, choice: int) -> Iterable[bytes]:
-        """The events of one output of one choice."""
-
-    def end(self, final: RequestOutput, cost: dict[str, Any]) -> Iterable[bytes]:
-        """The closing events, the cost among them (`final`: every choice's finished output merged)."""
-
-    def error(self, e: APIError) -> bytes:
-        """The one event that ends a stream failing after its 200 (`errors.sse_error`)."""
+    prompt: Prompt  # the first prompt, with its tools and grammar (every prompt shares them)
+    prompt_ids: tuple[list[int], ...]  # the prompts queued (several on /v1/completions)
+    prompt_text: str  # what the pollution detector reads
+    sampling: SamplingParams
+    n: int  # samples per prompt
+    cache_policy: CachePolicy
+    pins: tuple[tuple[int, float], ...]  # (prefix length, ttl) of cache_control breakpoints
+    cache_breakpoint: int  # prompt tokens up to the last breakpoint (0: none marked)
+    is_context_capped: bool  # max_tokens was lowered to the room the context leaves (`sampling.fit_to_context`)
+    compression: dict[str, Any] | None  # the compressive mode's report, when it was asked for
 
 
 @dataclass(slots=True, eq=False)
@@ -71,36 +82,24 @@ class RequestLifecycle:
     request: Request
     request_id: str
     endpoint: str
-    tenant: str
-    session: str  # X-Stratum-Session-Id, else the user id, else the tenant: what pollution is judged over
-    is_batch: bool  # a Message Batches request: runs below every interactive one
-    cache_salt: str | None = None
-    advise: bool = False  # the session pollutes the cache: answers carry advice
+    who: Admitted
+    reservation: Reservation
     controls: Controls = Controls()
-    # the prompt, once prepared
-    prompt: Prompt | None = None
-    prompt_text: str = ""
-    prompt_ids: list[list[int]] = field(default_factory=list)  # the prompts queued (several on /v1/completions)
-    n: int = 1  # samples per prompt
-    choices: dict[str, int] = field(default_factory=dict)  # engine request id -> choice index
-    sampling: SamplingParams | None = None
-    pins: list[tuple[int, float]] = field(default_factory=list)
-    cache_breakpoint: int = 0  # prompt tokens up to the last cache_control breakpoint (0: none marked)
-    is_context_capped: bool = False  # max_tokens was lowered to the room the context leaves (`_fit_context`)
-    compression: dict[str, Any] | None = None
-    # what it holds of the tenant's budget
-    reserved: int = 0  # upper bounds of what runs for this request
-    spent: int = 0  # measured cost of the engine work done for it before the answer (compressive summaries)
-    budget_reset_at: float | None = None  # the budget window the reservations were made in
+    prepared: Prepared | None = None
     # the engine's side, once submitted
     stream: RequestStream | RequestGroup | None = None
     first: RequestOutput | None = None  # the prefill's output, if it came within header_wait_s
+    choices: dict[str, int] = field(default_factory=dict)  # engine request id -> choice index
     # its end
     cancelled: APIError | None = None  # ended by the server (a drain out of time)
     is_handed_over: bool = False  # a streamed response owns it now, and closes it
     is_ended: bool = False
     cpu0: float = field(default_factory=time.process_time)
     wall0: float = field(default_factory=time.perf_counter)
+
+    @property
+    def is_batch(self) -> bool:
+        return self.who.is_batch
 
     # ---- admit ------------------------------------------------------------------------------------
     @classmethod
@@ -121,31 +120,21 @@ class RequestLifecycle:
             raise EngineUnavailable(f"the engine is not running ({rt.engine.snapshot.error or 'stopped'})")
         check_control_headers(request)
         tenant = tenant_of(request, user_id)
-        lc = cls(rt, request, request.state.request_id, endpoint, tenant,
-                 session=request.headers.get("x-stratum-session-id") or user_id or tenant,
-                 is_batch=bool(getattr(request.state, "batch_tenant", None)),
-                 cache_salt=tenant if rt.isolate_tenants else None)
-        if rt.pollution.is_polluted(lc.session):
-            if rt.pollution.policy == "reject":
-                rt.pollution.reset(lc.session)
-                rt.metrics.rejections.labels("cache_pollution").inc()
-                raise CachePollution(
-                    "the last requests of this session missed the prefix cache and differ only in high-entropy values "
-                    "(UUIDs, timestamps, ids); " + PollutionDetector.ADVICE,
-                    headers={"x-stratum-advice": PollutionDetector.ADVICE}, extra={"stratum_reason": "cache_pollution"})
-            lc.advise = True
-        if rt.admission.is_enabled:
-            least = 1 + (max_tokens or 0)
-            d = rt.admission.check(tenant, least)
-            if not d.is_admitted:
-                raise over_budget(rt, tenant, endpoint, d, least,
-                                  f"this request costs at least {least} tokens (max_tokens and its prompt)")
+        session = request.headers.get("x-stratum-session-id") or user_id or tenant
+        is_polluted = rt.pollution.is_polluted(session)
+        if is_polluted and rt.pollution.policy == "reject":
+            rt.metrics.rejections.labels("cache_pollution").inc()
+            raise rt.pollution.refuse(session)
+        who = Admitted(tenant, session, is_batch=bool(getattr(request.state, "batch_tenant", None)),
+                       cache_salt=tenant if rt.isolate_tenants else None, is_advised=is_polluted)
+        reservation = Reservation(rt.admission, tenant, endpoint, rt.metrics)
+        reservation.check(max_tokens or 0)
+        lc = cls(rt, request, request.state.request_id, endpoint, who, reservation)
         try:
             rt.engine.admit(lc.request_id)
         except QueueFull as e:
             rt.metrics.rejections.labels("queue_full").inc()
-            raise Overloaded(str(e), headers={"retry-after": str(e.retry_after_s),
-                                              **ratelimit_headers(rt, tenant, endpoint)}) from None
+            raise Overloaded(str(e), headers={"retry-after": str(e.retry_after_s), **reservation.headers()}) from None
         except EngineDeadError as e:
             raise EngineUnavailable(str(e)) from None
         rt.active[lc.request_id] = lc
@@ -158,184 +147,93 @@ class RequestLifecycle:
         if exc is not None or not self.is_handed_over:
             await self.close()
         if isinstance(exc, APIError):  # refused after admission: the answer shows the budget as it now stands
-            exc.headers = {**ratelimit_headers(self.rt, self.tenant, self.endpoint), **exc.headers}
+            exc.headers = {**self.reservation.headers(), **exc.headers}
 
     # ---- prepare ----------------------------------------------------------------------------------
     async def prepare(self, chat: ChatInput | None, sampling: SamplingParams, default_max: bool = False, n: int = 1,
                       raw: list[str | list[int]] | None = None, fit_context: bool = False) -> None:
-        """Controls, compression, the prompt (in worker threads), checks, and the reservation.
+        """Controls, compression, the prompt (in worker threads), the sampling fitted to it, checks, and
+        the reservation.
 
         Args:
             chat: the conversation; None with `raw`, completions' prompts (texts or token ids) used as they are.
+            sampling: what the request asked for, over the server's defaults (`sampling.SamplingDefaults`).
             default_max: max_tokens was not given: lower the default to what the context leaves.
             n: samples per prompt.
-            fit_context: the Messages API's context rule (`_fit_context`).
+            fit_context: the Messages API's context rule (`sampling.fit_to_context`).
         Raises:
             InvalidRequest: the request can never run on this engine.
             RateLimited: its upper bound of cost does not fit in the tenant's budget.
         """
-        engine = self.rt.engine
-        prompts = None
+        rt, engine = self.rt, self.rt.engine
+        compression = None
         if chat is None:
             self.controls = controls_of(self.request, "", self.is_batch)
             prompts = [list(p) if isinstance(p, list) else await asyncio.to_thread(engine.tokenizer.encode_prompt, p)
                        for p in raw]
-            prompt, self.prompt_text = Prompt(prompts[0]), "\n".join(p for p in raw if isinstance(p, str))
+            prompt, text = Prompt(prompts[0]), "\n".join(p for p in raw if isinstance(p, str))
         else:
             self.controls = controls_of(self.request, chat.system_text, self.is_batch)
-            if self.request.headers.get("x-stratum-context-mode", "").strip().lower() == "compressive":
-                chat = replace(chat, messages=await self._compress(chat.messages))
+            if self.controls.is_compressive:
+                messages, compression = await compress(engine, rt.compression, chat.messages, self.request_id,
+                                                       self.controls.priority, self.who.cache_salt, self.reservation)
+                chat = replace(chat, messages=messages)
             prompt = await asyncio.to_thread(build_prompt, engine.chat_template, chat)
-            self.prompt_text = chat.text
-        sampling.grammar = prompt.grammar
-        self.prompt, self.prompt_ids, self.n, self.sampling = prompt, prompts or [prompt.token_ids], n, sampling
+            prompts, text = [prompt.token_ids], chat.text
+        sampling = fit.for_prompt(sampling, prompt)
         if default_max:
-            sampling.max_tokens = max(1, min(sampling.max_tokens,
-                                             engine.config.max_model_len - max(map(len, self.prompt_ids))))
+            sampling = fit.default_max_to_context(sampling, engine.config, max(map(len, prompts)))
+        is_capped = False
         if fit_context:
-            self._fit_context(len(prompt.token_ids), sampling)
-        for ids in self.prompt_ids:
-            check_request(self.rt, Prompt(ids, tool_names=prompt.tool_names, tool_format=prompt.tool_format,
-                                          parallel_calls=prompt.parallel_calls), sampling)
-        self._reserve(sum(map(len, self.prompt_ids)), len(self.prompt_ids) * n * sampling.max_tokens)
+            sampling, is_capped = fit.fit_to_context(sampling, engine.config, len(prompt.token_ids))
+        fit.check(engine, prompts, sampling)
+        self.reservation.reserve(sum(map(len, prompts)), len(prompts) * n * sampling.max_tokens)
+        pins: list[tuple[int, float]] = []
         if chat is not None and chat.pinned:
-            self.pins = await asyncio.to_thread(pins_for, engine.chat_template, chat.messages, chat.pinned,
-                                                prompt.template_tools)
-            self.cache_breakpoint = max(length for length, _ in self.pins)
+            pins = await asyncio.to_thread(pins_for, engine.chat_template, chat.messages, chat.pinned,
+                                           prompt.template_tools)
+        policy = self.controls.cache_policy(sampling, rt.aggressive_ttl_s, rt.warmup_ttl_s)
+        # a pinned prompt is asked to be cached, as a cache_control breakpoint on the whole prompt asks
+        breakpoint = len(prompt.token_ids) if policy.pin_ttl_s else max((length for length, _ in pins), default=0)
+        self.prepared = Prepared(prompt, tuple(prompts), text, sampling, n, policy, tuple(pins), breakpoint,
+                                 is_capped, compression)
 
-    def _reserve(self, num_prompt_tokens: int, max_tokens: int, what: str = "this request") -> None:
-        """Reserve an upper bound of what running a prompt can cost, against the tenant's budget: every
-        prompt token (whether or not the cache will serve it) and every token it may generate.
-
-        Raises:
-            RateLimited: the bound does not fit in what the tenant has left in this window.
-        """
-        rt = self.rt
-        if not rt.admission.is_enabled:
-            return
-        bound = num_prompt_tokens + max_tokens
-        d = rt.admission.admit(self.tenant, bound)
-        if not d.is_admitted:
-            raise over_budget(rt, self.tenant, self.endpoint, d, bound,
-                              f"{what} may cost up to {bound} tokens ({num_prompt_tokens} prompt tokens + "
-                              f"max_tokens {max_tokens})")
-        self.reserved += bound
-        if self.budget_reset_at is None:
-            self.budget_reset_at = d.reset_at
-
-    def _fit_context(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
-        """The Messages API's rule: a prompt longer than the context is a 400 naming both counts, in
-        Anthropic's words; a max_tokens beyond what the context leaves is lowered to it, and an answer
-        that fills the context ends with stop_reason model_context_window_exceeded (`is_context_capped`).
-
-        Raises:
-            InvalidRequest: the prompt leaves no room in the context.
-        """
-        config = self.rt.engine.config
-        limit = config.max_model_len
-        if num_prompt_tokens > limit:
-            raise InvalidRequest(f"prompt is too long: {num_prompt_tokens} tokens > {limit} maximum")
-        room = limit - num_prompt_tokens
-        if sampling.max_tokens > room and room == 0:
-            raise InvalidRequest(f"prompt is too long: {num_prompt_tokens} tokens leave no room for output in the "
-                                 f"{limit}-token context")
-        # one sequence holds at most the KV pool (smaller than the context while a cold start serves
-        # on the PyTorch step); a prompt beyond the pool is check_request's 400
-        room = min(room, config.num_kv_blocks * config.block_size - num_prompt_tokens)
-        if sampling.max_tokens > room > 0:
-            sampling.max_tokens = room
-            self.is_context_capped = True
-
-    async def _compress(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """X-Stratum-Context-Mode: compressive. The longest user message, when the prompt is long, is cut
-        into chunks that the same engine summarises (all chunks batched together); the answer is then
-        generated from the summaries. What the summaries cost is measured into `spent`."""
-        rt = self.rt
-        template, tokenizer = rt.engine.chat_template, rt.engine.tokenizer
-        original = len(await asyncio.to_thread(template.encode, messages))
-        users = [i for i, m in enumerate(messages) if m["role"] == "user"]
-        if original <= rt.compress_threshold_tokens or not users:
-            self.compression = {"applied": False, "original_prompt_tokens": original,
-                                "threshold_tokens": rt.compress_threshold_tokens}
-            return messages
-        target = max(users, key=lambda i: len(messages[i]["content"]))
-        ids = await asyncio.to_thread(tokenizer.encode, messages[target]["content"])
-        size = rt.compress_chunk_tokens
-
-        def summary_prompts() -> list[list[int]]:  # tokenizer work, off the event loop like the rest
-            return [template.encode([
-                {"role": "system", "content": "Summarize the user's text in two or three sentences. Keep names, numbers "
-                                              "and facts."},
-                {"role": "user", "content": tokenizer.decode(ids[i : i + size])},
-            ]) for i in range(0, len(ids), size)]
-
-        prompts = await asyncio.to_thread(summary_prompts)
-        params = SamplingParams(max_tokens=rt.compress_summary_tokens, temperature=0.0)
-        self._reserve(sum(len(p) for p in prompts), len(prompts) * params.max_tokens, "its compression")
-
-        async def summarise(i: int, prompt: list[int]) -> str:
-            text = ""
-            stream = rt.engine.submit(prompt, params, request_id=f"{self.request_id}-summary-{i}",
-                                      priority=self.controls.priority, cache_salt=self.cache_salt)
-            try:
-                async for out in stream:
-                    text = out.text
-                    if out.finished:
-                        if out.stats is not None:
-                            self.spent += measured_cost(usage_of(out))
-                        break
-            finally:
-                await stream.close()
-            return text.strip()
-
-        summaries = await asyncio.gather(*(summarise(i, p) for i, p in enumerate(prompts)))
-        compressed = [dict(m) for m in messages]
-        compressed[target]["content"] = "Summary of the provided text, part by part:\n" + "\n".join(
-            f"{i + 1}. {s}" for i, s in enumerate(summaries))
-        after = len(await asyncio.to_thread(template.encode, compressed))
-        self.compression = {"applied": True, "original_prompt_tokens": original, "compressed_prompt_tokens": after,
-                            "ratio": round(after / original, 4), "chunks": len(prompts)}
-        return compressed
+    def render_context(self, model: str) -> RenderContext:
+        """What the request's renderer knows of it (`model`: the name the client sent)."""
+        p = self.prepared
+        return RenderContext(self.request_id, self.endpoint, model, p.prompt, p.prompt_ids, p.n, p.cache_breakpoint,
+                             p.is_context_capped)
 
     # ---- submit -----------------------------------------------------------------------------------
     async def submit(self) -> None:
         """Queue the prepared request in the engine, then wait up to header_wait_s for its prefill, so
-        a stream's headers can carry its figures. Warm-up (max_tokens 0) and aggressive mode pin what
-        they cache; n > 1 queues n samples of each prompt, each with its own seed (seed + i when the
-        request gives one), and sample j > 0 forks sample 0 of its prompt.
+        a stream's headers can carry its figures. n > 1 queues n samples of each prompt, each with its
+        own seed (seed + i when the request gives one), and sample j > 0 forks sample 0 of its prompt.
 
         Raises:
             APIError: the server ended it before it ran (a drain), or the engine refused or failed it.
         """
-        rt, prompt, sampling = self.rt, self.prompt, self.sampling
-        policy = self.controls.cache_policy
-        if self.controls.cache_mode == "aggressive":
-            policy = CachePolicy(pin_ttl_s=rt.aggressive_ttl_s, pin_output=True)
-        elif sampling.max_tokens == 0 and policy.write and sampling.prompt_logprobs is None:
-            policy = CachePolicy(pin_ttl_s=rt.warmup_ttl_s)
-        if policy.pin_ttl_s:  # asked to be cached, as a cache_control breakpoint on the whole prompt asks
-            self.cache_breakpoint = len(prompt.token_ids)
-        marker = None
-        if prompt.tool_names:
-            marker = "" if prompt.is_forced_tool else prompt.tool_format.marker
+        p, engine = self.prepared, self.rt.engine
         if self.cancelled is not None:
             raise self.cancelled
-        options = dict(priority=self.controls.priority, cache_policy=policy, cache_salt=self.cache_salt,
-                       tool_marker=marker, pin_prefixes=self.pins, low_latency=self.controls.is_low_latency)
-        n, prompts = self.n, self.prompt_ids
-        total = len(prompts) * n
+        marker = None
+        if p.prompt.tool_names:
+            marker = "" if p.prompt.is_forced_tool else p.prompt.tool_format.marker
+        options = dict(priority=self.controls.priority, cache_policy=p.cache_policy, cache_salt=self.who.cache_salt,
+                       tool_marker=marker, pin_prefixes=list(p.pins), low_latency=self.controls.is_low_latency)
+        n, total = p.n, len(p.prompt_ids) * p.n
         self.choices = {self.request_id if i == 0 else f"{self.request_id}.{i}": i for i in range(total)}
         if total == 1:
-            self.stream = rt.engine.submit(prompt.token_ids, sampling, request_id=self.request_id, **options)
+            self.stream = engine.submit(p.prompt.token_ids, p.sampling, request_id=self.request_id, **options)
         else:
-            samplings = [replace(sampling, seed=None if sampling.seed is None else sampling.seed + i % n)
-                         for i in range(total)]
+            seed = p.sampling.seed
+            samplings = [replace(p.sampling, seed=None if seed is None else seed + i % n) for i in range(total)]
             rids = list(self.choices)
             forks = [rids[i - i % n] if i % n else None for i in range(total)]
-            self.stream = rt.engine.submit_group([prompts[i // n] for i in range(total)], samplings, rids, forks,
-                                                 **options)
+            self.stream = engine.submit_group([p.prompt_ids[i // n] for i in range(total)], samplings, rids, forks,
+                                              **options)
         try:
-            self.first = await self.stream.next(rt.header_wait_s)
+            self.first = await self.stream.next(self.rt.header_wait_s)
         except StopAsyncIteration:
             self.first = None
         except Exception as e:
@@ -361,8 +259,6 @@ class RequestLifecycle:
                     raise as_api_error(e) from None
             yield out
             if out is not None and out.finished:
-                if out.finish_reason == "error":
-                    raise APIError(out.error or "generation failed")
                 left -= 1
                 if not left:
                     return
@@ -373,7 +269,7 @@ class RequestLifecycle:
         whenever ping_interval_s passes without one), then `finish` and its closing events with the
         cost. After the 200 a failure becomes the renderer's one error event, and the stream ends."""
         try:
-            for event in renderer.start(self.first):
+            for event in renderer.start(self.first, self.admitted_usage()):
                 yield event
             finals: dict[int, RequestOutput] = {}
             async for out in self.outputs(self.rt.ping_interval_s):
@@ -385,9 +281,8 @@ class RequestLifecycle:
                     finals[choice] = out
                 for event in renderer.output(out, choice):
                     yield event
-            final = merge([finals[i] for i in range(len(finals))], self.n)
-            _, cost = self.finish(final)
-            for event in renderer.end(final, cost):
+            final = merge([finals[i] for i in range(len(finals))], self.prepared.n)
+            for event in renderer.end(final, self.finish(final).cost):
                 yield event
         except Exception as e:
             if not isinstance(e, APIError):
@@ -420,77 +315,42 @@ class RequestLifecycle:
             return _EventStream(self.events(renderer), self.close, media_type="text/event-stream",
                                 headers={"cache-control": "no-cache", **self.early_headers()})
         outs = await self.collect()
-        headers, _ = self.finish(merge(outs, self.n))
-        return JSONResponse(renderer.body(outs), headers=headers)
+        return JSONResponse(renderer.body(outs), headers=self.finish(merge(outs, self.prepared.n)).headers)
 
     # ---- telemetry ----------------------------------------------------------------------------------
     def admitted_usage(self) -> dict[str, int]:
         """Usage before prefill has finished: the prompt, and what the engine said its cache will serve
         when it accepted the request (every prompt token as input if it has not said yet)."""
-        n = len(self.prompt.token_ids) if self.prompt is not None else 0
+        p = self.prepared
+        n = len(p.prompt.token_ids) if p is not None else 0
         cached = min(n, (self.stream.expected_cached_tokens if self.stream is not None else None) or 0)
         block = self.rt.engine.config.block_size
-        created = max(0, min(self.cache_breakpoint, n) // block * block - cached) if self.cache_breakpoint else 0
+        breakpoint = p.cache_breakpoint if p is not None else 0
+        created = max(0, min(breakpoint, n) // block * block - cached) if breakpoint else 0
         return {"input_tokens": n - cached - created, "output_tokens": 0, "cache_read_input_tokens": cached,
                 "cache_creation_input_tokens": created}
 
     def early_headers(self) -> dict[str, str]:
         """Headers a stream can send after prefill: cost so far, the engine mode, the tenant's budget."""
-        out = self.first
-        headers = {"x-stratum-mode": out.mode if out is not None else "normal",
-                   "x-stratum-cache-mode": self.controls.cache_mode, **self._replica_header()}
-        if out is not None and out.stats is not None:
-            headers["x-stratum-cost"] = CostFields.from_stats(out.stats).header()
-        if self.advise:
-            headers["x-stratum-advice"] = PollutionDetector.ADVICE
-        headers.update(ratelimit_headers(self.rt, self.tenant, self.endpoint))
-        return headers
+        return {**early_headers(self.first, self.facts()), **self.reservation.headers()}
 
-    def _replica_header(self) -> dict[str, str]:
-        """Which replica served the request, when the engine is a set of replicas."""
+    def facts(self) -> Facts:
+        p = self.prepared
         replica = self.stream.replica if self.stream is not None else None
-        return {"x-stratum-replica": replica} if replica else {}
+        return Facts(self.endpoint, self.who.tenant, self.controls, replica, self.who.is_advised,
+                     p.compression if p is not None else None)
 
     # ---- finish, close ------------------------------------------------------------------------------
-    def finish(self, final: RequestOutput) -> tuple[dict[str, str], dict[str, Any]]:
-        """Telemetry for the finished request (`final`: its choices merged): metrics, and the budget
-        settled at its measured cost (`_end`).
-
-        Returns:
-            (response headers, the cost event's body: {"cost", "header", "final_cost_estimate", "mode",
-            "cache_written_tokens", and "trace" when asked}).
-        """
-        rt, controls, stats = self.rt, self.controls, final.stats
-        cost = CostFields.from_stats(stats)
-        usage = usage_of(final, self.cache_breakpoint)
-        usd = rt.pricing.price(cost, usage)
-        headers = {"x-stratum-cost": cost.header(), "x-stratum-mode": final.mode,
-                   "x-stratum-cache-mode": controls.cache_mode, **self._replica_header()}
-        if self.advise:
-            headers["x-stratum-advice"] = PollutionDetector.ADVICE
-            rt.metrics.advice.inc()
-        body: dict[str, Any] = {"cost": cost.as_dict(), "header": headers["x-stratum-cost"],
-                                "final_cost_estimate": round(usd, 10), "mode": final.mode,
-                                "cache_written_tokens": stats.num_cache_written_tokens}
-        if controls.debug:
-            extra: dict[str, Any] = {"engine_mode": final.mode, "cache_mode": controls.cache_mode,
-                                     "priority": controls.priority, "low_latency": controls.is_low_latency}
-            if self.compression is not None:
-                extra["compression"] = self.compression
-            if "x-stratum-replica" in headers:
-                extra["replica"] = headers["x-stratum-replica"]
-            hardware = None
-            if controls.debug == "full":
-                hardware = hardware_view(rt.engine.info, rt.engine.snapshot, time.process_time() - self.cpu0,
-                                         time.perf_counter() - self.wall0)
-            trace = encode_trace(build_trace(stats, cost, usage, rt.pricing, extra, hardware))
-            headers["x-stratum-trace"] = trace
-            body["trace"] = trace
-        rt.metrics.observe_request(self.endpoint, rt.model_name, stats, cost, usd, self.tenant)
-        self._end(measured_cost(usage))
-        headers.update(ratelimit_headers(rt, self.tenant, self.endpoint))
-        rt.pollution.record(self.session, cost.cache_hit_ratio, self.prompt_text)
-        return headers, body
+    def finish(self, final: RequestOutput) -> Report:
+        """Telemetry for the finished request (`final`: its choices merged): the cost headers, trace and
+        metrics (`report`), and the reservation settled at its measured cost (`_end`)."""
+        p = self.prepared
+        usage = usage_of(final, p.cache_breakpoint)
+        done = final_report(self.rt, final, usage, self.facts(), time.process_time() - self.cpu0,
+                            time.perf_counter() - self.wall0)
+        self._end(usage)
+        self.rt.pollution.record(self.who.session, done.cache_hit_ratio, p.prompt_text)
+        return done.with_headers(self.reservation.headers())
 
     def cancel(self, error: APIError) -> None:
         """End the request from the server's side (a drain out of time): unsubmitted, it will not be
@@ -505,21 +365,18 @@ class RequestLifecycle:
         freed), and it is released and settled (`_end`). Idempotent."""
         if self.stream is not None:
             await self.stream.close()
-        self._end(0)
+        self._end(None)
 
-    def _end(self, run_cost: int) -> None:
+    def _end(self, usage: dict[str, int] | None) -> None:
         """The one place a request is released and settled, once: it leaves the waiting queue and
-        `rt.active`, and its reservations are replaced by its measured cost: what was spent before its
-        answer (compressive summaries) plus `run_cost`, what its own run measured (0 when it did not
-        finish: an unfinished run is not charged)."""
+        `rt.active`, and its reservation is settled (`usage`: what its own run measured; None when it
+        did not finish: an unfinished run is not charged)."""
         if self.is_ended:
             return
         self.is_ended = True
-        rt = self.rt
-        rt.engine.release(self.request_id)
-        rt.active.pop(self.request_id, None)
-        if self.reserved:
-            rt.admission.settle(self.tenant, self.reserved, self.spent + run_cost, self.budget_reset_at)
+        self.rt.engine.release(self.request_id)
+        self.rt.active.pop(self.request_id, None)
+        self.reservation.settle(usage)
 
 
 class _EventStream(StreamingResponse):

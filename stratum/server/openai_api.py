@@ -6,16 +6,14 @@ distribution each token was sampled from (`stratum.engine.sampler`).
 
 from __future__ import annotations
 
-import json
 import time
-import uuid
 from typing import Any, Iterable
 
 from stratum.engine.outputs import RequestOutput
-from stratum.server.anthropic_api import answer_splitter, split_output
 from stratum.server.errors import APIError, sse_error
-from stratum.server.lifecycle import RequestLifecycle
-from stratum.server.pipeline import merge, stream_meta
+from stratum.server.render import RenderContext, answer_splitter, new_call_id, new_id, split_output, stream_meta, to_json
+from stratum.server.tools import CallArguments, CallStart, TextPiece
+from stratum.server.usage import merge
 
 
 def finish_reason(out: RequestOutput, has_calls: bool) -> str:
@@ -31,13 +29,9 @@ def usage(out: RequestOutput) -> dict[str, Any]:
             "prompt_tokens_details": {"cached_tokens": s.num_cached_tokens}}
 
 
-def new_call_id() -> str:
-    return "call_" + uuid.uuid4().hex[:24]
-
-
 def tool_calls(calls) -> list[dict[str, Any]]:
-    return [{"id": new_call_id(), "type": "function",
-             "function": {"name": n, "arguments": json.dumps(a, ensure_ascii=False)}} for n, a in calls]
+    return [{"id": new_call_id(), "type": "function", "function": {"name": n, "arguments": to_json(a)}}
+            for n, a in calls]
 
 
 # ---- log-probabilities -----------------------------------------------------------------------------
@@ -78,11 +72,11 @@ def text_logprobs(tokenizer, token_ids: list[int], entries: list | None, offset:
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
-def _echo_logprobs(tokenizer, lc: RequestLifecycle, choice: int, out: RequestOutput) -> dict[str, Any] | None:
+def _echo_logprobs(tokenizer, ctx: RenderContext, choice: int, out: RequestOutput) -> dict[str, Any] | None:
     """The scored prompt of an echoed choice, as completions' `logprobs` from offset 0."""
     if out.prompt_logprobs is None:
         return None
-    return text_logprobs(tokenizer, lc.prompt_ids[choice // lc.n], out.prompt_logprobs, 0)
+    return text_logprobs(tokenizer, ctx.prompt_ids[choice // ctx.n], out.prompt_logprobs, 0)
 
 
 def _joined(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -101,9 +95,9 @@ class _Chunks:
     kind = ""  # the chunk's object type
     _empty: dict[str, Any] = {}  # a choice's payload with nothing in it
 
-    def __init__(self, lc: RequestLifecycle, model: str, include_usage: bool, tokenizer, prefix: str):
-        self.lc, self.model, self.include_usage, self.tokenizer = lc, model, include_usage, tokenizer
-        self.id = prefix + uuid.uuid4().hex[:24]
+    def __init__(self, ctx: RenderContext, include_usage: bool, tokenizer, prefix: str):
+        self.ctx, self.include_usage, self.tokenizer = ctx, include_usage, tokenizer
+        self.id = new_id(prefix)
         self.created = int(time.time())
         self.num_finished = 0
         self.last: tuple[int, RequestOutput] | None = None  # the choice that finished last, and its output
@@ -111,20 +105,20 @@ class _Chunks:
     def _chunk(self, index: int | None, payload: dict[str, Any], finish: str | None = None, logprobs=None,
                extra: dict[str, Any] | None = None, use: dict[str, Any] | None = None) -> bytes:
         """One chunk: one choice's payload (a delta or text), or none with only usage (index None)."""
-        body: dict[str, Any] = {"id": self.id, "object": self.kind, "created": self.created, "model": self.model,
+        body: dict[str, Any] = {"id": self.id, "object": self.kind, "created": self.created, "model": self.ctx.model,
                                 "choices": [] if index is None else
                                 [{"index": index, **payload, "finish_reason": finish, "logprobs": logprobs}]}
         if use is not None:
             body["usage"] = use
         if extra:
             body.update(extra)
-        return f"data: {json.dumps(body, ensure_ascii=False)}\n\n".encode()
+        return f"data: {to_json(body)}\n\n".encode()
 
     def _finished(self, choice: int, out: RequestOutput) -> Iterable[bytes]:
         """A choice's end: its finish chunk now, unless it is the last to end (`end` sends that one)."""
         self.num_finished += 1
         self.last = choice, out
-        if self.num_finished < len(self.lc.choices):
+        if self.num_finished < self.ctx.num_choices:
             yield self._chunk(choice, self._empty, finish=self._finish_reason(choice, out))
 
     def _finish_reason(self, choice: int, out: RequestOutput) -> str:
@@ -138,22 +132,22 @@ class _Chunks:
         yield b"data: [DONE]\n\n"
 
     def error(self, e: APIError) -> bytes:
-        return sse_error(e, self.lc.request_id, self.lc.endpoint)
+        return sse_error(e, self.ctx.request_id, self.ctx.endpoint)
 
 
 # ---- chat completions ------------------------------------------------------------------------------
 class Chat(_Chunks):
-    """A `lifecycle.Renderer` for chat completions: the body, or one chunk per output per choice:
+    """A `render.Renderer` for chat completions: the body, or one chunk per output per choice:
     content deltas, tool-call deltas (the name first, then argument fragments as they are generated),
     the finish reason, the cost, then usage if asked and [DONE]."""
 
     kind = "chat.completion.chunk"
     _empty: dict[str, Any] = {"delta": {}}
 
-    def __init__(self, lc: RequestLifecycle, model: str, include_usage: bool, tokenizer):
-        super().__init__(lc, model, include_usage, tokenizer, "chatcmpl-")
-        self.splitters = {i: answer_splitter(lc.prompt) for i in lc.choices.values()}
-        self.calls = {i: -1 for i in lc.choices.values()}  # the index of each choice's current tool call
+    def __init__(self, ctx: RenderContext, include_usage: bool, tokenizer):
+        super().__init__(ctx, include_usage, tokenizer, "chatcmpl-")
+        self.splitters = {i: answer_splitter(ctx.prompt) for i in range(ctx.num_choices)}
+        self.calls = {i: -1 for i in range(ctx.num_choices)}  # the index of each choice's current tool call
 
     def _finish_reason(self, choice: int, out: RequestOutput) -> str:
         return finish_reason(out, self.calls[choice] >= 0)
@@ -161,16 +155,16 @@ class Chat(_Chunks):
     def body(self, outs: list[RequestOutput]) -> dict[str, Any]:
         choices = []
         for i, out in enumerate(outs):
-            text, calls = split_output(self.lc.prompt, out.text)
+            text, calls = split_output(self.ctx.prompt, out.text)
             message: dict[str, Any] = {"role": "assistant", "content": text if (text or not calls) else None}
             if calls:
                 message["tool_calls"] = tool_calls(calls)
             choices.append({"index": i, "message": message, "finish_reason": finish_reason(out, bool(calls)),
                             "logprobs": chat_logprobs(self.tokenizer, out.token_ids, out.logprobs)})
-        return {"id": self.id, "object": "chat.completion", "created": int(time.time()), "model": self.model,
-                "choices": choices, "usage": usage(merge(outs, self.lc.n))}
+        return {"id": self.id, "object": "chat.completion", "created": int(time.time()), "model": self.ctx.model,
+                "choices": choices, "usage": usage(merge(outs, self.ctx.n))}
 
-    def start(self, first: RequestOutput | None) -> Iterable[bytes]:
+    def start(self, first: RequestOutput | None, admitted: dict[str, int]) -> Iterable[bytes]:
         for i in self.splitters:
             yield self._delta(i, {"role": "assistant", "content": ""})
 
@@ -184,18 +178,19 @@ class Chat(_Chunks):
             pieces += self.splitters[i].flush()
         logprobs = chat_logprobs(self.tokenizer, out.delta_token_ids, out.delta_logprobs)
         meta = {"stratum_meta": stream_meta(out)}
-        for what, value in pieces:
-            if what == "text":
-                yield self._delta(i, {"content": value}, logprobs=logprobs, extra=meta)
-                logprobs = None
-            elif what == "name":
-                self.calls[i] += 1
-                yield self._delta(i, {"tool_calls": [{"index": self.calls[i], "id": new_call_id(), "type": "function",
-                                                      "function": {"name": value, "arguments": ""}}]}, extra=meta)
-            elif what == "args":
-                yield self._delta(i, {"tool_calls": [{"index": self.calls[i], "function": {"arguments": value}}]},
-                                  logprobs=logprobs, extra=meta)
-                logprobs = None
+        for event in pieces:
+            match event:
+                case TextPiece(text):
+                    yield self._delta(i, {"content": text}, logprobs=logprobs, extra=meta)
+                    logprobs = None
+                case CallStart(name):
+                    self.calls[i] += 1
+                    yield self._delta(i, {"tool_calls": [{"index": self.calls[i], "id": new_call_id(), "type": "function",
+                                                          "function": {"name": name, "arguments": ""}}]}, extra=meta)
+                case CallArguments(fragment):
+                    yield self._delta(i, {"tool_calls": [{"index": self.calls[i], "function": {"arguments": fragment}}]},
+                                      logprobs=logprobs, extra=meta)
+                    logprobs = None
         if logprobs is not None and logprobs["content"]:  # tokens whose text is held back or markup
             yield self._delta(i, {}, logprobs=logprobs)
         if out.finished:
@@ -204,42 +199,42 @@ class Chat(_Chunks):
 
 # ---- completions -----------------------------------------------------------------------------------
 class Text(_Chunks):
-    """A `lifecycle.Renderer` for (legacy) completions: the body, or text chunks per choice; an echoed
+    """A `render.Renderer` for (legacy) completions: the body, or text chunks per choice; an echoed
     prompt (with its scores) comes first, with the choice's first output."""
 
     kind = "text_completion"
     _empty: dict[str, Any] = {"text": ""}
 
-    def __init__(self, lc: RequestLifecycle, model: str, include_usage: bool, tokenizer, echoes: list[str]):
-        super().__init__(lc, model, include_usage, tokenizer, "cmpl-")
+    def __init__(self, ctx: RenderContext, include_usage: bool, tokenizer, echoes: list[str]):
+        super().__init__(ctx, include_usage, tokenizer, "cmpl-")
         self.echoes = echoes
-        self.offsets = {i: len(echoes[i // lc.n]) for i in lc.choices.values()}
+        self.offsets = {i: len(echoes[i // ctx.n]) for i in range(ctx.num_choices)}
         self.started: set[int] = set()
 
     def _finish_reason(self, choice: int, out: RequestOutput) -> str:
         return finish_reason(out, False)
 
     def body(self, outs: list[RequestOutput]) -> dict[str, Any]:
-        lc, tokenizer = self.lc, self.tokenizer
+        ctx, tokenizer = self.ctx, self.tokenizer
         choices = []
         for i, out in enumerate(outs):
-            echo = self.echoes[i // lc.n]
+            echo = self.echoes[i // ctx.n]
             logprobs = text_logprobs(tokenizer, out.token_ids, out.logprobs, len(echo))
             if echo:
-                logprobs = _joined(_echo_logprobs(tokenizer, lc, i, out), logprobs)
+                logprobs = _joined(_echo_logprobs(tokenizer, ctx, i, out), logprobs)
             choices.append({"index": i, "text": echo + out.text, "finish_reason": finish_reason(out, False),
                             "logprobs": logprobs})
-        return {"id": self.id, "object": "text_completion", "created": int(time.time()), "model": self.model,
-                "choices": choices, "usage": usage(merge(outs, lc.n))}
+        return {"id": self.id, "object": "text_completion", "created": int(time.time()), "model": ctx.model,
+                "choices": choices, "usage": usage(merge(outs, ctx.n))}
 
-    def start(self, first: RequestOutput | None) -> Iterable[bytes]:
+    def start(self, first: RequestOutput | None, admitted: dict[str, int]) -> Iterable[bytes]:
         return ()
 
     def output(self, out: RequestOutput, choice: int) -> Iterable[bytes]:
         i = choice
-        echo = self.echoes[i // self.lc.n]
+        echo = self.echoes[i // self.ctx.n]
         if echo and i not in self.started:
-            yield self._chunk(i, {"text": echo}, logprobs=_echo_logprobs(self.tokenizer, self.lc, i, out))
+            yield self._chunk(i, {"text": echo}, logprobs=_echo_logprobs(self.tokenizer, self.ctx, i, out))
         self.started.add(i)
         logprobs = text_logprobs(self.tokenizer, out.delta_token_ids, out.delta_logprobs, self.offsets[i])
         self.offsets[i] += len(out.delta_text)

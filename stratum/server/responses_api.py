@@ -16,25 +16,14 @@ item per tool call (arguments as a JSON string, with a `call_id` the client answ
 
 from __future__ import annotations
 
-import json
 import time
-import uuid
 from typing import Any, Iterable
 
 from stratum.engine.outputs import RequestOutput
-from stratum.server.anthropic_api import answer_splitter, split_output
 from stratum.server.errors import APIError, sse_error
-from stratum.server.lifecycle import RequestLifecycle
-from stratum.server.openai_api import new_call_id
 from stratum.server.protocol import ResponsesRequest
-
-
-def new_response_id() -> str:
-    return "resp_" + uuid.uuid4().hex[:24]
-
-
-def _item_id(prefix: str) -> str:
-    return f"{prefix}_{uuid.uuid4().hex[:24]}"
+from stratum.server.render import RenderContext, answer_splitter, new_call_id, new_id, split_output, to_json
+from stratum.server.tools import AnswerEvent, CallArguments, CallEnd, CallStart, TextPiece
 
 
 def usage(out: RequestOutput) -> dict[str, Any]:
@@ -59,7 +48,7 @@ class ResponseShell:
     """The fields of a response object that do not depend on the answer: what the request asked."""
 
     def __init__(self, req: ResponsesRequest, sampling_temperature: float, sampling_top_p: float):
-        self.id = new_response_id()
+        self.id = new_id("resp_")
         self.created_at = int(time.time())
         fmt = req.text.format if req.text and req.text.format else None
         text_format: dict[str, Any] = {"type": "text"}
@@ -90,14 +79,14 @@ def _status(out: RequestOutput) -> str:
 
 
 class Responses:
-    """A `lifecycle.Renderer`: the response object, or the documented event sequence (module
+    """A `render.Renderer`: the response object, or the documented event sequence (module
     docstring), every event numbered; a keep-alive comment while waiting."""
 
     ping = b": ping\n\n"
 
-    def __init__(self, lc: RequestLifecycle, shell: ResponseShell):
-        self.lc, self.shell = lc, shell
-        self.splitter = answer_splitter(lc.prompt)
+    def __init__(self, ctx: RenderContext, shell: ResponseShell):
+        self.ctx, self.shell = ctx, shell
+        self.splitter = answer_splitter(ctx.prompt)
         self.sequence = 0
         self.output_items: list[dict[str, Any]] = []
         self.item: dict[str, Any] | None = None  # the open output item
@@ -105,16 +94,15 @@ class Responses:
 
     def body(self, outs: list[RequestOutput]) -> dict[str, Any]:
         out, = outs
-        text, calls = split_output(self.lc.prompt, out.text)
+        text, calls = split_output(self.ctx.prompt, out.text)
         output = []
         if text or not calls:
-            output.append(_message_item(_item_id("msg"), text, "completed"))
+            output.append(_message_item(new_id("msg_"), text, "completed"))
         for name, args in calls:
-            output.append(_call_item(_item_id("fc"), new_call_id(), name, json.dumps(args, ensure_ascii=False),
-                                     "completed"))
+            output.append(_call_item(new_id("fc_"), new_call_id(), name, to_json(args), "completed"))
         return self.shell.body(_status(out), output, out)
 
-    def start(self, first: RequestOutput | None) -> Iterable[bytes]:
+    def start(self, first: RequestOutput | None, admitted: dict[str, int]) -> Iterable[bytes]:
         yield self._event("response.created", response=self.shell.body("in_progress", [], None))
         yield self._event("response.in_progress", response=self.shell.body("in_progress", [], None))
 
@@ -126,17 +114,17 @@ class Responses:
         yield from self._pieces(self.splitter.flush())
         yield from self._close_item()
         if not self.output_items:  # an empty answer is still one (empty) message, as the body has
-            yield from self._open_item(_message_item(_item_id("msg"), "", "in_progress"))
+            yield from self._open_item(_message_item(new_id("msg_"), "", "in_progress"))
             yield from self._close_item()
         status = _status(final)
         yield self._event(f"response.{status}", response=self.shell.body(status, self.output_items, final),
                           stratum_cost=cost)
 
     def error(self, e: APIError) -> bytes:
-        return sse_error(e, self.lc.request_id, self.lc.endpoint, self.sequence)
+        return sse_error(e, self.ctx.request_id, self.ctx.endpoint, self.sequence)
 
     def _event(self, kind: str, **data: Any) -> bytes:
-        body = json.dumps({"type": kind, "sequence_number": self.sequence, **data}, ensure_ascii=False)
+        body = to_json({"type": kind, "sequence_number": self.sequence, **data})
         self.sequence += 1
         return f"event: {kind}\ndata: {body}\n\n".encode()
 
@@ -168,21 +156,22 @@ class Responses:
         self.output_items.append(done)
         self.item = None
 
-    def _pieces(self, pieces) -> Iterable[bytes]:
-        for what, value in pieces:
-            if what == "text":
-                if self.item is None or self.item["type"] != "message":
+    def _pieces(self, events: list[AnswerEvent]) -> Iterable[bytes]:
+        for event in events:
+            match event:
+                case TextPiece(text):
+                    if self.item is None or self.item["type"] != "message":
+                        yield from self._close_item()
+                        yield from self._open_item(_message_item(new_id("msg_"), "", "in_progress"))
+                    self.text += text
+                    yield self._event("response.output_text.delta", item_id=self.item["id"],
+                                      output_index=len(self.output_items), content_index=0, delta=text, logprobs=[])
+                case CallStart(name):
                     yield from self._close_item()
-                    yield from self._open_item(_message_item(_item_id("msg"), "", "in_progress"))
-                self.text += value
-                yield self._event("response.output_text.delta", item_id=self.item["id"],
-                                  output_index=len(self.output_items), content_index=0, delta=value, logprobs=[])
-            elif what == "name":
-                yield from self._close_item()
-                yield from self._open_item(_call_item(_item_id("fc"), new_call_id(), value, "", "in_progress"))
-            elif what == "args":
-                self.item["arguments"] += value
-                yield self._event("response.function_call_arguments.delta", item_id=self.item["id"],
-                                  output_index=len(self.output_items), delta=value)
-            else:  # the end of a call
-                yield from self._close_item()
+                    yield from self._open_item(_call_item(new_id("fc_"), new_call_id(), name, "", "in_progress"))
+                case CallArguments(fragment):
+                    self.item["arguments"] += fragment
+                    yield self._event("response.function_call_arguments.delta", item_id=self.item["id"],
+                                      output_index=len(self.output_items), delta=fragment)
+                case CallEnd():
+                    yield from self._close_item()

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import re
-import uuid
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -123,10 +122,6 @@ def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
     )
 
 
-def new_tool_id() -> str:
-    return "toolu_" + uuid.uuid4().hex[:24]
-
-
 def parse_tool_calls(text: str, known: set[str], fmt: ToolFormat = HERMES) -> tuple[str, list[tuple[str, dict[str, Any]]]]:
     """Split model output into leading text and tool calls, reading it as `AnswerSplitter` streams it.
 
@@ -136,15 +131,15 @@ def parse_tool_calls(text: str, known: set[str], fmt: ToolFormat = HERMES) -> tu
         left, the whole output is text.
     """
     splitter = AnswerSplitter(known, fmt=fmt)
-    before, calls, current = "", [], None
-    for kind, value in splitter.feed(text) + splitter.flush():
-        if kind == "text":
-            before += value
-        elif kind == "name":
-            current = [value, ""]
-            calls.append(current)
-        elif kind == "args":
-            current[1] += value
+    before, calls = "", []
+    for event in splitter.feed(text) + splitter.flush():
+        match event:
+            case TextPiece(piece):
+                before += piece
+            case CallStart(name):
+                calls.append([name, ""])
+            case CallArguments(fragment):
+                calls[-1][1] += fragment
     parsed = []
     for name, raw in calls:
         args = _loads_lenient(raw.strip())
@@ -217,14 +212,43 @@ class _Arguments:
         return len(text)
 
 
+@dataclass(frozen=True, slots=True)
+class TextPiece:
+    """Answer text, free of call markup."""
+
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class CallStart:
+    """A tool call begins: the tool's name."""
+
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class CallArguments:
+    """A fragment of the open call's arguments, as generated (the fragments joined are its JSON)."""
+
+    fragment: str
+
+
+@dataclass(frozen=True, slots=True)
+class CallEnd:
+    """The open call's arguments are complete."""
+
+
+AnswerEvent = TextPiece | CallStart | CallArguments | CallEnd
+
+
 class AnswerSplitter:
     """Splits a streamed answer into text and tool calls as it arrives, in one family's format.
 
-    `feed(delta)` returns events: ("text", s), ("name", name), ("args", fragment), ("end", None).
-    Text that could be the start of a call is held back until it is known not to be one, so call
-    markup never reaches a text block; text after the last call is dropped, as `parse_tool_calls`
-    does. A call whose head never completes comes out as text at `flush`. `prefill` is the prompt's
-    forced start of a call (tool_choice any / tool), read as the answer's beginning.
+    `feed(delta)` returns `AnswerEvent`s: text pieces, and per call its start (the name), fragments of
+    its arguments and its end. Text that could be the start of a call is held back until it is known
+    not to be one, so call markup never reaches a text block; text after the last call is dropped, as
+    `parse_tool_calls` does. A call whose head never completes comes out as text at `flush`. `prefill`
+    is the prompt's forced start of a call (tool_choice any / tool), read as the answer's beginning.
     """
 
     def __init__(self, tool_names: set[str], prefill: str = "", fmt: ToolFormat = HERMES):
@@ -234,13 +258,13 @@ class AnswerSplitter:
         self.state = "text"  # text -> head -> args -> between -> head ...; or plain (no calls in this answer)
         self.calls = 0
         self.args: _Arguments | None = None
-        self._pending: list[tuple[str, str | None]] = []
+        self._pending: list[AnswerEvent] = []
         self._pending = self.feed(prefill) if prefill else []
 
-    def feed(self, text: str) -> list[tuple[str, str | None]]:
+    def feed(self, text: str) -> list[AnswerEvent]:
         events, self._pending = self._pending, []
         if not self.has_tools or self.state == "plain":
-            return events + ([("text", text)] if text else [])
+            return events + ([TextPiece(text)] if text else [])
         self.held += text
         while self.held:
             before = (self.state, len(self.held))
@@ -250,36 +274,36 @@ class AnswerSplitter:
                 pattern = self.fmt.first_head if self.state == "head" else self.fmt.next_head
                 m = pattern.match(self.held)
                 if m is not None:
-                    events.append(("name", m.group(1)))
+                    events.append(CallStart(m.group(1)))
                     self.held, self.state, self.args = self.held[m.end():], "args", _Arguments()
             elif self.state == "args":
                 if not self.args.started:  # whitespace before the arguments is not part of them
                     self.held = self.held.lstrip()
                 end = self.args.scan(self.held)
                 if end:
-                    events.append(("args", self.held[:end]))
+                    events.append(CallArguments(self.held[:end]))
                 self.held = self.held[end:]
                 if self.args.done:
-                    events.append(("end", None))
+                    events.append(CallEnd())
                     self.state, self.calls = "between", self.calls + 1
             if (self.state, len(self.held)) == before or self.state == "plain":
                 break
         if self.state == "plain" and self.held:
-            events.append(("text", self.held))
+            events.append(TextPiece(self.held))
             self.held = ""
         return events
 
-    def _find_calls(self) -> list[tuple[str, str | None]]:
+    def _find_calls(self) -> list[AnswerEvent]:
         """In text, before any call: release what cannot begin one; at the calls' start, move to head."""
         fmt = self.fmt
         if fmt.text_before:
             cut = self.held.find(fmt.open)
             if cut >= 0:
                 text, self.held, self.state = self.held[:cut], self.held[cut:], "head"
-                return [("text", text)] if text else []
+                return [TextPiece(text)] if text else []
             keep = partial_suffix(self.held, fmt.open)
             text, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep:]
-            return [("text", text)] if text else []
+            return [TextPiece(text)] if text else []
         begin = self.held.lstrip()
         if not begin:
             return []
@@ -289,11 +313,11 @@ class AnswerSplitter:
             self.state = "plain"
         return []
 
-    def flush(self) -> list[tuple[str, str | None]]:
+    def flush(self) -> list[AnswerEvent]:
         """The end of the answer: held-back text that never became a call."""
         events, self._pending = self._pending, []
         if self.held and not self.calls and self.state in ("text", "head", "plain"):
-            events.append(("text", self.held))
+            events.append(TextPiece(self.held))
         self.held = ""
         return events
 

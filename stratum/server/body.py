@@ -1,0 +1,82 @@
+"""Reading a request body: bounded in size and in how long it may stall, decoded as JSON and validated
+into its pydantic model, every failure a 4xx naming what is wrong."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import re
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect, Request
+
+from stratum.server.errors import BodyTimeout, ClientDisconnected, InvalidRequest, RequestTooLarge
+
+log = logging.getLogger("stratum.server")
+
+# Bodies above this are parsed in a worker thread, so a large one does not hold up other clients.
+_PARSE_INLINE_BYTES = 64 * 1024
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+Model = TypeVar("Model", bound=BaseModel)
+
+
+async def read_request(request: Request, model: type[Model], limit: int, timeout_s: float) -> Model:
+    """The body as `model`.
+
+    Args:
+        limit: bytes the body may have.
+        timeout_s: how long the body may stall between two chunks.
+    Raises:
+        RequestTooLarge: 413. BodyTimeout: 408. ClientDisconnected: the client left while sending it.
+        InvalidRequest: 400, not JSON, not an object, or not valid as `model` (the first error, by its path).
+    """
+    body = bytearray()
+    chunks = request.stream().__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(chunks.__anext__(), timeout_s)
+        except StopAsyncIteration:
+            break
+        except asyncio.TimeoutError:
+            raise BodyTimeout(f"the request body stalled for {timeout_s:g}s; received "
+                              f"{len(body)} bytes", headers={"connection": "close"}) from None
+        except ClientDisconnect:
+            log.info("%s: client disconnected while sending its body (%d bytes received)",
+                     request.state.request_id, len(body))
+            raise ClientDisconnected("client disconnected") from None
+        body += chunk
+        if len(body) > limit:
+            raise RequestTooLarge(f"request body exceeds {limit} bytes")
+    if len(body) <= _PARSE_INLINE_BYTES:
+        return _parse(model, _decode_json(bytes(body)))
+    return await asyncio.to_thread(lambda: _parse(model, _decode_json(bytes(body))))
+
+
+def _decode_json(body: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(body)
+    except UnicodeDecodeError:
+        raise InvalidRequest("request body is not valid UTF-8") from None
+    except (ValueError, RecursionError) as e:
+        raise InvalidRequest(f"request body is not valid JSON: {type(e).__name__}: {e}"[:300]) from None
+    if not isinstance(data, dict):
+        raise InvalidRequest("request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(body):  # only an escape can put a lone surrogate in valid UTF-8 JSON
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidRequest("request body contains a lone UTF-16 surrogate") from None
+    return data
+
+
+def _parse(model: type[Model], data: dict[str, Any]) -> Model:
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        sep = "." if first["type"] == "unsupported_content" else ": "  # its message starts with the block's path
+        raise InvalidRequest(f"{loc}{sep}{first['msg']}" if loc else first["msg"]) from None

@@ -1,0 +1,159 @@
+"""OpenAI's chat completions and (legacy) completions request bodies, mirroring its API reference."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from stratum.server.protocol.common import TOOL_NAME, Loose, check_object_schema, refuse_media
+
+MAX_N = 16  # samples per request on the OpenAI endpoints
+
+
+class OAIContentPart(Loose):
+    type: Literal["text"]
+    text: str
+
+
+class OAIFunctionCall(Loose):
+    name: str
+    arguments: str
+
+
+class OAIToolCall(Loose):
+    id: str
+    type: Literal["function"] = "function"
+    function: OAIFunctionCall
+
+
+class OAIMessage(Loose):
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    content: str | list[OAIContentPart] | None = None
+    tool_calls: list[OAIToolCall] | None = None
+    tool_call_id: str | None = None
+    name: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            refuse_media(data.get("content"), {"text"})
+        return data
+
+
+class OAIFunction(Loose):
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    parameters: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    strict: bool | None = None
+
+    @field_validator("parameters")
+    @classmethod
+    def _object_schema(cls, v: dict[str, Any]) -> dict[str, Any]:
+        return check_object_schema(v)
+
+
+class OAITool(Loose):
+    type: Literal["function"]
+    function: OAIFunction
+
+
+class OAIFunctionName(Loose):
+    name: str
+
+
+class OAINamedToolChoice(Loose):
+    type: Literal["function"]
+    function: OAIFunctionName
+
+
+class OAIStreamOptions(Loose):
+    include_usage: bool = False
+
+
+class OAIJSONSchema(Loose):
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    schema_: dict[str, Any] = Field(default_factory=lambda: {"type": "object"}, alias="schema")
+    strict: bool | None = None
+
+
+class OAIResponseFormat(Loose):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: OAIJSONSchema | None = None
+
+    @model_validator(mode="after")
+    def _schema_given(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type json_schema needs json_schema")
+        return self
+
+    @property
+    def schema(self) -> dict[str, Any] | None:
+        """The schema the output must match (`strict` or not: what cannot be enforced is refused), or
+        None for free text."""
+        if self.type == "json_object":
+            return {"type": "object"}
+        if self.type == "json_schema":
+            return self.json_schema.schema_
+        return None
+
+
+class _Sampled(Loose):
+    """What the OpenAI endpoints share: sampling, n samples, log-probabilities."""
+
+    temperature: float | None = Field(default=None, ge=0.0, le=2.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    top_k: int | None = Field(default=None, ge=0)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: OAIStreamOptions | None = None
+    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
+    user: str | None = Field(default=None, max_length=256)
+    ignore_eos: bool = False
+
+
+class ChatCompletionRequest(_Sampled):
+    model: str = Field(min_length=1, max_length=256)
+    messages: list[OAIMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(default=None, ge=0)
+    max_completion_tokens: int | None = Field(default=None, ge=0)
+    tools: list[OAITool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | OAINamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # false: at most one call per answer
+    response_format: OAIResponseFormat | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
+
+    @model_validator(mode="after")
+    def _logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs: true")
+        return self
+
+
+TokenId = Annotated[int, Field(ge=0, lt=2**31)]  # beyond any vocabulary; the engine checks its own size
+
+
+class CompletionRequest(_Sampled):
+    """The legacy OpenAI completions endpoint: a prompt string (or token ids) continued as is."""
+
+    model: str = Field(min_length=1, max_length=256)
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
+    max_tokens: int | None = Field(default=16, ge=0)
+    echo: bool = False
+    logprobs: int | None = Field(default=None, ge=0, le=5)
+    suffix: str | None = None
+    best_of: int | None = Field(default=None, ge=1)
+
+    @model_validator(mode="after")
+    def _rules(self):
+        if self.suffix:
+            raise ValueError("suffix is not supported: the model has no fill-in-the-middle mode")
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of other than n is not supported")
+        if isinstance(self.prompt, list) and not self.prompt:
+            raise ValueError("prompt must not be empty")
+        return self

@@ -1,0 +1,54 @@
+"""What every API's request models share: strict and lenient bases, and the checks they all make."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+from pydantic_core import PydanticCustomError
+
+TOOL_NAME = r"^[a-zA-Z0-9_-]{1,128}$"
+_TOOL_RESULT_READABLE = {"text", "search_result", "document", "tool_reference"}  # blocks an Anthropic tool_result holds
+
+
+class Strict(BaseModel):
+    """Anthropic's bodies: unknown fields are refused."""
+
+    # strict: "8" is not an int and true is not a number, as in the real APIs (whole numbers still pass as floats)
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class Loose(BaseModel):
+    """OpenAI's bodies: unknown fields are ignored, as OpenAI's API ignores them."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+
+def check_object_schema(v: dict[str, Any]) -> dict[str, Any]:
+    if v.get("type") != "object":
+        raise ValueError("a tool's schema must have type 'object'")
+    return v
+
+
+def refuse_media(blocks: Any, known: set[str], where: str = "content") -> None:
+    """Name a content block this text-only model cannot read (an image, a PDF), rather than letting
+    validation say that the content should have been a string."""
+    if not isinstance(blocks, list):
+        return
+    for j, block in enumerate(blocks):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if isinstance(kind, str) and kind not in known:
+            raise PydanticCustomError("unsupported_content", "{where}.{j}: content blocks of type {kind} are not "
+                                      "supported: this model is text-only", {"where": where, "j": j, "kind": repr(kind)})
+        if kind == "document":
+            source = block.get("source")
+            source_type = source.get("type") if isinstance(source, dict) else None
+            if isinstance(source_type, str) and source_type not in ("text", "content"):
+                raise PydanticCustomError(
+                    "unsupported_content", "{where}.{j}: documents with a source of type {kind} are not supported: "
+                    "this model is text-only (it reads documents with a 'text' or 'content' source)",
+                    {"where": where, "j": j, "kind": repr(source_type)})
+            if source_type == "content":
+                refuse_media(source.get("content"), {"text"}, f"{where}.{j}.source.content")
+        if kind == "tool_result":
+            refuse_media(block.get("content"), _TOOL_RESULT_READABLE, f"{where}.{j}.content")

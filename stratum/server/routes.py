@@ -1,0 +1,92 @@
+"""The routes that generate: each reads and checks its body, asks for its sampling over the server's
+defaults, runs it as a `RequestLifecycle` and answers through its API's renderer."""
+
+from __future__ import annotations
+
+import asyncio
+
+from fastapi import FastAPI, Request
+
+from stratum.server import anthropic_api, openai_api, responses_api
+from stratum.server.body import read_request
+from stratum.server.chat import anthropic_input, openai_input, responses_input
+from stratum.server.errors import InvalidRequest
+from stratum.server.lifecycle import RequestLifecycle
+from stratum.server.protocol import ChatCompletionRequest, CompletionRequest, MessagesRequest, ResponsesRequest
+from stratum.server.runtime import Runtime
+from stratum.server.settings import ServerSettings
+
+# Choices one request may ask for: prompts x n on /v1/completions.
+MAX_CHOICES = 64
+
+
+def generation_routes(app: FastAPI, rt: Runtime, settings: ServerSettings) -> None:
+    """/v1/messages, /v1/chat/completions, /v1/completions and /v1/responses."""
+    engine, defaults = rt.engine, settings.sampling_defaults
+
+    async def read(request: Request, model):
+        req = await read_request(request, model, settings.max_body_bytes, settings.body_timeout_s)
+        settings.check_model(req.model)
+        return req
+
+    @app.post("/v1/messages")
+    async def messages(request: Request):
+        req = await read(request, MessagesRequest)
+        chat = anthropic_input(req)
+        sampling = defaults.apply(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                  top_k=req.top_k, stop=req.stop_sequences, seed=req.seed, ignore_eos=req.ignore_eos)
+        user_id = req.metadata.user_id if req.metadata else None
+        # what max_tokens can cost is bounded by the context (`sampling.fit_to_context` lowers it to fit)
+        async with RequestLifecycle.admit(rt, request, "/v1/messages", min(req.max_tokens, engine.config.max_model_len),
+                                          user_id) as lc:
+            await lc.prepare(chat, sampling, fit_context=True)
+            await lc.submit()
+            return await lc.respond(anthropic_api.Messages(lc.render_context(req.model)), req.stream)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        req = await read(request, ChatCompletionRequest)
+        chat = openai_input(req)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        sampling = defaults.apply(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
+                                  stop=req.stop, seed=req.seed, ignore_eos=req.ignore_eos,
+                                  logprobs=req.top_logprobs or 0 if req.logprobs else None)
+        async with RequestLifecycle.admit(rt, request, "/v1/chat/completions", max_tokens, req.user) as lc:
+            await lc.prepare(chat, sampling, default_max=max_tokens is None, n=req.n)
+            await lc.submit()
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            renderer = openai_api.Chat(lc.render_context(req.model), include_usage, engine.tokenizer)
+            return await lc.respond(renderer, req.stream)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        req = await read(request, CompletionRequest)
+        prompts = req.prompt if isinstance(req.prompt, list) and not isinstance(req.prompt[0], int) else [req.prompt]
+        if len(prompts) * req.n > MAX_CHOICES:
+            raise InvalidRequest(f"{len(prompts)} prompts x n {req.n} exceeds {MAX_CHOICES} choices per request")
+        sampling = defaults.apply(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
+                                  top_k=req.top_k, stop=req.stop, seed=req.seed, ignore_eos=req.ignore_eos,
+                                  logprobs=req.logprobs,
+                                  # echo with logprobs scores the prompt too (what evaluation harnesses ask)
+                                  prompt_logprobs=req.logprobs if req.echo else None)
+        async with RequestLifecycle.admit(rt, request, "/v1/completions", req.max_tokens, req.user) as lc:
+            await lc.prepare(None, sampling, default_max=req.max_tokens is None, n=req.n, raw=prompts)
+            await lc.submit()
+            echoes = [(p if isinstance(p, str) else await asyncio.to_thread(engine.tokenizer.decode, p))
+                      if req.echo else "" for p in prompts]
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            renderer = openai_api.Text(lc.render_context(req.model), include_usage, engine.tokenizer, echoes)
+            return await lc.respond(renderer, req.stream)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request):
+        req = await read(request, ResponsesRequest)
+        chat = responses_input(req)
+        sampling = defaults.apply(max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
+                                  seed=req.seed)
+        async with RequestLifecycle.admit(rt, request, "/v1/responses", req.max_output_tokens,
+                                          req.safety_identifier or req.user) as lc:
+            await lc.prepare(chat, sampling, default_max=req.max_output_tokens is None)
+            await lc.submit()
+            shell = responses_api.ResponseShell(req, sampling.temperature, sampling.top_p)
+            return await lc.respond(responses_api.Responses(lc.render_context(req.model), shell), req.stream)

@@ -1,0 +1,94 @@
+"""A request's `SamplingParams`: what it asked for over the server's defaults (applied here and only
+here), then fitted to its prompt and the context, each change a `replace` of the frozen params."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
+
+from stratum.engine.config import ResolvedConfig
+from stratum.engine.sampling_params import InvalidRequestError, SamplingParams
+from stratum.server.chat import Prompt
+from stratum.server.errors import InvalidRequest
+
+if TYPE_CHECKING:
+    from stratum.engine.client import EngineClient
+
+# What a request without max_tokens may generate (OpenAI's APIs, where it is optional), at most: less
+# where the context ends sooner.
+DEFAULT_MAX_TOKENS = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingDefaults:
+    """What a request that omits a field gets: the model's recommended temperature and top_p, and
+    `max_tokens` where the API lets it be omitted."""
+
+    temperature: float = 1.0  # Anthropic's default when a request omits it
+    top_p: float = 1.0
+    max_tokens: int = DEFAULT_MAX_TOKENS
+
+    def apply(self, *, max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
+              top_k: int | None = None, stop: str | list[str] | None = None, seed: int | None = None,
+              ignore_eos: bool = False, logprobs: int | None = None,
+              prompt_logprobs: int | None = None) -> SamplingParams:
+        """The request's fields as sent (None: omitted) over these defaults."""
+        return SamplingParams(
+            max_tokens=self.max_tokens if max_tokens is None else max_tokens,
+            temperature=self.temperature if temperature is None else temperature,
+            top_p=top_p or self.top_p, top_k=top_k or 0,
+            stop=[stop] if isinstance(stop, str) else list(stop or ()), seed=seed, ignore_eos=ignore_eos,
+            logprobs=logprobs, prompt_logprobs=prompt_logprobs)
+
+
+def for_prompt(sampling: SamplingParams, prompt: Prompt) -> SamplingParams:
+    """The prompt's grammar; with tools, a stop at the end of a tool call when the answer may make only
+    one, and the tool-call markers that are special tokens (Mistral's [TOOL_CALLS]) kept in the text, to
+    be read."""
+    changes: dict = {"grammar": prompt.grammar}
+    stop = prompt.tool_format.stop
+    if prompt.tool_names and not prompt.parallel_calls and stop is not None and stop not in sampling.stop:
+        changes["stop"] = (*sampling.stop, stop)
+    if prompt.tool_names and prompt.tool_format.special_tokens:
+        changes["skip_special_tokens"] = False
+    return replace(sampling, **changes)
+
+
+def default_max_to_context(sampling: SamplingParams, config: ResolvedConfig, longest_prompt: int) -> SamplingParams:
+    """A max_tokens the client did not send is lowered to what the context leaves (at least 1)."""
+    return replace(sampling, max_tokens=max(1, min(sampling.max_tokens, config.max_model_len - longest_prompt)))
+
+
+def fit_to_context(sampling: SamplingParams, config: ResolvedConfig,
+                   num_prompt_tokens: int) -> tuple[SamplingParams, bool]:
+    """The Messages API's rule: a prompt longer than the context is a 400 naming both counts, in
+    Anthropic's words; a max_tokens beyond what the context leaves is lowered to it, and an answer
+    that fills the context then ends with stop_reason model_context_window_exceeded.
+
+    Returns:
+        (the params, whether max_tokens was lowered).
+    Raises:
+        InvalidRequest: the prompt leaves no room in the context.
+    """
+    limit = config.max_model_len
+    if num_prompt_tokens > limit:
+        raise InvalidRequest(f"prompt is too long: {num_prompt_tokens} tokens > {limit} maximum")
+    room = limit - num_prompt_tokens
+    if sampling.max_tokens > room and room == 0:
+        raise InvalidRequest(f"prompt is too long: {num_prompt_tokens} tokens leave no room for output in the "
+                             f"{limit}-token context")
+    # one sequence holds at most the KV pool (smaller than the context while a cold start serves
+    # on the PyTorch step); a prompt beyond the pool is the engine's check_request's 400
+    room = min(room, config.num_kv_blocks * config.block_size - num_prompt_tokens)
+    if sampling.max_tokens > room > 0:
+        return replace(sampling, max_tokens=room), True
+    return sampling, False
+
+
+def check(engine: EngineClient, prompts: list[list[int]], sampling: SamplingParams) -> None:
+    """Raises InvalidRequest (400) when one of the prompts can never run with these params on this engine."""
+    try:
+        for ids in prompts:
+            engine.check_request(len(ids), sampling)
+    except InvalidRequestError as e:
+        raise InvalidRequest(str(e)) from None
