@@ -19,7 +19,8 @@ import torch
 from stratum.engine import LLM
 from stratum.engine.block_manager import BlockManager
 from stratum.engine.disk_store import HEADER_BYTES, DiskStore
-from stratum.engine.disk_tier import DiskTier, kv_binding
+from stratum.engine.disk_tier import DiskTier
+from stratum.engine.kv_view import kv_binding
 from stratum.engine.request import hash_block, root_hash
 from stratum.engine.sampling_params import SamplingParams
 from stratum.kernels import native
@@ -335,3 +336,48 @@ def test_requests_waiting_on_a_read_share_it_and_an_abort_mid_read_leaks_no_bloc
     bm = engine.block_manager
     bm.check_integrity()
     assert bm.num_used_blocks == 0 and bm.num_free_blocks + bm.num_cached_blocks == bm.num_blocks
+
+
+def test_a_new_pool_over_the_same_memory_never_gets_the_old_pools_pending_writes(tmp_path):
+    """Basic mode renews the block manager over the same KV memory: a write queued for the old pool and
+    not yet done would read bytes the new pool's requests compute, so it is dropped."""
+    tier, bm, kv = _listening_tier(tmp_path)
+    key = b"k" * 32
+    with tier._lock:  # the writer cannot take the job yet
+        bm.cache.insert([key], [1])
+        tier.attach(BlockManager(4, 2, enable_prefix_cache=False), type("S", (), {})(), kv, b"b" * 32)
+        kv[0][0][2:4] = -1.0  # the new pool's first request writes block 1
+    assert tier.flush()
+    assert key not in tier.index and not tier.store.path(b"b" * 32, key).exists()
+    tier.close()
+
+
+def test_basic_mode_lets_a_read_in_flight_go_and_serves_the_same_text(tiny_model_dir, tmp_path):
+    p, kv = prompt(40), tmp_path / "kv"
+    writer = tiny_llm(tiny_model_dir, kv)
+    reference = run(writer, [p])[0]
+    settled(writer)
+    engine = tiny_llm(tiny_model_dir, kv).engine
+    seq = engine.add_request(p, GREEDY)
+    engine.step()  # its read from disk starts
+    engine.enter_basic_mode("a test")  # its pool is let go under the read
+    while engine.has_unfinished():
+        engine.step()
+    assert seq.output_token_ids == reference.output_token_ids and seq.num_disk_cached_tokens == 0
+    engine.block_manager.check_integrity()
+    assert engine.block_manager.num_used_blocks == 0 and engine.tier.num_loading == 0
+
+
+def test_engines_sharing_a_folder_read_each_others_blocks(tiny_model_dir, tmp_path):
+    """The replicas of a machine share one tier: blocks one engine writes become hits for another engine
+    started before they were written (its writer reads the index's new rows)."""
+    kv, p = tmp_path / "kv", prompt(41)
+    a, b = tiny_llm(tiny_model_dir, kv), tiny_llm(tiny_model_dir, kv)
+    reference = run(a, [p])[0]
+    settled(a)
+    deadline = time.monotonic() + 30
+    while not b.engine.tier.index:
+        assert time.monotonic() < deadline, "the other engine's blocks never joined this one's index"
+        time.sleep(0.1)
+    served = run(b, [p])[0]
+    assert served.num_disk_cached_tokens == 192 and served.output_token_ids == reference.output_token_ids

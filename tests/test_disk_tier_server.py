@@ -13,7 +13,7 @@ from stratum.telemetry.trace import decode_trace
 from tests.conftest import ServerProcess
 from tests.test_telemetry_cost import long_text
 
-KEYS = ("sk-tier-one", "sk-tier-two")
+KEYS = ("sk-tier-one", "sk-tier-two", "sk-tier-three")
 SYSTEM = "You are an agent with tools. " + long_text(40, tag="agent")
 
 
@@ -26,13 +26,24 @@ def tier_metrics(url: str) -> dict[tuple[str, str], float]:
     return out
 
 
+def _prefill(headers) -> dict:
+    return next(s for s in decode_trace(headers["x-stratum-trace"])["steps"] if s["name"] == "prefill")
+
+
 def ask(server: ServerProcess, key: str, user: str = "What is the plan?"):
     client = anthropic.Anthropic(base_url=server.url, api_key=key, max_retries=0)
     raw = client.messages.with_raw_response.create(
         model="tiny", max_tokens=6, system=SYSTEM, messages=[{"role": "user", "content": user}], extra_body={"temperature": 0},
         extra_headers={"X-Stratum-Debug": "true"})
-    prefill = next(s for s in decode_trace(raw.headers["x-stratum-trace"])["steps"] if s["name"] == "prefill")
-    return raw.parse(), prefill
+    return raw.parse(), _prefill(raw.headers)
+
+
+def chat(server: ServerProcess, key: str, user: str):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0)
+    raw = client.chat.completions.with_raw_response.create(
+        model="tiny", max_tokens=6, temperature=0, extra_headers={"X-Stratum-Debug": "true"},
+        messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}])
+    return raw.parse(), _prefill(raw.headers)
 
 
 def test_a_restarted_server_reads_a_tenants_prefix_back_from_disk_for_that_tenant_only(tiny_model_dir, tmp_path):
@@ -43,22 +54,22 @@ def test_a_restarted_server_reads_a_tenants_prefix_back_from_disk_for_that_tenan
     try:
         computed, prefill = ask(first, KEYS[0])
         assert computed.usage.cache_read_input_tokens == 0 and prefill["tiers"] == {"pool": 0, "disk": 0}
+        chat(first, KEYS[1], "Which tools are there?")
     finally:
         first.stop()  # SIGTERM: what is queued is written before the engine exits
     second = ServerProcess(*args).wait_ready()
     try:
-        other, prefill = ask(second, KEYS[1])
-        assert other.usage.cache_read_input_tokens == 0 and prefill["tiers"]["disk"] == 0
+        other, prefill = ask(second, KEYS[2])  # two other tenants' prefixes are on disk: neither is its hit
+        assert other.usage.cache_read_input_tokens == 0 and prefill["tiers"] == {"pool": 0, "disk": 0}
         owner, prefill = ask(second, KEYS[0])
         read = owner.usage.cache_read_input_tokens
         assert read > 0 and prefill["tiers"] == {"pool": 0, "disk": read} and prefill["disk_read_us"] > 0
         assert prefill["cache_hit_ratio"] > 0.8 and owner.content[0].text == computed.content[0].text
-        chat = openai.OpenAI(base_url=second.url + "/v1", api_key=KEYS[1], max_retries=0).chat.completions.create(
-            model="tiny", max_tokens=6, temperature=0,
-            messages=[{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the plan?"}])
-        assert chat.usage.prompt_tokens_details.cached_tokens > 0  # its own first request is in the pool now
+        answer, prefill = chat(second, KEYS[1], "What is the plan?")  # its prefix, another user turn
+        cached = answer.usage.prompt_tokens_details.cached_tokens
+        assert cached > 0 and prefill["tiers"] == {"pool": 0, "disk": cached}
         metrics = tier_metrics(second.url)
-        assert metrics[("stratum_kv_tier_hit_tokens_total", "disk")] == read
+        assert metrics[("stratum_kv_tier_hit_tokens_total", "disk")] == read + cached
         assert metrics[("stratum_kv_tier_read_bytes_total", "disk")] > 0
         assert metrics[("stratum_kv_tier_size_bytes", "disk")] > 0 and metrics[("stratum_kv_tier_enabled", "disk")] == 1
         assert metrics[("stratum_kv_tier_written_bytes_total", "pool")] > 0
@@ -67,7 +78,9 @@ def test_a_restarted_server_reads_a_tenants_prefix_back_from_disk_for_that_tenan
 
 
 @pytest.mark.integration
-def test_default_model_greedy_text_is_the_same_from_compute_pool_and_disk(real_model_path, tmp_path):
+def test_default_model_greedy_text_is_the_same_from_compute_pool_and_disk(real_model_path, real_server, tmp_path):
+    """(`real_server`, the session's shared server, has measured the model's kernel plan: these two start
+    on the native step at once instead of each preparing it.)"""
     kv = str(tmp_path / "kv")
     first = ServerProcess(str(real_model_path), "--served-model-name", "tiny", "--kv-disk-dir", kv).wait_ready(300)
     try:

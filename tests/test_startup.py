@@ -20,6 +20,7 @@ import torch
 import uvicorn
 
 from stratum.engine import LLM
+from stratum.engine.kv_view import kv_binding
 from stratum.engine.sampling_params import SamplingParams
 from stratum.server.startup import RETRY_AFTER_S, StartingApp
 from tests.conftest import ServerProcess
@@ -48,7 +49,8 @@ def run(engine, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list:
 
 def test_a_cold_engine_switches_to_the_prepared_step_with_requests_in_flight(tiny_gguf, tmp_path, monkeypatch):
     monkeypatch.setenv("STRATUM_PLAN_DIR", str(tmp_path))  # no plan: a cold start
-    engine = LLM(str(tiny_gguf), defer_kernels=True, native_step=True, num_kv_blocks=128, block_size=4).engine
+    engine = LLM(str(tiny_gguf), defer_kernels=True, native_step=True, num_kv_blocks=128, block_size=4,
+                 kv_disk_gb=1.0, kv_disk_dir=str(tmp_path / "kv")).engine
     assert engine.upgrade is not None and not engine.runner.native  # nothing native waited for
     assert engine.kernel_choices["step"] == "pytorch" and engine.kernel_choices["native_kernels"] == "being prepared"
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
@@ -62,7 +64,9 @@ def test_a_cold_engine_switches_to_the_prepared_step_with_requests_in_flight(tin
         assert time.monotonic() < deadline, f"still preparing: {engine.upgrade.stage}"
         time.sleep(0.2)
     assert engine.upgrade.error is None
+    provisional_binding = engine.tier.binding
     assert engine.switch_kernels()
+    assert engine.tier.binding != provisional_binding  # the disk tier never serves the PyTorch step's KV to it
     assert engine.upgrade is None and engine.kernel_choices["step"] == "native, packed blocks"
     assert engine.block_manager.num_cached_blocks == 0  # the old pool's cache is gone with it
     while engine.has_unfinished():
@@ -76,6 +80,7 @@ def test_a_cold_engine_switches_to_the_prepared_step_with_requests_in_flight(tin
         assert s.output_token_ids[: len(b)] == b == ref.output_token_ids[: len(b)]
     # After it: what the prepared step computes from the same tokens, bit for bit.
     native = LLM(str(tiny_gguf), native_step=True, dtype=engine.config.dtype, num_kv_blocks=128, block_size=4)
+    assert kv_binding(native.engine.config, native.engine.model, tiny_gguf) == engine.tier.binding
     for s, b, p in zip(seqs, before, prompts):
         ref = run(native.engine, [p + b], max_tokens=MAX_TOKENS - len(b))[0]
         assert s.output_token_ids[len(b):] == ref.output_token_ids

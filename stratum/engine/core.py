@@ -23,7 +23,8 @@ from stratum.engine.block_manager import BlockManager
 from stratum.engine.config import EngineConfig, SchedulerConfig
 from stratum.engine.detokenizer import Detokenizer
 from stratum.engine.disk_store import open_store
-from stratum.engine.disk_tier import DiskTier, kv_binding
+from stratum.engine.disk_tier import DiskTier
+from stratum.engine.kv_view import kv_binding
 from stratum.engine.grammar import GrammarCompiler
 from stratum.engine.model_runner import ModelRunner
 from stratum.engine.outputs import OrchestrationError, RequestOutput, RequestStats, StepError, StepStats

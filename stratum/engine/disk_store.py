@@ -1,15 +1,5 @@
-"""The disk tier's storage: one file per KV block, indexed in SQLite, in a 0700 folder that every engine
-process of the machine shares (restarts, `--replicas`). Called from the tier's own threads, never from
-the engine step.
-
-    <root>/index.sqlite3                  blocks(binding, key, nbytes, last_used) + running totals
-    <root>/tmp/                           files being written (renamed into place when complete)
-    <root>/<binding hex 32>/<kk>/<key hex>   header (binding, key, sizes, xxh3-64 checksums) + payload
-
-A block's row is added only after its file is complete and renamed into place, so a process killed
-mid-write leaves at most a temporary file (swept at the next start) and never a row whose file is
-partial; whatever a read finds that does not match its header and checksum is dropped, never served.
-"""
+"""The disk tier's storage: one checksummed file per KV block, indexed in SQLite, in a 0700 folder that
+every engine process of the machine shares (restarts, `--replicas`); used from the tier's threads only."""
 
 from __future__ import annotations
 
@@ -68,6 +58,14 @@ class Evicted:
 class DiskStore:
     """Files and index under `root`, bounded to `limit_bytes` (shared by every process using `root`).
 
+        <root>/index.sqlite3                  blocks(binding, key, nbytes, last_used) + running totals
+        <root>/tmp/                           files being written (renamed into place when complete)
+        <root>/<binding hex 32>/<kk>/<key hex>   header (binding, key, sizes, xxh3-64 checksums) + payload
+
+    A block's row is added only after its file is complete and renamed into place, so a process killed
+    mid-write leaves at most a temporary file (swept at the next start) and never a row whose file is
+    partial; whatever a read finds that does not match its header and checksum is dropped, never served.
+
     A connection belongs to one thread (`connect`); file reads and writes need none.
     """
 
@@ -98,7 +96,8 @@ class DiskStore:
     def keys(conn: sqlite3.Connection, binding: bytes, after_id: int = 0) -> tuple[list[bytes], int]:
         """Keys stored for `binding` with ids above after_id, and the highest id seen: the index read at
         start (after_id 0), then what other processes added since."""
-        rows = conn.execute("SELECT id, key FROM blocks WHERE binding = ? AND id > ?", (binding, after_id)).fetchall()
+        # `+binding`: the rowid range, not the binding's whole index, is searched (new rows only)
+        rows = conn.execute("SELECT id, key FROM blocks WHERE id > ? AND +binding = ?", (after_id, binding)).fetchall()
         return [k for _, k in rows], max((i for i, _ in rows), default=after_id)
 
     @staticmethod

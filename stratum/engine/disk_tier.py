@@ -1,20 +1,10 @@
-"""The disk tier under the radix prefix cache: every full block the pool caches is written to disk off
-the engine step, and a prefix match that misses the pool continues on disk, whose blocks are read into
-pool blocks instead of recomputed -- after a restart too, and across the engine processes of a machine.
-
-Writes are write-through from the pool's own memory (no copy on the engine thread): each block has an
-epoch the pool bumps when it evicts the block, and a write whose block was evicted while it was read is
-discarded, unless the eviction copied the block out first (it does while the staging budget allows).
-Reads go into pool blocks the load holds, while the request waits and other requests run; the step
-never waits on the disk. Blocks are keyed by the pool's own salted chain (`request.hash_block`) and
-bound to the numerics that wrote them (`kv_binding`), so no tenant or kernel ever reads another's.
-"""
+"""The disk tier under the radix prefix cache: full blocks the pool caches are written to disk off the
+engine step, and a prefix match that misses the pool continues on disk, read back into pool blocks
+instead of recomputed -- after a restart too, and across the engine processes of one machine."""
 
 from __future__ import annotations
 
 import atexit
-import hashlib
-import json
 import logging
 import os
 import queue
@@ -26,12 +16,10 @@ from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
-
-from stratum.engine.disk_store import CORRUPT, FORMAT, HEADER_BYTES, OK, DiskStore
+from stratum.engine.disk_store import CORRUPT, HEADER_BYTES, OK, DiskStore
+from stratum.engine.kv_view import PoolView
 from stratum.engine.radix_cache import MatchResult, RadixNode
 from stratum.engine.request import Sequence
-from stratum.home import stratum_home
 
 log = logging.getLogger("stratum.engine")
 
@@ -39,73 +27,11 @@ WRITER_NICE = 10  # the writer thread yields the cores to the engine step (Linux
 WRITE_BATCH = 32  # blocks indexed per SQLite transaction
 TOUCH_EVERY_S = 60.0  # a block's last use is recorded at most this often
 MAINTAIN_EVERY_S = 1.0  # the writer looks for other processes' blocks and the bound this often
+# While requests decode, the writer uses at most this share of one core (it sleeps in proportion to its
+# own CPU time per block): issue 34's bound is 5% on a running decode step, whose threads fill the cores.
+WRITE_DUTY_WHILE_DECODING = 0.02
+DECODING_RECENT_S = 0.25  # the engine stepped decodes this recently: it is decoding
 _live: "weakref.WeakSet[DiskTier]" = weakref.WeakSet()
-
-
-def kv_binding(config, model, checkpoint_path: Path) -> bytes:
-    """Everything that changes the KV a step writes, hashed: the model file's identity, the KV shape,
-    dtype and device, the pool's layout (the native step keeps keys transposed per block), the kernel
-    plan's decision, and the kernels' build (native) or torch and its CPU path and threads (PyTorch).
-    A cold start's provisional PyTorch step and the native step it switches to bind differently.
-
-    The one place the tier's binding is computed: with issue 32's record (`ResolvedConfig.numerics`)
-    it is that record's key (and the block size); the rest of the body is for a tree without it."""
-    numerics = getattr(config, "numerics", None)  # issue 32's record, where it has landed: the one key of KV numerics
-    if numerics is not None:
-        ident = {"tier_format": FORMAT, "numerics": numerics.key(), "block_size": config.block_size}
-        return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).digest()
-    from stratum.kernels import native
-
-    native_step = model.packed is not None
-    mc, plan = model.config, config.kernel_plan
-    if native_step:
-        kernels = [native.build_dir(stratum_home()).name]
-    else:
-        kernels = [torch.__version__, torch.backends.cpu.get_cpu_capability(), config.num_threads, config.prefill_threads]
-    ident = {"tier_format": FORMAT, "model": _file_identity(Path(checkpoint_path)),
-             "kv": [mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, config.dtype, config.device],
-             "layout": "native, keys transposed per block" if native_step else "slot-major",
-             "plan": list(plan.decision), "kernels": kernels}
-    return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).digest()
-
-
-def _file_identity(path: Path) -> list:
-    """What the loader's own cache keys a checkpoint on: path, size and modification time (each file of a folder)."""
-    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
-    return [str(path.resolve())] + [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
-
-
-class _PoolView:
-    """The KV pool as bytes per block: each pool tensor (every layer's K, then V) holds a block as one
-    run of contiguous bytes, whatever layout the step keeps inside it."""
-
-    def __init__(self, kv_caches, num_blocks: int):
-        tensors = [t for kv in kv_caches for t in kv]
-        self.rows = [t.reshape(-1).view(torch.uint8).view(num_blocks, -1) for t in tensors]
-        self.on_cpu = tensors[0].device.type == "cpu"
-        self.arrays = [r.numpy() for r in self.rows] if self.on_cpu else None
-        self.block_bytes = sum(r.shape[1] for r in self.rows)
-        self.epochs = [0] * num_blocks  # bumped when the pool evicts the block (its bytes may change after)
-
-    def chunks(self, block: int) -> list:
-        """The block's bytes: views of the pool itself on the CPU, copies from a device."""
-        if self.on_cpu:
-            return [a[block] for a in self.arrays]
-        return [r[block].cpu().numpy() for r in self.rows]
-
-    def copy(self, block: int) -> bytes:
-        return b"".join(memoryview(c) for c in self.chunks(block))
-
-    def target(self, block: int) -> list:
-        """Where a read of the block goes: the pool itself on the CPU, host buffers for a device."""
-        if self.on_cpu:
-            return [a[block] for a in self.arrays]
-        return [torch.empty(r.shape[1], dtype=torch.uint8).numpy() for r in self.rows]
-
-    def commit(self, block: int, buffers: list) -> None:
-        if not self.on_cpu:
-            for r, b in zip(self.rows, buffers):
-                r[block].copy_(torch.from_numpy(b))
 
 
 @dataclass(slots=True, eq=False)
@@ -114,7 +40,7 @@ class _Write:
     key: bytes
     block: int
     epoch: int  # the block's epoch when queued: a write is valid only if no eviction came between
-    view: _PoolView
+    view: PoolView
     pending: dict  # its generation's pending writes, which it leaves once done
     owned: bytes | None = None  # the block as it was, copied when the pool evicted it before it was written
 
@@ -124,7 +50,7 @@ class _Load:
     seq: Sequence
     generation: int
     binding: bytes
-    view: _PoolView
+    view: PoolView
     keys: list[bytes]  # the prompt's block keys up to the last block read
     start: int  # how many of them the pool already holds (`node`, locked while reading)
     node: RadixNode
@@ -140,6 +66,13 @@ class _Load:
 class DiskTier:
     """The engine's side of the disk tier, and the pool tier's figures (it listens to the radix cache).
 
+    Writes are write-through from the pool's own memory (no copy on the engine thread): each block has
+    an epoch the pool bumps when it evicts the block, and a write whose block was evicted while it was
+    read is discarded, unless the eviction copied the block out first (it does within a staging budget).
+    Reads go into pool blocks the load holds, while the request waits and other requests run; the step
+    never waits on the disk. Blocks are keyed by the pool's own salted chain (`request.hash_block`) and
+    bound to the numerics that wrote them (`kv_view.kv_binding`): no tenant or kernel reads another's.
+
     The engine thread calls the radix-cache listener (`inserted`, `evicted`, `pinned`) and the
     scheduler's hooks (`poll`, `holds_back`, `admitted`, `forget`); a reader and a writer thread do the
     I/O. With no store (the tier off) it only counts the pool's figures.
@@ -149,7 +82,7 @@ class DiskTier:
         self.store = store
         self.enabled = store is not None
         self.bm = None
-        self.view: _PoolView | None = None
+        self.view: PoolView | None = None
         self.binding = b""
         self.generation = 0
         self.index: set[bytes] = set()  # keys on disk under this binding
@@ -167,6 +100,10 @@ class DiskTier:
         self._touched: dict[bytes, float] = {}
         self._staged = 0
         self._busy = False  # the writer holds a batch it took from the queue
+        self._reading: _Load | None = None  # the load the reader is reading now
+        self._scheduler = None
+        self._decoded_at = float("-inf")  # when the engine last stepped a decode (the writer paces itself then)
+        self._clocks: dict[str, int] = {}  # the I/O threads' CPU clocks: their CPU time, read from any thread
         self._closed = False
         self.max_pending = self.staging_limit = 0
         self.pool = dict(hit_tokens=0, read_bytes=0, written_bytes=0, evicted_blocks=0)
@@ -182,11 +119,17 @@ class DiskTier:
         """Serve the pool `bm` manages (at start, after a kernel switch, in basic mode): what was in
         flight for the previous pool is let go (its reads land in memory nobody uses; its writes finish
         under their own binding)."""
+        old = self.view
         with self._lock:
             self.generation += 1
             self._pending, self._loads, self._loading, self._held = {}, {}, set(), {}
-        self.bm = bm
-        self.view = _PoolView(kv_caches, bm.num_blocks)
+            if old is not None:  # the new pool may reuse the old one's memory (basic mode keeps it)
+                for b in range(len(old.epochs)):
+                    old.epochs[b] += 1  # a write still pending, and not copied, is of bytes that will change
+                while self._reading is not None and self._reading.view is old:
+                    self._lock.wait(0.01)  # a read into the old pool stops at its next block
+        self.bm, self._scheduler = bm, scheduler
+        self.view = PoolView(kv_caches, bm.num_blocks)
         self.max_pending = bm.num_blocks
         self.staging_limit = min(256 << 20, max(32 << 20, self.view.block_bytes * bm.num_blocks // 4))
         active = bm.enable_prefix_cache
@@ -252,7 +195,10 @@ class DiskTier:
 
     # ---- the scheduler's hooks (engine thread) ----------------------------------------------------------
     def poll(self) -> None:
-        """Loads that finished reading enter the prefix tree, held for their requests until admitted."""
+        """Loads that finished reading enter the prefix tree, held for their requests until admitted;
+        the writer learns whether requests are decoding."""
+        if any(not s.is_prefilling for s in self._scheduler.running):
+            self._decoded_at = time.monotonic()
         while self._done:
             self._complete(self._done.popleft())
 
@@ -373,6 +319,11 @@ class DiskTier:
     def report(self) -> dict[str, dict[str, float]]:
         """Per tier: hit tokens, bytes read and written, evicted blocks, size (bytes and blocks)."""
         blocks = len(self.bm.cache.block_node) if self.bm is not None else 0
+        for name, clock in self._clocks.items():
+            try:
+                self.disk[name] = time.clock_gettime(clock)
+            except OSError:  # the thread ended: its last reading stays
+                pass
         pool = {**self.pool, "size_bytes": blocks * self.block_bytes, "blocks": blocks}
         disk = {**self.disk, "enabled": int(self.enabled), "pending_blocks": len(self._pending),
                 "limit_bytes": self.store.limit_bytes if self.store is not None else 0}
@@ -380,25 +331,30 @@ class DiskTier:
 
     # ---- the I/O threads ------------------------------------------------------------------------------
     def _read_loop(self) -> None:
+        self._clocks["read_cpu_s"] = time.pthread_getcpuclockid(threading.get_ident())
         while True:
             load = self._reads.get()
             if load is None:
                 return
-            if load.generation == self.generation and self.enabled:
-                cpu = time.thread_time()
+            with self._lock:
+                current = load.generation == self.generation and self.enabled
+                self._reading = load if current else None
+            if current:
                 try:
                     self._read(load)
                 except Exception:  # a bug here must cost the read, never the request
                     log.exception("KV disk tier: reading a prefix failed; it is computed instead")
-                self.disk["read_cpu_s"] += time.thread_time() - cpu
             load.read_s = time.perf_counter() - load.submitted
             with self._lock:
+                self._reading = None
                 self._done.append(load)
                 self._lock.notify_all()
 
     def _read(self, load: _Load) -> None:
         view, current = load.view, load.binding == self.binding
         for i, key in enumerate(load.keys[load.start:]):
+            if load.generation != self.generation:
+                break  # its pool was let go (`attach`), and its memory may be another's now
             block = load.block_ids[i]
             buffers = view.target(block)
             try:
@@ -424,6 +380,7 @@ class DiskTier:
             self._touches += [(load.binding, k) for k in load.keys[load.start : load.start + load.num_valid]]
 
     def _write_loop(self) -> None:
+        self._clocks["write_cpu_s"] = time.pthread_getcpuclockid(threading.get_ident())
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), WRITER_NICE)
         except (AttributeError, OSError):
@@ -442,7 +399,6 @@ class DiskTier:
                     drops, self._drops = self._drops, []
                 for binding, keys in _by_binding(drops).items():  # before the writes: one may be a block's rewrite
                     self.store.drop(conn, binding, keys)
-                cpu = time.thread_time()
                 if batch:
                     self._write_batch(conn, batch)
                 for binding, keys in _by_binding(touches).items():
@@ -450,7 +406,6 @@ class DiskTier:
                 if time.monotonic() - last >= MAINTAIN_EVERY_S or batch:
                     version = self._maintain(conn, version)
                     last = time.monotonic()
-                self.disk["write_cpu_s"] += time.thread_time() - cpu
                 if batch:
                     with self._lock:  # written, indexed and within the bound: what `flush` waits for
                         self._busy = False
@@ -462,9 +417,11 @@ class DiskTier:
         written: list[tuple[_Write, int]] = []
         try:
             for job in batch:
+                cpu = time.thread_time()
                 n = self._write_one(job)
                 if n:
                     written.append((job, n))
+                self._pace(time.thread_time() - cpu)
         finally:
             for binding, rows in _by_binding([(j.binding, (j.key, n)) for j, n in written]).items():
                 self.store.add(conn, binding, rows)
@@ -497,6 +454,13 @@ class DiskTier:
                     _unlink(self.store.path(job.binding, job.key))
                     self.disk["dropped_blocks"] += 1
                     return 0
+
+    def _pace(self, cpu_s: float) -> None:
+        """While requests decode, sleep so that writing takes at most WRITE_DUTY_WHILE_DECODING of a core;
+        otherwise (an idle engine, a prefill alone, closing) write at full speed."""
+        if self._closed or time.monotonic() - self._decoded_at > DECODING_RECENT_S:
+            return
+        time.sleep(min(1.0, cpu_s * (1 / WRITE_DUTY_WHILE_DECODING - 1)))
 
     def _maintain(self, conn: sqlite3.Connection, version: int | None) -> int:
         """Other processes' new blocks join the index; the bound is kept; the size is read."""
@@ -538,6 +502,7 @@ class DiskTier:
         """Finish the queued writes (for at most timeout_s), then stop the threads."""
         if self._closed or not self.enabled:
             return
+        self._decoded_at = float("-inf")  # nothing decodes any more: what is queued is written at full speed
         self.flush(timeout_s)
         with self._lock:
             self._closed = True
