@@ -4,6 +4,8 @@ model (the native step) the same greedy text whether the prefix was computed, po
 
 from __future__ import annotations
 
+import time
+
 import anthropic
 import httpx
 import openai
@@ -26,14 +28,22 @@ def tier_metrics(url: str) -> dict[tuple[str, str], float]:
     return out
 
 
+def written_blocks(server: ServerProcess, n: int) -> None:
+    """Wait until /metrics says the disk tier holds at least n blocks."""
+    deadline = time.monotonic() + 60
+    while tier_metrics(server.url)[("stratum_kv_tier_blocks", "disk")] < n:
+        assert time.monotonic() < deadline, f"the disk tier never reported {n} blocks"
+        time.sleep(0.2)
+
+
 def _prefill(headers) -> dict:
     return next(s for s in decode_trace(headers["x-stratum-trace"])["steps"] if s["name"] == "prefill")
 
 
-def ask(server: ServerProcess, key: str, user: str = "What is the plan?"):
+def ask(server: ServerProcess, key: str, user: str = "What is the plan?", system: str = SYSTEM):
     client = anthropic.Anthropic(base_url=server.url, api_key=key, max_retries=0)
     raw = client.messages.with_raw_response.create(
-        model="tiny", max_tokens=6, system=SYSTEM, messages=[{"role": "user", "content": user}], extra_body={"temperature": 0},
+        model="tiny", max_tokens=6, system=system, messages=[{"role": "user", "content": user}], extra_body={"temperature": 0},
         extra_headers={"X-Stratum-Debug": "true"})
     return raw.parse(), _prefill(raw.headers)
 
@@ -55,6 +65,7 @@ def test_a_restarted_server_reads_a_tenants_prefix_back_from_disk_for_that_tenan
         computed, prefill = ask(first, KEYS[0])
         assert computed.usage.cache_read_input_tokens == 0 and prefill["tiers"] == {"pool": 0, "disk": 0}
         chat(first, KEYS[1], "Which tools are there?")
+        written_blocks(first, 2 * (prefill["computed_tokens"] // 16))  # an idle server publishes what its tier wrote
     finally:
         first.stop()  # SIGTERM: what is queued is written before the engine exits
     second = ServerProcess(*args).wait_ready()
@@ -78,21 +89,20 @@ def test_a_restarted_server_reads_a_tenants_prefix_back_from_disk_for_that_tenan
 
 
 @pytest.mark.integration
-def test_default_model_greedy_text_is_the_same_from_compute_pool_and_disk(real_model_path, real_server, tmp_path):
-    """(`real_server`, the session's shared server, has measured the model's kernel plan: these two start
-    on the native step at once instead of each preparing it.)"""
-    kv = str(tmp_path / "kv")
-    first = ServerProcess(str(real_model_path), "--served-model-name", "tiny", "--kv-disk-dir", kv).wait_ready(300)
+def test_default_model_greedy_text_is_the_same_from_compute_pool_and_disk(real_model_path):
+    """One server on the default model (the native step) whose pool holds one prompt: computed, then the
+    pool's hit, then -- once another prompt pushed it out of the pool -- the disk's: the same text."""
+    server = ServerProcess(str(real_model_path), "--served-model-name", "tiny", "--kv-cache-mb", "16").wait_ready(300)
     try:
-        computed, _ = ask(first, "unused")
-        pooled, prefill = ask(first, "unused")
-        assert prefill["tiers"]["pool"] > 0
-    finally:
-        first.stop()
-    second = ServerProcess(str(real_model_path), "--served-model-name", "tiny", "--kv-disk-dir", kv).wait_ready(300)
-    try:
-        from_disk, prefill = ask(second, "unused")
-        assert prefill["tiers"]["disk"] > 0 and prefill["tiers"]["pool"] == 0
+        computed, _ = ask(server, "unused")
+        pooled, prefill = ask(server, "unused")
+        pool_tokens = prefill["tiers"]["pool"]
+        assert pool_tokens > 0
+        written_blocks(server, pool_tokens // 16)
+        ask(server, "unused", system="You are a different agent. " + long_text(40, tag="other"))
+        assert tier_metrics(server.url)[("stratum_kv_tier_evicted_blocks_total", "pool")] > 0
+        from_disk, prefill = ask(server, "unused")
+        assert prefill["tiers"] == {"pool": 0, "disk": pool_tokens}
         assert computed.content[0].text == pooled.content[0].text == from_disk.content[0].text
     finally:
-        second.stop()
+        server.stop()

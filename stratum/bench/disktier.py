@@ -287,6 +287,26 @@ def _round(engine, long_prompt: list[int], args) -> dict:
             "writer_cpu_s_in_round": report()["disk"]["write_cpu_s"] - cpu0}
 
 
+def index_read(work: Path, num_blocks: int = 50_000) -> dict:
+    """What a start reads of the tier: its binding's keys from the index (no block's data), with
+    num_blocks rows of its own and as many of another binding's (the default bound, 16 GiB, holds 23k
+    of SmolLM2's 720 KiB blocks)."""
+    from stratum.engine.disk_store import DiskStore
+
+    store = DiskStore(work / "index", 1 << 50)
+    conn = store.connect()
+    for binding in (b"a" * 32, b"b" * 32):
+        for i in range(0, num_blocks, 10_000):
+            DiskStore.add(conn, binding, [(os.urandom(32), 737_376) for _ in range(min(10_000, num_blocks - i))])
+    conn.close()
+    t0 = time.perf_counter()
+    conn = store.connect()
+    keys, _ = DiskStore.keys(conn, b"a" * 32)
+    read_s = time.perf_counter() - t0
+    conn.close()
+    return {"blocks": len(keys), "other_binding_blocks": num_blocks, "read_ms": round(read_s * 1e3, 2)}
+
+
 def _ms(values: list[float]) -> float | None:
     return round(statistics.median(values) * 1e3, 3) if values else None
 
@@ -302,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--decode-streams", type=int, default=8)
     p.add_argument("--rounds", type=int, default=12, help="alternated tier off / on rounds of the decode figure")
     p.add_argument("--round-steps", type=int, default=16)
-    p.add_argument("--scenarios", default="sessions,decode", help="sessions (restart, eviction), decode")
+    p.add_argument("--scenarios", default="sessions,decode,index", help="sessions (restart, eviction), decode, index")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
@@ -321,6 +341,8 @@ def main(argv: list[str] | None = None) -> int:
             doc.update(sessions(args, agent_system_prompt(checkpoint, args.prompt_tokens, args.seed), work))
         if "decode" in scenarios:
             doc["decode_while_writing"] = decode_while_writing(args, work)
+        if "index" in scenarios:
+            doc["index_read_at_start"] = index_read(work)
         doc["goals"] = _goals(doc)
     finally:
         doc["wall_s"] = round(time.perf_counter() - t0, 1)

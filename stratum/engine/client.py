@@ -135,8 +135,10 @@ class EngineLoop:
         with self._wake:
             while not self._commands and not self.engine.has_unfinished() and not self._stopped:
                 # while a cold start's kernels are prepared, an idle loop looks in now and then: to
-                # switch to them (`LLMEngine.switch_kernels`), and to publish how far they are
-                if not self._wake.wait(self.PREPARING_POLL_S if self.engine.upgrade is not None else None):
+                # switch to them (`LLMEngine.switch_kernels`), and to publish how far they are; and
+                # while the disk tier writes, to publish its figures
+                poll = self.engine.upgrade is not None or not self.engine.tier.is_settled
+                if not self._wake.wait(self.PREPARING_POLL_S if poll else None):
                     break
             commands = list(self._commands)
             self._commands.clear()

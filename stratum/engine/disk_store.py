@@ -96,8 +96,10 @@ class DiskStore:
     def keys(conn: sqlite3.Connection, binding: bytes, after_id: int = 0) -> tuple[list[bytes], int]:
         """Keys stored for `binding` with ids above after_id, and the highest id seen: the index read at
         start (after_id 0), then what other processes added since."""
-        # `+binding`: the rowid range, not the binding's whole index, is searched (new rows only)
-        rows = conn.execute("SELECT id, key FROM blocks WHERE id > ? AND +binding = ?", (after_id, binding)).fetchall()
+        if after_id:  # `+binding`: the rowid range (new rows only) is searched, not the binding's whole index
+            rows = conn.execute("SELECT id, key FROM blocks WHERE id > ? AND +binding = ?", (after_id, binding)).fetchall()
+        else:
+            rows = conn.execute("SELECT id, key FROM blocks WHERE binding = ?", (binding,)).fetchall()
         return [k for _, k in rows], max((i for i, _ in rows), default=after_id)
 
     @staticmethod

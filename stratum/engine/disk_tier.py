@@ -104,6 +104,7 @@ class DiskTier:
         self._scheduler = None
         self._decoded_at = float("-inf")  # when the engine last stepped a decode (the writer paces itself then)
         self._clocks: dict[str, int] = {}  # the I/O threads' CPU clocks: their CPU time, read from any thread
+        self._version = self._reported = 0  # batches written; of them, those a report has seen
         self._closed = False
         self.max_pending = self.staging_limit = 0
         self.pool = dict(hit_tokens=0, read_bytes=0, written_bytes=0, evicted_blocks=0)
@@ -302,6 +303,11 @@ class DiskTier:
         return n - match.num_blocks
 
     @property
+    def is_settled(self) -> bool:
+        """No write is queued or under way, and `report` has seen every one done."""
+        return not (self._writes or self._busy) and self._reported == self._version
+
+    @property
     def num_loading(self) -> int:
         return sum(len(v) for v in self._loads.values())
 
@@ -318,6 +324,7 @@ class DiskTier:
     # ---- figures ----------------------------------------------------------------------------------
     def report(self) -> dict[str, dict[str, float]]:
         """Per tier: hit tokens, bytes read and written, evicted blocks, size (bytes and blocks)."""
+        self._reported = self._version
         blocks = len(self.bm.cache.block_node) if self.bm is not None else 0
         for name, clock in self._clocks.items():
             try:
@@ -409,6 +416,7 @@ class DiskTier:
                 if batch:
                     with self._lock:  # written, indexed and within the bound: what `flush` waits for
                         self._busy = False
+                        self._version += 1
                         self._lock.notify_all()
         except (OSError, sqlite3.Error) as e:
             self._disable(str(e))
