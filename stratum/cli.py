@@ -35,13 +35,15 @@ def _engine_config(args, serving: bool = False):
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="registered name, .gguf file or Hugging Face folder")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="auto: the numerics rule (fp32 on the CPU; README); bfloat16 trades precision for speed and KV memory")
     p.add_argument("--kv-cache-mb", type=int, default=256, help="memory for the KV pool")
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-batched-tokens", type=int, default=512, help="token budget per step (prefill chunk)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-waiting", type=int, default=256, help="waiting-queue cap; beyond it 529 overloaded")
-    p.add_argument("--threads", type=int, default=None, help="engine threads (serve default: cores - 1)")
+    p.add_argument("--threads", type=int, default=None,
+                   help="engine threads (default: the kernel plan's on the native step, else cores - 1)")
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--kv-disk-gb", type=float, default=None,
                    help="the prefix cache's disk tier bound in GiB (default: a tenth of the free disk, at most 16; 0: off)")
@@ -76,10 +78,11 @@ def prepare(model: str) -> None:
     from stratum.kernels import native
 
     t0 = time.perf_counter()
-    plan = prepare_kernels(EngineConfig(model=model, serving=True)).kernel_plan
-    step = "native step" if plan.packed_step else f"PyTorch step, {plan.dtype}"
-    print(f"{model}: kernels {native.status()}; kernel plan ({plan.source}): {step}, {plan.threads} threads; "
-          f"ready to serve ({time.perf_counter() - t0:.1f}s)")
+    resolved = prepare_kernels(EngineConfig(model=model, serving=True))
+    numerics, plan = resolved.numerics, resolved.kernel_plan
+    step = "native step" if numerics.step == "native" else f"PyTorch step, {numerics.dtype}"
+    print(f"{model}: kernels {native.status()}; {step} (numerics {numerics.key()[:12]}); kernel plan ({plan.source}): "
+          f"{plan.threads} threads, {plan.basis}; ready to serve ({time.perf_counter() - t0:.1f}s)")
 
 
 # Texts this long are tokenized in a helper process, off this process's interpreter lock (see
@@ -277,6 +280,7 @@ def cmd_info(args) -> int:
     """The hardware, and the kernel plan `stratum serve` would run this model with; for the model, its
     architecture, tensor types and what runs packed (and why not, where not)."""
     import platform
+    from dataclasses import asdict
 
     import torch
 
@@ -296,10 +300,12 @@ def cmd_info(args) -> int:
     if torch.cuda.is_available():
         info["cuda_device"] = torch.cuda.get_device_name(0)
     model = args.file or args.model
-    config = EngineConfig(model=model, num_threads=args.threads, serving=True, remeasure_plan=args.remeasure)
+    config = EngineConfig(model=model, num_threads=args.threads, serving=True, remeasure_plan=args.remeasure,
+                          dtype=args.dtype)
     try:
         checkpoint = builder.load(config)
         resolved = builder.resolve(config, checkpoint)
+        inputs = builder.rule_inputs(config, checkpoint, resolved.device)
     except (PullError, ValueError) as e:  # ModelLoadError names the unsupported architecture or tensor type
         info["plan_error"] = str(e)
         print(json.dumps(info, indent=2))
@@ -310,6 +316,8 @@ def cmd_info(args) -> int:
     info["engine"] = {"device": resolved.device, "dtype": resolved.dtype, "threads": resolved.num_threads,
                       "prefill_threads": resolved.prefill_threads, "max_model_len": resolved.max_model_len,
                       "kv_blocks": resolved.num_kv_blocks}
+    # the rule (kernels/numerics.py) from its inputs, then the speed choices that keep its numerics
+    info["numerics"] = {"inputs": asdict(inputs), "result": resolved.numerics.describe()}
     info["kernel_plan"] = resolved.kernel_plan.describe()
     print(json.dumps(info, indent=2))
     return 0
@@ -350,8 +358,6 @@ def _checkpoint_info(checkpoint, resolved) -> dict:
                                         for p in parts}))] += 1
     head = "lm_head.weight" if model.lm_head is not None else "model.embed_tokens.weight"
     head_run = forms.get(head, dense_dtype)
-    if model.lm_head_q8 is not None:
-        head_run = f"Q8_0 as stored up to {model.q8_max_rows} rows, else {dense_dtype}"
     runs[f"output projection ({stored.get(head, 'dense')}): {head_run}"] += 1
     by_type: dict[str, Counter] = {}
     for name, qtype in stored.items():
@@ -491,7 +497,8 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("info", help="hardware, the model's architecture and tensor types, what runs packed, and the kernel plan")
     p.add_argument("file", nargs="?", default=None, help="a .gguf file or Hugging Face folder (default: --model)")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--threads", type=int, default=None, help="engine threads (serve default: cores - 1)")
+    p.add_argument("--threads", type=int, default=None, help="engine threads (default: the kernel plan's, or the rule's)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="as `serve --dtype`")
     p.add_argument("--remeasure", action="store_true", help="measure the kernel plan again and cache the new one")
     p.set_defaults(func=cmd_info)
 

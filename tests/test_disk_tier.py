@@ -4,6 +4,7 @@ tenant only, bound to the numerics that wrote it, within its size bound, and not
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -121,22 +122,32 @@ def test_another_tenants_prefix_is_never_a_disk_hit(tiny_model_dir, tmp_path):
 
 
 def test_blocks_written_under_other_numerics_are_never_read(tiny_gguf, tmp_path):
-    """A cold start's provisional PyTorch step and the native step have different KV: a block one wrote
-    is a miss for the other (as for another dtype or model file), and a hit for its own kind."""
+    """The tier's binding is the engine's numerics key (issue 32), the block size and the pool's layout:
+    blocks written under one step, dtype, weight kernel, kernel-numerics version or model file are a
+    miss for every other, and a hit for their own kind."""
     if not native.available():
         pytest.skip("no native kernels")
     p, kv = prompt(6), tmp_path / "kv"
     torch_step = settled(tiny_llm(tiny_gguf, kv, native_step=False))
     run(torch_step, [p])
     native_step = tiny_llm(tiny_gguf, kv, native_step=True)
-    assert kv_binding(torch_step.engine.config, torch_step.engine.model, tiny_gguf) != \
-        kv_binding(native_step.engine.config, native_step.engine.model, tiny_gguf)
+    config = native_step.engine.config
+    assert native_step.engine.tier.binding == kv_binding(config, native_step.engine.model)  # what the tier uses
+    assert torch_step.engine.tier.binding != native_step.engine.tier.binding
+    bumped = dataclasses.replace(config, numerics=dataclasses.replace(config.numerics, version=config.numerics.version + 1))
+    assert kv_binding(bumped, native_step.engine.model) != native_step.engine.tier.binding  # a kernel change
     assert run(native_step, [p])[0].num_cached_tokens == 0
     settled(native_step)
     assert run(tiny_llm(tiny_gguf, kv, native_step=True), [p])[0].num_disk_cached_tokens == 192
-    assert run(tiny_llm(tiny_gguf, kv, native_step=False, dtype="bfloat16"), [p])[0].num_cached_tokens == 0
-    os.utime(tiny_gguf)  # a replaced model file is another model
+    assert run(tiny_llm(tiny_gguf, kv, native_step=False), [p])[0].num_disk_cached_tokens == 192
+    # the same step and dtype on other weight kernels (packed as stored, int4 copies), or another dtype
+    for other in (dict(int4_max_tokens=None), dict(int4_max_tokens=256), dict(dtype="bfloat16")):
+        llm = tiny_llm(tiny_gguf, kv, native_step=False, **other)
+        assert llm.engine.tier.binding != torch_step.engine.tier.binding, other
+        assert run(llm, [p])[0].num_cached_tokens == 0, other
+    os.utime(tiny_gguf, ns=(time.time_ns(), time.time_ns() + 10**9))  # a replaced model file is another model
     assert run(tiny_llm(tiny_gguf, kv, native_step=False), [p])[0].num_cached_tokens == 0
+    assert run(tiny_llm(tiny_gguf, kv, native_step=True), [p])[0].num_cached_tokens == 0
 
 
 def _block_files(kv: Path) -> list[Path]:

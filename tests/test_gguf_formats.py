@@ -305,12 +305,13 @@ def test_info_tells_architecture_tensor_types_and_what_runs_packed(qwen_dir, tmp
     assert ck["features"]["attn_logit_softcap"] == 5.0 and ck["features"]["sliding_layers"] == [0]
     assert ck["tensor_types"] == {"F32": 1 + 2 * 4, "Q4_K": 2 * 7, "Q6_K": 1}  # norms; projections; tied embedding
     assert ck["step"] == "pytorch" and "not Llama-shaped" in ck["native_step_refused"]
-    if info["engine"]["dtype"] == "bfloat16":  # the plan keeps 4-bit weights packed: Q4_K as int4, exactly
-        q6 = "packed kernel, as stored" if "Q6_K" in PACKED_QTYPES and native.available() else "dense bfloat16"
-        assert ck["projections"] == {"Q4_K: int4": 2 * 4, f"output projection (Q6_K): {q6}": 1}
-        assert ck["quantized_tensors"] == {"Q4_K": {"int4": 2 * 7}, "Q6_K": {q6: 1}}
-        assert ck["dequantized_to_dense"] == ([] if q6 != "dense bfloat16" else ["Q6_K"])
-    else:  # a float32 plan runs no packed weights: every one dequantized, and said so
+    assert info["engine"]["dtype"] == "float32" and info["numerics"]["result"]["step"] == "pytorch"  # the rule's default
+    if native.available():  # every projection on the native kernel, as stored
+        form = "packed kernel, as stored"
+        assert ck["projections"] == {f"Q4_K: {form}": 2 * 4, f"output projection (Q6_K): {form}": 1}
+        assert ck["quantized_tensors"] == {"Q4_K": {form: 2 * 7}, "Q6_K": {form: 1}}
+        assert ck["dequantized_to_dense"] == []
+    else:  # no kernel here takes the blocks: every one dequantized, and said so
         assert ck["projections"] == {"Q4_K: dense float32": 2 * 4, "output projection (Q6_K): dense float32": 1}
         assert ck["dequantized_to_dense"] == ["Q4_K", "Q6_K"]
     assert "masked" in ck["attention"]
@@ -327,7 +328,8 @@ def test_info_tells_architecture_tensor_types_and_what_runs_packed(qwen_dir, tmp
     assert main(["info", str(q4km), "--threads", "1"]) == 0
     ck = json.loads(capsys.readouterr().out)["checkpoint"]
     assert ck["native_step_refused"] is None
-    if ck["step"] != "pytorch":  # the measured plan chose the native step: each projection names its formats
+    assert (ck["step"] != "pytorch") == native.available()  # the rule: the native step wherever it runs
+    if native.available():  # each projection names its formats
         # layer 0's q, k (Q4_K) and v (Q6_K), one projection of two formats
         assert ck["projections"]["Q4_K: native step, as stored in q4k tiles + Q6_K: native step, as stored in q6k tiles"] == 1
 

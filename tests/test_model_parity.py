@@ -132,8 +132,9 @@ def hf(real_model_path, hf_tokenizer):
 
 @pytest.fixture(scope="module")
 def llm(real_model_path):
-    """The PyTorch model: the reference the native step is tested against (tests/test_packed_step.py)."""
-    return LLM(str(real_model_path), dtype="float32", device="cpu", native_step=False)
+    """The PyTorch model on the dequantized weights: the reference the native step is tested against
+    (tests/test_packed_step.py)."""
+    return LLM(str(real_model_path), dtype="float32", device="cpu", native_step=False, int4_max_tokens=0)
 
 
 def reference_logits(hf, token_ids: list[int]) -> torch.Tensor:

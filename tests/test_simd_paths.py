@@ -39,7 +39,7 @@ SCRIPT = r"""
 import sys, torch
 from stratum.kernels import native
 native.build(native.STEP, native.build_dir(native.stratum_home(), native.STEP))
-from stratum.engine.builder import attach_packed, attach_quantized
+from stratum.engine.builder import attach_packed
 from stratum.layers.attention import AttentionMetadata
 from stratum.models.llama import LlamaForCausalLM
 from stratum.models.loader import load_checkpoint
@@ -52,8 +52,7 @@ for path in sys.argv[2:]:
     model = LlamaForCausalLM(cfg, max_positions=256)
     model.load_weights(dict(ckpt.weights), held=set(ckpt.quantized))
     model.eval()
-    assert attach_packed(model, ckpt.quantized)
-    attach_quantized(model, ckpt.quantized, True, torch.float32)  # what the step does not take: the embedding
+    assert attach_packed(model, ckpt.quantized)  # the embedding too, looked up from its blocks
     bs, blocks = 16, 32
     caches = [(torch.zeros(blocks * bs, cfg.num_kv_heads, cfg.head_dim), torch.zeros(blocks * bs, cfg.num_kv_heads, cfg.head_dim))
               for _ in range(cfg.num_layers)]

@@ -1,11 +1,12 @@
 """Start-up: the port answers at once (/health 503 with its stage, API routes 503 in their own error
-shape), and a cold engine serves on the PyTorch step while its kernels are prepared, then switches to
-them between steps without failing or changing a request in flight.
+shape, 200 only once a request would run), and a start on a machine whose native kernels are not
+compiled yet serves on the provisional step while they are, then switches between steps without
+failing or changing a request in flight.
 
-The invariant across the switch: a request's tokens up to the switch are the PyTorch step's, and the
-rest are exactly what the prepared step computes given those tokens (it is recomputed from them, as
-after a preemption), logits bit for bit. On the tiny GGUF both steps agree on greedy tokens anyway
-(tests/test_packed_step.py), so the request also equals a run entirely on either step."""
+The invariant across the switch: a request's tokens up to the switch are the provisional step's, and
+the rest are exactly what the native step computes given those tokens (it is recomputed from them, as
+after a preemption), logits bit for bit. On the tiny GGUF both steps agree on greedy tokens anyway,
+so the request also equals a run entirely on either step."""
 
 from __future__ import annotations
 
@@ -47,12 +48,28 @@ def run(engine, prompts: list[list[int]], max_tokens: int = MAX_TOKENS) -> list:
     return seqs
 
 
-def test_a_cold_engine_switches_to_the_prepared_step_with_requests_in_flight(tiny_gguf, tmp_path, monkeypatch):
-    monkeypatch.setenv("STRATUM_PLAN_DIR", str(tmp_path))  # no plan: a cold start
-    engine = LLM(str(tiny_gguf), defer_kernels=True, native_step=True, num_kv_blocks=128, block_size=4,
-                 kv_disk_gb=1.0, kv_disk_dir=str(tmp_path / "kv")).engine
+@pytest.fixture
+def uncompiled(monkeypatch, tmp_path):
+    """This process sees a machine whose native kernels are not compiled yet (the preparing child
+    finds them compiled, so it only measures and repacks), and no kernel plan."""
+    from stratum.kernels import native
+
+    monkeypatch.setenv("STRATUM_PLAN_DIR", str(tmp_path))
+    monkeypatch.setattr(native, "is_built", lambda: False)
+
+
+def cold_engine(tiny_gguf, **kw):
+    return LLM(str(tiny_gguf), defer_kernels=True, num_kv_blocks=128, block_size=4, **kw).engine
+
+
+def test_a_cold_engine_switches_to_the_prepared_step_with_requests_in_flight(tiny_gguf, uncompiled, tmp_path):
+    # with a disk tier: the provisional step's prompt blocks are on disk before the switch, and the
+    # recomputed requests must not read them (their logits are compared bit for bit below)
+    engine = cold_engine(tiny_gguf, kv_disk_gb=1.0, kv_disk_dir=str(tmp_path / "kv"))
     assert engine.upgrade is not None and not engine.runner.native  # nothing native waited for
     assert engine.kernel_choices["step"] == "pytorch" and engine.kernel_choices["native_kernels"] == "being prepared"
+    provisional = engine.config.numerics
+    assert provisional.step == "pytorch" and "int4" in dict(provisional.weights).values()  # from the blocks, not dense
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
     seqs = [engine.add_request(p, greedy()) for p in prompts]
     for _ in range(STEPS_BEFORE_SWITCH):  # a step never switches: the loop does, between steps
@@ -64,31 +81,36 @@ def test_a_cold_engine_switches_to_the_prepared_step_with_requests_in_flight(tin
         assert time.monotonic() < deadline, f"still preparing: {engine.upgrade.stage}"
         time.sleep(0.2)
     assert engine.upgrade.error is None
+    assert engine.tier.flush() and engine.tier.report()["disk"]["written_bytes"] > 0  # the provisional KV is on disk
     provisional_binding = engine.tier.binding
     assert engine.switch_kernels()
     assert engine.tier.binding != provisional_binding  # the disk tier never serves the PyTorch step's KV to it
     assert engine.upgrade is None and engine.kernel_choices["step"] == "native, packed blocks"
+    assert engine.config.numerics.step == "native" and engine.config.numerics.key() != provisional.key()
+    assert engine.kernel_choices["numerics"] == engine.config.numerics.key()  # the key follows the step
     assert engine.block_manager.num_cached_blocks == 0  # the old pool's cache is gone with it
     while engine.has_unfinished():
         engine.step()
     assert engine.block_manager.num_used_blocks == 0  # nothing leaked
     assert all(s.num_preemptions == 1 and s.num_output_tokens == MAX_TOKENS for s in seqs)
 
-    # Up to the switch: the PyTorch step's tokens (on the same PyTorch layers, alone).
-    pytorch = LLM(str(tiny_gguf), native_step=False, dtype="float32", int4_max_tokens=0, num_kv_blocks=128, block_size=4)
-    for s, b, ref in zip(seqs, before, run(pytorch.engine, prompts)):
+    # Up to the switch: the provisional step's tokens (another provisional engine, alone).
+    alone = cold_engine(tiny_gguf)
+    alone.upgrade.cancel()
+    assert alone.config.numerics == provisional
+    for s, b, ref in zip(seqs, before, run(alone, prompts)):
         assert s.output_token_ids[: len(b)] == b == ref.output_token_ids[: len(b)]
     # After it: what the prepared step computes from the same tokens, bit for bit.
-    native = LLM(str(tiny_gguf), native_step=True, dtype=engine.config.dtype, num_kv_blocks=128, block_size=4)
-    assert kv_binding(native.engine.config, native.engine.model, tiny_gguf) == engine.tier.binding
+    native = LLM(str(tiny_gguf), num_kv_blocks=128, block_size=4)
+    assert native.engine.config.numerics == engine.config.numerics
+    assert kv_binding(native.engine.config, native.engine.model) == engine.tier.binding
     for s, b, p in zip(seqs, before, prompts):
         ref = run(native.engine, [p + b], max_tokens=MAX_TOKENS - len(b))[0]
         assert s.output_token_ids[len(b):] == ref.output_token_ids
         for position in range(len(p) + len(b) - 1, s.num_tokens - 1):  # the logits that sampled those tokens
             assert torch.equal(s.logits[position], ref.logits[position]), position
     # And, here, what a run entirely on the prepared step gives.
-    whole = run(LLM(str(tiny_gguf), native_step=True, dtype=engine.config.dtype, num_kv_blocks=128, block_size=4).engine,
-                prompts)
+    whole = run(LLM(str(tiny_gguf), num_kv_blocks=128, block_size=4).engine, prompts)
     assert [s.output_token_ids for s in seqs] == [w.output_token_ids for w in whole]
 
 
@@ -161,40 +183,46 @@ def test_stratum_serve_answers_503_loading_then_200(tiny_model_dir):
             time.sleep(0.01)
         assert seen[0][0] == 503 and seen[-1] == (200, "ok"), seen
         assert all(status == 503 for status, _ in seen[:-1])
-        assert {stage for _, stage in seen[:-1]} <= {"starting engine", "loading model", "starting server"}
+        assert {stage for _, stage in seen[:-1]} <= {"starting engine", "loading model", "starting server",
+                                                     "waiting for the engine's first report"}
     finally:
         server.stop()
 
 
-def test_every_report_of_the_kernels_follows_the_switch(tiny_gguf, tmp_path):
-    """`stratum serve` on a cold start: once /health says the prepared kernels have taken over, a
-    request's `X-Stratum-Debug: full` trace reports them, not the provisional PyTorch step the server
+def test_every_report_of_the_kernels_follows_the_switch(tiny_gguf, uncompiled, starting_server):
+    """A cold start served over HTTP: once /health says the native step has taken over, a request's
+    `X-Stratum-Debug: full` trace reports it and its numerics, not the provisional step the server
     started on (the engine sends its `EngineInfo` again when it switches)."""
+    from stratum.engine.client import start_thread_engine
+    from stratum.server.app import ServerSettings, create_app
     from stratum.telemetry.trace import decode_trace
 
-    server = ServerProcess(str(tiny_gguf), "--served-model-name", "tiny", "--kv-cache-mb", "8",
-                           env={"STRATUM_PLAN_DIR": str(tmp_path)})  # no plan: a cold start
+    starting, url = starting_server
+    client = start_thread_engine(cold_engine(tiny_gguf))
     try:
-        server.wait_ready(timeout=300, prepared=False)
-        claude = anthropic.Anthropic(base_url=server.url, api_key="x", max_retries=0)
+        starting.serve(create_app(client, ServerSettings(model_name="tiny")))
+        claude = anthropic.Anthropic(base_url=url, api_key="x", max_retries=0)
 
         def kernels_reported() -> tuple[list[dict], dict]:
             """The hardware a request's trace reports, and /health before and after it."""
-            before = httpx.get(server.url + "/health").json()
+            before = httpx.get(url + "/health").json()
             raw = claude.messages.with_raw_response.create(
                 model="tiny", max_tokens=2, messages=[{"role": "user", "content": "hi"}],
                 extra_headers={"x-stratum-debug": "full"})
-            return [before, httpx.get(server.url + "/health").json()], decode_trace(raw.headers["x-stratum-trace"])["hardware"]
+            return [before, httpx.get(url + "/health").json()], decode_trace(raw.headers["x-stratum-trace"])["hardware"]
 
         health, hardware = kernels_reported()
         if all("preparing" in h for h in health):  # still on the provisional step
             assert hardware["kernels"]["native_kernels"] == "being prepared" and hardware["dtype"] == "float32"
             assert hardware["kernels"]["step"] == "pytorch"
-        server.wait_ready(timeout=300, prepared=True)
+        deadline = time.monotonic() + 300
+        while "preparing" in httpx.get(url + "/health").json():
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
         health, hardware = kernels_reported()
-        assert not any("preparing" in h for h in health)
+        assert not any("preparing" in h for h in health) and health[0]["step"] == "native"
         kernels = hardware["kernels"]
-        assert kernels["native_kernels"] != "being prepared"
-        assert kernels["step"] == {"native": "native, packed blocks", "pytorch": "pytorch"}[health[0]["step"]]
+        assert kernels["native_kernels"] != "being prepared" and kernels["step"] == "native, packed blocks"
+        assert kernels["numerics"] == client.config.numerics.key() and client.config.numerics.step == "native"
     finally:
-        server.stop()
+        client.shutdown()

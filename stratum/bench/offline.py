@@ -228,7 +228,7 @@ def run_offline(
             "dtype": engine.config.dtype,
             "device": engine.config.device,
             "load_s": round(load_s, 2),
-            "kernels": engine.kernel_choices,  # dtype, packed-int4 crossover, threads, as the engine chose them
+            "kernels": engine.kernel_choices,  # the numerics key, dtypes, step and threads, as the engine chose them
             "prefix_cache": False,  # levels reuse the same prompts; a cache would skip their prefill
             "block_size": block_size,
             "num_kv_blocks": num_kv_blocks,

@@ -52,8 +52,6 @@ def decode_bytes(engine) -> int:
             total += module.weight.numel() * module.weight.element_size()
     if model.packed_head is not None:
         return total + model.packed_head.nbytes
-    if model.lm_head_q8 is not None and model.q8_max_rows >= 1:  # one row runs on the Q8_0 projection
-        return total + model.lm_head_q8.nbytes
     lm_head = model.lm_head.weight if model.lm_head is not None else model.embed_tokens.weight
     return total + lm_head.numel() * lm_head.element_size()
 

@@ -1,9 +1,6 @@
-"""Model and kernel construction: settings + checkpoint -> a resolved configuration and a ready model.
-
-`resolve` is the one place "auto" becomes a value (device, dtype, threads, kernel plan, context
-length, KV blocks, sampling defaults). `build_model` loads the weights in the planned dtype and
-attaches the packed kernels the plan chose.
-"""
+"""Settings + checkpoint -> a resolved configuration (`resolve`: the numerics by their rule, then the
+speed choices, context, KV blocks, sampling defaults) and a model whose weights are held in the forms
+the numerics name (`build_model`)."""
 
 from __future__ import annotations
 
@@ -16,22 +13,30 @@ from typing import Callable
 import numpy as np
 import torch
 
+from stratum.engine import weight_cache
 from stratum.engine.config import EngineConfig, ResolvedConfig
 from stratum.home import stratum_home
-from stratum.kernels import native
-from stratum.kernels import KernelPlan
-from stratum.kernels.plan import Shapes, select_plan
-from stratum.kernels.packed import LAYOUT_VERSION as PACKED_LAYOUT
-from stratum.engine import weight_cache
+from stratum.kernels import KernelPlan, native
+from stratum.kernels import numerics as rule
+from stratum.kernels.cpu import cpu_flags, cpu_name
+from stratum.kernels.numerics import INT4, NATIVE, PACKED, Numerics, RuleInputs
 from stratum.kernels.packed import FUSED, PACKED_QTYPES, PackedStack, PackedWeight, native_form, native_step_refusal, pack_fused
+from stratum.kernels.packed import LAYOUT_VERSION as PACKED_LAYOUT
 from stratum.kernels.packed import pack as packed_weight
-from stratum.kernels.quant import DenseWeight, Int4Weight, Int8Weight, Parts, Q8Weight, is_packable, unpack_q4, unpack_q8_0
+from stratum.kernels.plan import Shapes, select_plan
+from stratum.kernels.quant import DenseWeight, Int4Weight, Int8Weight, Parts, Q8Weight, unpack_q4, unpack_q8_0
 from stratum.layers.linear import Linear
 from stratum.models.llama import LlamaForCausalLM
-from stratum.models.loader import Checkpoint, load_checkpoint
+from stratum.models.loader import Checkpoint, load_checkpoint, release_pages
 from stratum.models.registry import resolve_model_path, sampling_defaults
 
 log = logging.getLogger("stratum.engine")
+
+HEAD_ROWS = 16384  # rows of the output projection packed at a time: 27 MB of a 2048-wide Q6_K
+
+# the CPU features the native kernels compile to (kernels/native.py): shown among the rule's inputs
+SIMD_FEATURES = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16",
+                 "asimd"}
 
 
 def load(config: EngineConfig) -> Checkpoint:
@@ -55,88 +60,92 @@ def default_threads(serving: bool, native_step: bool = False) -> int:
     return max(1, cores - 1) if serving and not native_step else cores
 
 
-def resolve(config: EngineConfig, checkpoint: Checkpoint, measure: bool = True, take_busy: bool = False) -> ResolvedConfig | None:
+def rule_inputs(config: EngineConfig, checkpoint: Checkpoint, device: str) -> RuleInputs:
+    """What the numerics rule reads. On the CPU it loads the native kernels (compiling them once)."""
+    quantized = checkpoint.quantized
+    return RuleInputs(device, config.dtype, config.native_step, config.int4_max_tokens,
+                      tuple(sorted({t.qtype for t in quantized.values()})), native_step_refusal(checkpoint.config, quantized),
+                      device == "cpu" and native.available(), tuple(sorted(cpu_flags() & SIMD_FEATURES)))
+
+
+def resolve(config: EngineConfig, checkpoint: Checkpoint, measure: bool = True, defer: bool = False) -> ResolvedConfig | None:
     """Every "auto" of config, decided once for this machine and this checkpoint.
 
-    With `measure` False nothing slow is done: None where the native kernels would have to be
-    compiled or the kernel plan measured first (a cold start then serves on `provisional` meanwhile).
-    With `take_busy`, a cached plan measured on a busy machine is taken rather than measured again
-    (what a background preparation measured while the engine served).
+    The numerics follow their rule; the threads of the native step follow the kernel plan, cached, or
+    measured now where none is (with `measure`; else the CPU family's defaults). With `defer`, None
+    where the native kernels would have to be compiled first: a cold start then serves on
+    `provisional` meanwhile.
     """
     device = config.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    if not measure and device == "cpu" and not native.is_built():
+    if defer and device == "cpu" and not native.is_built():
         return None
-    # every core where the native step runs; otherwise a server leaves one to its HTTP side, and the
-    # plan at that thread count decides (one plan measured, not two, where the step wins)
-    threads = config.num_threads or default_threads(config.serving, native_step=True)
-    plan = _plan(config, checkpoint, device, threads, measure, take_busy)
-    narrower = default_threads(config.serving)
-    if plan is not None and not config.num_threads and not plan.packed_step and narrower != threads:
-        threads, plan = narrower, _plan(config, checkpoint, device, narrower, measure, take_busy)
-    return _resolved(config, checkpoint, device, plan) if plan is not None else None
+    numerics = rule.decide(rule_inputs(config, checkpoint, device), checkpoint.identity)
+    numerics = replace(numerics, platform=_platform(numerics))
+    return _resolved(config, checkpoint, numerics, _plan(config, checkpoint, numerics, measure))
 
 
 def provisional(config: EngineConfig, checkpoint: Checkpoint) -> ResolvedConfig:
-    """What a cold start serves on while the kernels are prepared (`engine.prepare`): the PyTorch
-    layers on the CPU in fp32 (or the configured dtype; bf16 is only fast where the CPU has it, and
-    that is what the plan measures), no native kernel, nothing measured."""
+    """What a cold start serves on while the native kernels are compiled (`engine.prepare`): the
+    PyTorch layers on int4 copies where the format allows (`numerics.provisional`), nothing measured."""
+    inputs = replace(rule_inputs(config, checkpoint, "cpu"), native_kernels=False)
+    numerics = rule.provisional(inputs, checkpoint.identity)
+    numerics = replace(numerics, platform=_platform(numerics))
     threads = config.num_threads or default_threads(config.serving)
-    dtype = "float32" if config.dtype == "auto" else config.dtype
-    return _resolved(config, checkpoint, "cpu", KernelPlan("cpu", dtype, threads, 0, source="provisional"))
+    return _resolved(config, checkpoint, numerics, KernelPlan("cpu", threads, cpu_name(), source="rule",
+                                                              basis="a cold start's provisional step"))
 
 
-def _resolved(config: EngineConfig, checkpoint: Checkpoint, device: str, plan: KernelPlan) -> ResolvedConfig:
+def _platform(numerics: Numerics) -> str:
+    """What else changes the bits of the step: nothing for the native step (every SIMD path and thread
+    count gives the same, tests/test_simd_paths.py); PyTorch's matmuls pick kernels by torch version
+    and instruction set."""
+    if numerics.step == NATIVE:
+        return ""
+    capability = torch.backends.cpu.get_cpu_capability() if numerics.device == "cpu" else numerics.device
+    return f"torch {torch.__version__} {capability}"
+
+
+def _resolved(config: EngineConfig, checkpoint: Checkpoint, numerics: Numerics, plan: KernelPlan) -> ResolvedConfig:
     mc = checkpoint.config
     threads = plan.threads
     prefill_threads = config.prefill_threads or max(threads, os.cpu_count() or 1)
     max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-    per_block = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * config.block_size * (2 if plan.dtype == "bfloat16" else 4)
+    per_block = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * config.block_size * (2 if numerics.kv_dtype == "bfloat16" else 4)
     num_blocks = config.num_kv_blocks or max(16, config.kv_cache_memory_mb * 2**20 // per_block)
     defaults = sampling_defaults(config.model)
     return ResolvedConfig(
-        model=config.model, device=device, dtype=plan.dtype, block_size=config.block_size, num_kv_blocks=num_blocks,
-        max_model_len=max_model_len, enable_prefix_cache=config.enable_prefix_cache, num_threads=threads,
-        prefill_threads=prefill_threads, kernel_plan=plan, seed=config.seed, scheduler=config.scheduler,
-        default_temperature=defaults.get("temperature", 1.0), default_top_p=defaults.get("top_p", 1.0),
+        model=config.model, device=numerics.device, dtype=numerics.dtype, block_size=config.block_size,
+        num_kv_blocks=num_blocks, max_model_len=max_model_len, enable_prefix_cache=config.enable_prefix_cache,
+        num_threads=threads, prefill_threads=prefill_threads, kernel_plan=plan, seed=config.seed,
+        scheduler=config.scheduler, default_temperature=defaults.get("temperature", 1.0),
+        default_top_p=defaults.get("top_p", 1.0), numerics=numerics,
     )
 
 
-def _plan(config: EngineConfig, checkpoint: Checkpoint, device: str, threads: int, measure: bool = True,
-          take_busy: bool = False) -> KernelPlan | None:
-    mc = checkpoint.config
-    if device != "cpu":
-        dtype = "bfloat16" if config.dtype == "auto" else config.dtype
-        return KernelPlan(device, dtype, threads, 0, source="default")
-    # the native step runs every PACKED_QTYPES format (int4, PyTorch's kernel, Q4_0 / Q4_1 among them)
-    can_pack = any(t.qtype in PACKED_QTYPES for t in checkpoint.quantized.values())
-    if config.int4_max_tokens is not None and config.dtype != "auto":  # fully specified: nothing to measure
-        plan = KernelPlan("cpu", config.dtype, threads, 0, source="configured")
-    else:
-        plan = select_plan(stratum_home(), Shapes.of(mc, checkpoint.quantized), threads, can_pack, config.dtype,
-                           remeasure=config.remeasure_plan, measure=measure, take_busy=take_busy)
-        if plan is None:
-            return None
-    if config.int4_max_tokens is not None:  # the configured row limit holds for both packed formats
-        rows = config.int4_max_tokens if plan.dtype == "bfloat16" else 0
-        plan = replace(plan, int4_max_tokens=rows if can_pack else 0, q8_max_rows=rows if native.available() else 0,
-                       source="configured")
-    if config.native_step is not None:
-        plan = replace(plan, packed_step=config.native_step and can_pack and native.available(), source="configured")
-    return plan
+def _plan(config: EngineConfig, checkpoint: Checkpoint, numerics: Numerics, measure: bool) -> KernelPlan:
+    """The speed choices: the native step's threads from the kernel plan; elsewhere by rule, since
+    the PyTorch step's fp32 matmuls may sum in another order at another thread count."""
+    configured = config.num_threads or int(os.environ.get("STRATUM_NUM_THREADS", 0) or 0)
+    if configured:
+        return KernelPlan(numerics.device, configured, cpu_name(), source="configured", basis="set by the user")
+    if numerics.step != NATIVE:
+        return KernelPlan(numerics.device, default_threads(config.serving), cpu_name(), source="rule",
+                          basis="builder.default_threads")
+    return select_plan(stratum_home(), Shapes.of(checkpoint.config, checkpoint.quantized), os.cpu_count() or 1,
+                       remeasure=config.remeasure_plan, measure=measure)
 
 
 def build_model(config: ResolvedConfig, checkpoint: Checkpoint) -> tuple[LlamaForCausalLM, int]:
-    """The model on its device in the planned dtype, with the plan's packed kernels attached.
+    """The model on its device, its weights in the forms `config.numerics` names.
 
     The checkpoint's quantized tensors are never all dequantized: the native step runs them as stored;
-    otherwise, where the plan keeps packed weights, each projection is held in a packed form
-    (`attach_quantized`) and only those no kernel here takes are dequantized, one at a time (with a
-    warning). Takes the checkpoint's tensors (it is empty afterwards). Returns (model, bytes of
-    packed weights).
+    the PyTorch step holds each projection as the numerics say (`attach_quantized`), dequantizing one
+    tensor at a time only what no kernel here takes (with a warning). Takes the checkpoint's tensors
+    (it is empty afterwards). Returns (model, bytes of packed weights).
     """
-    plan = config.kernel_plan
+    numerics = config.numerics
     quantized = checkpoint.quantized
     model = LlamaForCausalLM(checkpoint.config, max_positions=config.max_model_len)
     model.load_weights(checkpoint.weights, config.torch_dtype, held=set(quantized))
@@ -145,19 +154,15 @@ def build_model(config: ResolvedConfig, checkpoint: Checkpoint) -> tuple[LlamaFo
     model.packed_refusal = native_step_refusal(checkpoint.config, quantized)
     if model.packed_refusal is not None and quantized:
         log.warning("%s: the native step does not run this model: %s", checkpoint.config.name, model.packed_refusal)
-    on_cpu = config.device == "cpu"
-    native_step = on_cpu and plan.packed_step and model.packed_refusal is None and attach_packed(model, quantized, checkpoint.cache_dir)
-    held = attach_quantized(model, quantized, on_cpu and plan.int4_max_tokens > 0, config.torch_dtype, checkpoint.cache_dir,
-                            lookup_rows=on_cpu)
-    model = model.to(device=torch.device(config.device)).eval()
-    if native_step:
+    if numerics.step == NATIVE:
+        if not attach_packed(model, quantized, checkpoint.cache_dir):
+            raise RuntimeError(f"{checkpoint.config.name}: the native step cannot hold these weights")
         quantized.clear()
-        return model, model.packed.nbytes
-    attach_q8_head(model, quantized, plan.q8_max_rows)
-    if config.dtype != "float32":
-        attach_q8_embedding(model, quantized)
+        return model.eval(), model.packed.nbytes
+    held = attach_quantized(model, quantized, numerics, checkpoint.cache_dir, lookup_rows=numerics.device == "cpu")
+    model = model.to(device=torch.device(numerics.device)).eval()
     head = model.lm_head.weight if model.lm_head is not None else model.embed_tokens.weight
-    if config.device == "cpu" and config.dtype == "bfloat16" and head.numel():  # the low-latency hint's output projection
+    if numerics.low_latency_head == "int8" and head.numel():  # the output projection a request may trade for speed
         model.lm_head_int8 = Int8Weight(head)
     quantized.clear()
     return model, held
@@ -167,7 +172,7 @@ def attach_packed(model, quantized: dict, cache_dir: Path | None = None) -> bool
     """Run every layer through the native step on the checkpoint's own blocks, when each projection
     is in one of PACKED_QTYPES (and the output projection too, when it is).
 
-    The repacked blocks are kept in cache_dir/packed-<layout version>.bin when a cache is given,
+    The repacked blocks are kept in cache_dir/packed-<layout version>-head-rows.bin when a cache is given,
     written a layer at a time (each layer's GGUF pages let go of once it is packed) and mapped from
     there, then and at later starts: repacking takes seconds at every start otherwise, and held in
     memory it would double what the weights cost. The projections' dense weights stay empty (a
@@ -193,19 +198,25 @@ def attach_packed(model, quantized: dict, cache_dir: Path | None = None) -> bool
         for names in parts[i * len(FUSED) : (i + 1) * len(FUSED)]:
             for p in names:
                 quantized[p].release()
+        trim_heap()  # the previous layer's buffers, freed
         return [[w.saved() for w in segments] for segments in projections]
 
-    def packed_head() -> list | None:
-        if head is None:
-            return None
-        w = packed_weight(head.qtype, head.data, head.shape).saved()
-        if model.lm_head is not None:  # not read again (tied, it is the embedding, looked up from its blocks)
-            head.release()
+    def head_rows(start: int) -> list:
+        """Rows [start, start + HEAD_ROWS) of the output projection, packed; their GGUF pages let go of
+        (a tied embedding's rows are read back one at a time, at lookup)."""
+        rows = min(HEAD_ROWS, head.shape[0] - start)
+        w = packed_weight(head.qtype, head.data[start : start + rows], (rows, head.shape[1])).saved()
+        release_pages(head.stored[start : start + rows])
+        trim_heap()
         return w
 
-    cache = cache_dir / f"packed-{PACKED_LAYOUT}" if cache_dir is not None else None
-    saved = weight_cache.cached(cache, [("head", packed_head), *((f"layers.{i}", lambda i=i: pack_layer(i)) for i in range(n))])
-    saved = {"layers": [saved[f"layers.{i}"] for i in range(n)], "head": saved["head"]}
+    # the output projection in segments of rows: a large vocabulary's is never all in memory at once
+    head_keys = [(f"head.{r}", lambda r=r: head_rows(r)) for r in range(0, head.shape[0], HEAD_ROWS)] if head else []
+    cache = cache_dir / f"packed-{PACKED_LAYOUT}-head-rows" if cache_dir is not None else None
+    saved = weight_cache.cached(cache, [*head_keys, *((f"layers.{i}", lambda i=i: pack_layer(i)) for i in range(n))])
+    head_parts = [PackedWeight(*saved[key]) for key, _ in head_keys]
+    saved = {"layers": [saved[f"layers.{i}"] for i in range(n)],
+             "head": (head_parts[0] if len(head_parts) == 1 else Parts(head_parts)) if head_parts else None}
     model.packed = PackedStack(model, [[[PackedWeight(*w) for w in segments] for segments in projections]
                                        for projections in saved["layers"]])
     for layer in model.layers:
@@ -213,40 +224,40 @@ def attach_packed(model, quantized: dict, cache_dir: Path | None = None) -> bool
             if isinstance(module, Linear):
                 module.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
     model.weight_forms.update({n: native_form(q.qtype) for n, q in quantized.items() if n.startswith("model.layers.")})
-    if saved["head"] is not None:
-        model.packed_head = PackedWeight(*saved["head"])
+    if saved["head"] is not None:  # the same kernel for every row: its segments' outputs side by side
+        model.packed_head = saved["head"]
         model.weight_forms[name] = native_form(quantized[name].qtype)
-    attach_q8_embedding(model, quantized)
+    attach_embedding(model, quantized)
     if model.lm_head is not None and model.packed_head is not None:
         model.lm_head.weight = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    trim_heap()
     return True
 
 
-INT4, PACKED = "int4", "packed kernel, as stored"  # the held forms `stratum info` names
+def trim_heap() -> None:
+    """Give the heap's freed memory back to the system (glibc malloc_trim). Buffers of a few MB freed
+    while converting stay in the process otherwise (glibc raises its mmap threshold as they are
+    freed): 137 MB of a 1 B model's first start, measured."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
-def held_form(qtype: str, keep: bool, dtype: torch.dtype) -> str:
-    """How a projection stored as `qtype` runs on the PyTorch path: INT4 (PyTorch's int4 kernel, exact
-    for Q4_0 / Q4_1 / Q4_K), PACKED (the native kernel on the blocks as stored), or "dense <dtype>"
-    (dequantized: the plan keeps no packed weights, or no kernel here takes the format).
-
-    Measured on the 2-core Zen 5 reference machine, one [8960, 1536] projection at one row (bf16):
-    dense 1.05 ms, int4 0.32 ms, but dequantizing per matmul 19 ms (from int8 values) to 81 ms (from
-    Q4_K blocks): so what no kernel takes is dequantized once, at load, rather than per matmul."""
-    if keep and dtype == torch.bfloat16 and is_packable(qtype):
-        return INT4
-    if keep and qtype in PACKED_QTYPES and native.available():
-        return PACKED
-    return f"dense {str(dtype).removeprefix('torch.')}"
+# a fused projection's parts held alike: (cache key, form, the checkpoint's tensors)
+Group = tuple[str, str, list]
 
 
-def attach_quantized(model, quantized: dict, keep: bool, dtype: torch.dtype, cache_dir: Path | None = None,
+def attach_quantized(model, quantized: dict, numerics: Numerics, cache_dir: Path | None = None,
                      lookup_rows: bool = True) -> int:
     """Fill every projection, the output projection and the embedding the model left empty (their
-    tensors are quantized) from the checkpoint's blocks, in the form `held_form` chooses; the parts of
-    a fused projection each on their own kernel where their forms differ. A quantized embedding is
-    looked up from its blocks row by row (`lookup_rows`, on CPU), else dequantized too. Records how each
-    quantized tensor runs (`model.weight_forms`, for `stratum info`), and warns where any was dequantized.
+    tensors are quantized) from the checkpoint's blocks, each in the form `numerics` names for its
+    type; the parts of a fused projection each on their own kernel where their forms differ. A
+    quantized embedding is looked up from its blocks row by row (`lookup_rows`, on CPU), else
+    dequantized too. Records how each quantized tensor runs (`model.weight_forms`, for `stratum
+    info`), and warns where any was dequantized.
 
     Packed forms are kept in cache_dir/held-<layout version>.bin when a cache is given (converting
     takes seconds per billion weights), written one projection at a time and mapped from there.
@@ -257,133 +268,128 @@ def attach_quantized(model, quantized: dict, keep: bool, dtype: torch.dtype, cac
     Raises:
         KeyError: a projection is neither in the file's dense tensors nor among its quantized ones.
     """
+    if lookup_rows:
+        attach_embedding(model, quantized)
+    targets = _targets(model, quantized, numerics)
+    dtype = getattr(torch, numerics.dtype)
+    makers = [(key, lambda f=form, ts=tensors: _convert(f, ts, dtype)) for gs, _ in targets for key, form, tensors in gs
+              if form in (INT4, PACKED)]
+    # int4 copies keep their scales in the activations' dtype: the cache is one per dtype
+    cache = cache_dir / f"held-{PACKED_LAYOUT}-{numerics.dtype}" if cache_dir is not None else None
+    converted = weight_cache.cached(cache, makers) if makers else {}
+    for gs, place in targets:
+        ws = [_held(group, converted) for group in gs]
+        place(ws[0] if len(ws) == 1 else Parts([DenseWeight(w) if isinstance(w, torch.Tensor) else w for w in ws]))
+    embed = quantized.get("model.embed_tokens.weight")
+    if embed is not None and not model.embed_tokens.weight.numel() and model.embed_table is None:
+        model.weight_forms["model.embed_tokens.weight"] = form = numerics.form(embed.qtype)
+        _put(model.embed_tokens, embed.dense(_dense_dtype(form) if form.startswith(rule.DENSE) else dtype))
+    _warn_dense(model, quantized)
+    return sum(m.quantized.nbytes for m in model.modules() if isinstance(m, Linear) and m.quantized is not None) + (
+        model.packed_head.nbytes if model.packed_head is not None else 0)
+
+
+def _targets(model, quantized: dict, numerics: Numerics) -> list[tuple[list[Group], Callable]]:
+    """What to fill: per projection left empty, its parts' groups and where its weight goes."""
     forms: dict[str, str] = model.weight_forms
 
-    def groups(key: str, names: list[str]) -> list[tuple[str, str, list]]:
-        """The parts of the projection made of tensors `names` as (key, form, tensors), one per run of
-        consecutive parts of one form (and format, for the native kernel)."""
-        out: list[tuple[str, str, list]] = []
+    def groups(key: str, names: list[str]) -> list[Group]:
+        """One group per run of consecutive parts of one form (and format, for the native kernel)."""
+        out: list[Group] = []
         for n in names:
             t = quantized[n]
-            forms[n] = form = held_form(t.qtype, keep, dtype)
+            forms[n] = form = numerics.form(t.qtype)
             if out and out[-1][1] == form and (form != PACKED or out[-1][2][0].qtype == t.qtype):
                 out[-1][2].append(t)
             else:
                 out.append((f"{key}.{len(out)}.{'int4' if form == INT4 else 'packed'}", form, [t]))
         return out
 
-    def convert(form: str, tensors: list) -> list:
-        """Parts of one packed form as one weight's fields; their GGUF pages are let go of after."""
-        if form == INT4:
-            unpacked = [unpack_q4(t.qtype, t.data, t.shape) for t in tensors]
-            w = Int4Weight(*(torch.cat([u[j] for u in unpacked]) for j in range(3)))
-            fields = [w.packed, w.scale_zeros, w.out_features, w.in_features]
-        else:
-            raw = np.concatenate([np.asarray(t.data).reshape(t.shape[0], -1) for t in tensors])
-            fields = list(packed_weight(tensors[0].qtype, raw, (sum(t.shape[0] for t in tensors), tensors[0].shape[1])).saved())
-        for t in tensors:
-            t.release()
-        return fields
-
-    def put(module, w) -> None:
-        if isinstance(w, torch.Tensor):
-            module.weight = torch.nn.Parameter(w, requires_grad=False)
-        else:
-            module.quantized = w
-
     def put_head(w) -> None:
         if isinstance(w, torch.Tensor):
-            put(model.lm_head if model.lm_head is not None else model.embed_tokens, w)
+            _put(model.lm_head if model.lm_head is not None else model.embed_tokens, w)
         else:
             model.packed_head = w
 
-    # what to fill: (its parts' groups, where the weight goes)
-    targets: list[tuple[list, Callable]] = []
-    if model.packed is None:
-        for i, layer in enumerate(model.layers):
-            for fused, parts in FUSED.items():
-                module: Linear = layer.get_submodule(fused)
-                if not module.weight.numel():  # else dense in the file
-                    names = [f"model.layers.{i}.{p}.weight" for p in parts]
-                    targets.append((groups(f"layers.{i}.{fused}", names), lambda w, m=module: put(m, w)))
+    targets: list[tuple[list[Group], Callable]] = []
+    for i, layer in enumerate(model.layers):
+        for fused, parts in FUSED.items():
+            module: Linear = layer.get_submodule(fused)
+            if not module.weight.numel():  # else dense in the file
+                names = [f"model.layers.{i}.{p}.weight" for p in parts]
+                targets.append((groups(f"layers.{i}.{fused}", names), lambda w, m=module: _put(m, w)))
     head_name = "lm_head.weight" if model.lm_head is not None else "model.embed_tokens.weight"
-    head = quantized.get(head_name)
-    if model.packed_head is None and head is not None:
-        if head.qtype == "Q8_0":  # dense beside the exact Q8_0 projection for decode rows (attach_q8_head)
-            forms[head_name] = held_form(head.qtype, False, dtype)
-            put_head(head.dense(dtype))
-        else:
-            targets.append((groups("head", [head_name]), put_head))
-    makers = [(key, lambda f=form, ts=tensors: convert(f, ts)) for gs, _ in targets for key, form, tensors in gs
-              if form in (INT4, PACKED)]
-    converted = weight_cache.cached(cache_dir / f"held-{PACKED_LAYOUT}" if cache_dir is not None else None,
-                                    makers) if makers else {}
+    if quantized.get(head_name) is not None:
+        targets.append((groups("head", [head_name]), put_head))
+    return targets
 
-    def held(key: str, form: str, tensors: list):
-        if form == INT4:
-            return Int4Weight.from_packed(*converted[key])
-        if form == PACKED:
-            return PackedWeight(*converted[key])
-        w = torch.cat([t.dense(dtype) for t in tensors])
-        for t in tensors:
-            t.release()
-        return w
 
-    for gs, place in targets:
-        ws = [held(*g) for g in gs]
-        place(ws[0] if len(ws) == 1 else Parts([DenseWeight(w) if isinstance(w, torch.Tensor) else w for w in ws]))
+def _convert(form: str, tensors: list, dtype: torch.dtype) -> list:
+    """Parts of one packed form as one weight's fields (int4: for activations in `dtype`); their
+    GGUF pages are let go of after."""
+    if form == INT4:
+        unpacked = [unpack_q4(t.qtype, t.data, t.shape) for t in tensors]
+        w = Int4Weight(*(torch.cat([u[j] for u in unpacked]) for j in range(3)), dtype=dtype)
+        fields = [w.packed, w.scale_zeros, w.out_features, w.in_features]
+    else:
+        raw = np.concatenate([np.asarray(t.data).reshape(t.shape[0], -1) for t in tensors])
+        fields = list(packed_weight(tensors[0].qtype, raw, (sum(t.shape[0] for t in tensors), tensors[0].shape[1])).saved())
+    for t in tensors:
+        t.release()
+    return fields
+
+
+def _held(group: Group, converted: dict):
+    """A group's weight: its packed form from `converted`, or its tensors dequantized."""
+    key, form, tensors = group
+    if form == INT4:
+        return Int4Weight.from_packed(*converted[key])
+    if form == PACKED:
+        return PackedWeight(*converted[key])
+    w = torch.cat([t.dense(_dense_dtype(form)) for t in tensors])
+    for t in tensors:
+        t.release()
+    return w
+
+
+def _dense_dtype(form: str) -> torch.dtype:
+    return getattr(torch, form.split()[-1])
+
+
+def _put(module, w) -> None:
+    if isinstance(w, torch.Tensor):
+        module.weight = torch.nn.Parameter(w, requires_grad=False)
+    else:
+        module.quantized = w
+
+
+def _warn_dense(model, quantized: dict) -> None:
+    """Says what was dequantized, by form and type: memory the user may not have planned for."""
+    dense: dict[str, dict[str, int]] = {}
+    for n, form in model.weight_forms.items():
+        if form.startswith(rule.DENSE):
+            by_type = dense.setdefault(form, {})
+            by_type[quantized[n].qtype] = by_type.get(quantized[n].qtype, 0) + 1
+    for form, by_type in dense.items():
+        log.warning("%s: dequantized to %s (no packed kernel here runs them, or the settings asked for dense "
+                    "weights): %s", model.config.name, form, ", ".join(f"{n} {q} tensors" for q, n in sorted(by_type.items())))
+
+
+def attach_embedding(model, quantized: dict) -> int:
+    """Look a quantized embedding up from its blocks as stored, row by row, exactly (every stored
+    type's values are exact in fp32): no dense copy, and the fp32 residual stream starts from the
+    checkpoint's own values. Q8_0 rows are read from an int8 copy (a gather per step), others
+    dequantized at lookup. A tied output projection held as Q8_0 is not copied twice.
+
+    Returns:
+        The bytes attached for it.
+    """
     embed = quantized.get("model.embed_tokens.weight")
-    if embed is not None and not model.embed_tokens.weight.numel() and model.embed_table is None:
-        if lookup_rows:
-            model.embed_table = embed  # looked up row by row from the blocks as stored
-            forms.setdefault("model.embed_tokens.weight", "rows dequantized at lookup")
-        else:
-            forms["model.embed_tokens.weight"] = held_form(embed.qtype, False, dtype)
-            put(model.embed_tokens, embed.dense(dtype))
-    dense: dict[str, int] = {}
-    for n, form in forms.items():
-        if form.startswith("dense"):
-            dense[quantized[n].qtype] = dense.get(quantized[n].qtype, 0) + 1
-    if dense:
-        why = "no packed kernel here runs them" if keep else "the kernel plan keeps no packed weights"
-        log.warning("%s: dequantized to %s (%s): %s", model.config.name, held_form("", False, dtype), why,
-                    ", ".join(f"{n} {q} tensors" for q, n in sorted(dense.items())))
-    return sum(m.quantized.nbytes for m in model.modules() if isinstance(m, Linear) and m.quantized is not None) + (
-        model.packed_head.nbytes if model.packed_head is not None and model.packed is None else 0)
-
-
-def attach_q8_head(model, quantized: dict, max_rows: int) -> int:
-    """Give the model its output projection as stored when that is GGUF Q8_0 (tied or not).
-
-    Returns:
-        The bytes attached (0 when the plan never uses it or the checkpoint has no Q8_0 head).
-    """
-    name = "lm_head.weight" if model.lm_head is not None else "model.embed_tokens.weight"
-    head = quantized.get(name)
-    if max_rows <= 0 or head is None or head.qtype != "Q8_0":
-        return 0
-    model.lm_head_q8 = Q8Weight(*unpack_q8_0(head.data, head.shape))
-    model.q8_max_rows = max_rows
-    return model.lm_head_q8.nbytes
-
-
-def attach_q8_embedding(model, quantized: dict) -> int:
-    """Look the embedding up from the GGUF Q8_0 table as stored when the weights run in bf16, so the
-    fp32 residual stream starts from the checkpoint's exact values rather than bf16-rounded ones.
-
-    Measured on the quality guard (tests/test_kernels.py, 325 positions): top-1 agreement with the
-    fp32 model went from 98.8% to 99.4% on an Intel AVX-512 machine; one gather per step, no cost per
-    layer. A tied output projection already held as Q8_0 is shared, not copied.
-
-    Returns:
-        The bytes attached (0 when the embedding is not Q8_0, or is shared with the output projection).
-    """
-    head = quantized.get("model.embed_tokens.weight")
-    if head is None or head.qtype != "Q8_0":
+    if embed is None or model.embed_table is not None:
         return 0
     model.weight_forms.setdefault("model.embed_tokens.weight", "rows dequantized at lookup")
-    if model.lm_head is None and model.lm_head_q8 is not None:
-        model.embed_table = model.lm_head_q8
+    if embed.qtype != "Q8_0":
+        model.embed_table = embed
         return 0
-    model.embed_table = Q8Weight(*unpack_q8_0(head.data, head.shape))
+    model.embed_table = Q8Weight(*unpack_q8_0(embed.data, embed.shape))
     return model.embed_table.nbytes

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from stratum.engine.sampling_params import SamplingParams
     from stratum.kernels import KernelPlan
+    from stratum.kernels.numerics import Numerics
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,7 @@ class EngineConfig:
 
     model: str = "smollm2-135m"
     device: str = "auto"  # "cpu", "cuda", or "auto"
-    dtype: str = "auto"  # "float32", "bfloat16", or "auto" (CUDA: bf16; CPU: whichever measures faster)
+    dtype: str = "auto"  # "float32", "bfloat16", or "auto": the numerics rule's default (kernels/numerics.py)
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_mb
     kv_cache_memory_mb: int = 256
@@ -49,12 +50,12 @@ class EngineConfig:
     kv_disk_dir: str | None = None
     num_threads: int | None = None  # torch threads for decode-bound steps; None: $STRATUM_NUM_THREADS, else see `serving`
     prefill_threads: int | None = None  # for steps with at least PREFILL_STEP_TOKENS tokens; None: every core
-    int4_max_tokens: int | None = None  # None: measured (kernels.plan); 0: never pack; N: packed int4 up to N rows
-    native_step: bool | None = None  # None: the kernel plan decides; True/False: the native step where the checkpoint allows / never
+    int4_max_tokens: int | None = None  # None: the numerics rule; 0: no packed weights (dense); N > 0: int4 copies
+    native_step: bool | None = None  # None: the numerics rule; True/False: the native step where the checkpoint allows / never
     remeasure_plan: bool = False  # measure the kernel plan again, even if one is cached (`stratum info --remeasure`)
     serving: bool = False  # a server leaves one core to its HTTP side by default
-    # a cold start (kernels not built, or no plan) serves on the PyTorch step at once and prepares the
-    # kernels in the background (`engine.prepare`), instead of waiting for them; `stratum serve` sets it
+    # a start on a machine whose native kernels are not compiled yet serves on the provisional step at
+    # once and compiles them in the background (`engine.prepare`), instead of waiting; `stratum serve` sets it
     defer_kernels: bool = False
     seed: int = 0
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
@@ -71,11 +72,16 @@ class EngineConfig:
 
 @dataclass(frozen=True)
 class ResolvedConfig:
-    """The configuration an engine runs with: no "auto", no None."""
+    """The configuration an engine runs with: no "auto", no None.
+
+    `numerics` is the one record of what decides the bits of the KV pool and the logits of the step
+    that runs (kernels/numerics.py): anything keyed on computed values (KV kept across restarts, a
+    draft's agreement with its verifier) keys on `numerics.key()`.
+    """
 
     model: str
     device: str
-    dtype: str  # "float32" | "bfloat16"
+    dtype: str  # the PyTorch layers' matmul dtype, "float32" | "bfloat16" (numerics.dtype)
     block_size: int
     num_kv_blocks: int
     max_model_len: int
@@ -87,6 +93,7 @@ class ResolvedConfig:
     scheduler: SchedulerConfig
     default_temperature: float  # the model's recommended sampling, for requests that omit it
     default_top_p: float
+    numerics: "Numerics"
 
     def check_request(self, num_prompt_tokens: int, sampling: "SamplingParams") -> None:
         """Raises InvalidRequestError when a request can never run here (too long, bad params)."""
@@ -112,3 +119,10 @@ class ResolvedConfig:
         import torch
 
         return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.dtype]
+
+    @property
+    def torch_kv_dtype(self):
+        """The KV pool's dtype (numerics.kv_dtype)."""
+        import torch
+
+        return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[self.numerics.kv_dtype]

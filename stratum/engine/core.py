@@ -88,8 +88,8 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None):
         checkpoint = checkpoint or builder.load(config)
         settings = config
-        resolved = builder.resolve(config, checkpoint, measure=not config.defer_kernels)
-        self.upgrade: KernelUpgrade | None = None  # a cold start's kernels, being prepared (`switch_kernels`)
+        resolved = builder.resolve(config, checkpoint, defer=config.defer_kernels)
+        self.upgrade: KernelUpgrade | None = None  # a cold start's kernels, being compiled (`switch_kernels`)
         if resolved is None:
             resolved = builder.provisional(config, checkpoint)
             self.upgrade = KernelUpgrade(config)
@@ -106,11 +106,11 @@ class LLMEngine:
         self.kernel_plan = config.kernel_plan
         self.dtype = config.torch_dtype
         self.max_model_len = config.max_model_len
-        self.model, self.int4_bytes = builder.build_model(config, checkpoint)
+        self.model, self.packed_bytes = builder.build_model(config, checkpoint)
         self._fault, self._death_after = parse_faults(os.environ.get("STRATUM_FAULT_INJECT"))
         self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_cache, fault=self._fault)
         self.scheduler = Scheduler(config.scheduler, self.block_manager, fault=self._fault)
-        self.runner = ModelRunner(self.model, config.num_kv_blocks, config.block_size, self.device, self.dtype,
+        self.runner = ModelRunner(self.model, config.num_kv_blocks, config.block_size, self.device, config.torch_kv_dtype,
                                   use_native=self.upgrade is None)
         self.runner.grammars = self.grammars
         self.requests: dict[str, _Request] = {}
@@ -121,14 +121,13 @@ class LLMEngine:
         self.tool_reserve_tokens = 128
         self.kv_bytes_per_block = self.runner.kv_cache_bytes // config.num_kv_blocks
         self._started: list[str] = []
-        self._checkpoint_path = checkpoint.path
         # the disk tier under the prefix cache (its figures for the pool tier too, when the disk is off)
         self.tier = DiskTier(open_store(settings.kv_disk_gb, settings.kv_disk_dir) if config.enable_prefix_cache else None)
         self._attach_tier()
 
     def _attach_tier(self) -> None:
         self.tier.attach(self.block_manager, self.scheduler, self.runner.kv_caches,
-                         kv_binding(self.config, self.model, self._checkpoint_path))
+                         kv_binding(self.config, self.model))
 
     @functools.cached_property
     def chat_template(self):
@@ -140,9 +139,9 @@ class LLMEngine:
 
     @property
     def kernel_choices(self) -> dict:
-        plan = self.kernel_plan
-        return {"dtype": plan.dtype, "int4_max_tokens": plan.int4_max_tokens, "int4_mb": round(self.int4_bytes / 2**20, 1),
-                "q8_output_max_rows": self.model.q8_max_rows if self.model.lm_head_q8 is not None else 0,
+        plan, numerics = self.kernel_plan, self.config.numerics
+        return {"numerics": numerics.key(), "dtype": numerics.dtype, "kv_dtype": numerics.kv_dtype,
+                "packed_mb": round(self.packed_bytes / 2**20, 1),
                 "low_latency_lm_head": "int8" if self.model.lm_head_int8 is not None else None,
                 "threads": plan.threads, "native_kernels": ("being prepared" if self.upgrade is not None else native.status())
                 if self.device.type == "cpu" else "cpu only",
@@ -188,7 +187,8 @@ class LLMEngine:
         seq = Sequence(
             request_id, list(prompt_token_ids), sampling, self.config.block_size,
             priority=priority, cache_salt=cache_salt, cache_policy=cache_policy,
-            tool_marker=tool_marker, pin_prefixes=list(pin_prefixes or []), is_low_latency=low_latency,
+            tool_marker=tool_marker, pin_prefixes=list(pin_prefixes or []),
+            is_low_latency=low_latency and self.model.lm_head_int8 is not None,  # only where a lossier head exists
         )
         if sampling.seed is not None:
             seq.generator = torch.Generator().manual_seed(sampling.seed)
@@ -460,13 +460,14 @@ class LLMEngine:
         recomputed = [seq for seq in self.scheduler.running if seq.num_computed_tokens > 0]
         for seq in recomputed:
             seq.num_preemptions += 1
-        self.config, self.model, self.int4_bytes, self.runner = prepared.config, prepared.model, prepared.int4_bytes, prepared.runner
-        self.kernel_plan, self.dtype = self.config.kernel_plan, self.config.torch_dtype
+        self.config, self.model, self.packed_bytes, self.runner = prepared.config, prepared.model, prepared.packed_bytes, prepared.runner
+        self.kernel_plan, self.dtype = self.config.kernel_plan, self.config.torch_dtype  # numerics: config.numerics
         self.runner.grammars = self.grammars
         self.kv_bytes_per_block = self.runner.kv_cache_bytes // self.config.num_kv_blocks
         self._threads = self.config.num_threads
         torch.set_num_threads(self._threads)
         self._renew_pool()
         self.scheduler.num_preemptions += len(recomputed)
-        log.warning("switched to the prepared kernels: %s, %s", self.kernel_choices["step"], self.kernel_plan.dtype)
+        log.warning("switched to the prepared kernels: %s, numerics %s", self.kernel_choices["step"],
+                    self.config.numerics.key())
         return True

@@ -5,45 +5,21 @@ from __future__ import annotations
 
 import hashlib
 import json
-from pathlib import Path
 
 import torch
 
 from stratum.engine.disk_store import FORMAT
-from stratum.home import stratum_home
 
 
-def kv_binding(config, model, checkpoint_path: Path) -> bytes:
-    """Everything that changes the KV a step writes, hashed: the model file's identity, the KV shape,
-    dtype and device, the pool's layout (the native step keeps keys transposed per block), the kernel
-    plan's decision, and the kernels' build (native) or torch and its CPU path and threads (PyTorch).
-    A cold start's provisional PyTorch step and the native step it switches to bind differently.
-
-    The one place the tier's binding is computed: with issue 32's record (`ResolvedConfig.numerics`)
-    it is that record's key (and the block size); the rest of the body is for a tree without it."""
-    numerics = getattr(config, "numerics", None)  # issue 32's record, where it has landed: the one key of KV numerics
-    if numerics is not None:
-        ident = {"tier_format": FORMAT, "numerics": numerics.key(), "block_size": config.block_size}
-        return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).digest()
-    from stratum.kernels import native
-
-    native_step = model.packed is not None
-    mc, plan = model.config, config.kernel_plan
-    if native_step:
-        kernels = [native.build_dir(stratum_home()).name]
-    else:
-        kernels = [torch.__version__, torch.backends.cpu.get_cpu_capability(), config.num_threads, config.prefill_threads]
-    ident = {"tier_format": FORMAT, "model": _file_identity(Path(checkpoint_path)),
-             "kv": [mc.num_layers, mc.num_kv_heads, mc.head_dim, config.block_size, config.dtype, config.device],
-             "layout": "native, keys transposed per block" if native_step else "slot-major",
-             "plan": list(plan.decision), "kernels": kernels}
+def kv_binding(config, model) -> bytes:
+    """What binds the tier's blocks to the numerics that computed them: issue 32's record of
+    everything that decides the KV's bits (`config.numerics.key()`: the model file's identity, the
+    step, dtypes, weight forms, attention kernels, kernel-numerics version), the block size, and the
+    pool's layout (the native step keeps keys transposed per block). Read from the engine's config
+    at the time of use: a cold start's provisional step and the native step it switches to differ."""
+    ident = {"tier_format": FORMAT, "numerics": config.numerics.key(), "block_size": config.block_size,
+             "layout": "native, keys transposed per block" if model.packed is not None else "slot-major"}
     return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).digest()
-
-
-def _file_identity(path: Path) -> list:
-    """What the loader's own cache keys a checkpoint on: path, size and modification time (each file of a folder)."""
-    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
-    return [str(path.resolve())] + [[p.name, p.stat().st_size, p.stat().st_mtime_ns] for p in files]
 
 
 class PoolView:

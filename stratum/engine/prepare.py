@@ -1,11 +1,6 @@
-"""Preparing a model to serve fast: the native kernels compiled for this CPU, the kernel plan
-measured, the weights repacked for the kernels the plan chose; each cached under $STRATUM_HOME.
-
-`stratum pull` prepares ahead (`prepare`). A cold `stratum serve` does not wait for it: the engine
-serves on the PyTorch step at once while a `KernelUpgrade` prepares in a child process, at a lower
-CPU priority so that serving keeps the cores it needs, then builds the prepared model in a thread.
-The engine adopts it between two steps (`LLMEngine.switch_kernels`).
-"""
+"""Preparing a model to serve fast (native kernels compiled, kernel plan measured, weights repacked;
+cached under $STRATUM_HOME): ahead at `stratum pull` (`prepare`), or behind a start whose kernels are
+not compiled yet (`KernelUpgrade`), which serves on the provisional step meanwhile."""
 
 from __future__ import annotations
 
@@ -59,13 +54,15 @@ class Prepared:
 
     config: ResolvedConfig
     model: LlamaForCausalLM
-    int4_bytes: int
+    packed_bytes: int
     runner: ModelRunner
 
 
 class KernelUpgrade:
-    """Prepares config's kernels in a child process, then builds the model on them in a thread of
-    this one; `prepared` holds it once done, `error` says why not (the engine stays on its step).
+    """Prepares config's kernels in a child process, at a lower CPU priority so that serving keeps
+    the cores it needs, then builds the model on them in a thread of this one; `prepared` holds it
+    once done, `error` says why not (the engine stays on its step). The engine adopts it between two
+    steps (`LLMEngine.switch_kernels`).
 
     `stage` names what it is doing now, for /health: "building kernels", "measuring the kernel
     plan", "repacking weights", "loading the prepared kernels".
@@ -119,16 +116,14 @@ class KernelUpgrade:
 
         config = replace(self.config, remeasure_plan=False)  # the plan is the one the child just measured
         checkpoint = builder.load(config)
-        native.available()  # loads the libraries the child built (or learns, fast, that they cannot be)
-        # the plan the child just measured, even where serving kept the machine busy meanwhile (a
-        # later start measures such a plan again, in the background as well)
-        resolved = builder.resolve(config, checkpoint, measure=False, take_busy=True)
-        if resolved is None:
-            raise RuntimeError("the prepared kernel plan is not in the cache")
-        model, int4_bytes = builder.build_model(resolved, checkpoint)
+        if not native.available():  # loads the libraries the child built (or learns, fast, that they cannot be)
+            raise RuntimeError(f"the native kernels did not load: {native.status()}")
+        # the plan the child measured (the CPU family's defaults where serving kept the machine busy)
+        resolved = builder.resolve(config, checkpoint, measure=False)
+        model, packed_bytes = builder.build_model(resolved, checkpoint)
         runner = ModelRunner(model, resolved.num_kv_blocks, resolved.block_size, torch.device(resolved.device),
-                             resolved.torch_dtype)
-        return Prepared(resolved, model, int4_bytes, runner)
+                             resolved.torch_kv_dtype)
+        return Prepared(resolved, model, packed_bytes, runner)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -173,9 +173,11 @@ def _record(cls) -> Callable[[list | None], Any]:
 
 def _config(d: dict) -> ResolvedConfig:
     from stratum.kernels import KernelPlan
+    from stratum.kernels.numerics import Numerics
 
     d = dict(d)
     d["kernel_plan"] = KernelPlan(**d["kernel_plan"])
+    d["numerics"] = Numerics.from_dict(d["numerics"])
     d["scheduler"] = SchedulerConfig(**d["scheduler"])
     return ResolvedConfig(**d)
 

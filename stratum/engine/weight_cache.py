@@ -1,5 +1,5 @@
-"""Weights derived from a checkpoint (the native step's tiles, the PyTorch path's int4 copies), kept
-in its cache folder as two files: NAME.bin, the tensors' bytes written one entry at a time, and
+"""Weights derived from a checkpoint (the native step's tiles, the PyTorch path's packed and int4
+copies), kept in its cache folder as two files: NAME.bin, the tensors' bytes written one entry at a time, and
 NAME.json, the index written last (a cache without it is incomplete and made again).
 
 Each entry is made, written and dropped before the next is made, so converting a model never holds

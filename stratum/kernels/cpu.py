@@ -24,3 +24,16 @@ def cpu_flags() -> set[str]:
     except OSError:
         pass
     return set()
+
+
+def cpu_family() -> str:
+    """The CPU family the plan's defaults are known good for: architecture and widest SIMD."""
+    flags = cpu_flags()
+    machine = platform.machine()
+    if "avx512f" in flags:
+        return f"{machine} AVX-512"
+    if "avx2" in flags:
+        return f"{machine} AVX2"
+    if machine in ("aarch64", "arm64"):
+        return f"{machine} NEON"
+    return f"{machine} portable"

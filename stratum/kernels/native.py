@@ -1,6 +1,7 @@
 """Native CPU kernels (csrc/), compiled for this machine on first use and cached under $STRATUM_HOME.
 
-Two libraries: the native step (packed_step.cpp, the whole forward on the GGUF blocks) and the
+Two libraries: the native step (packed_step.cpp, the whole forward on the GGUF blocks; repack.cpp,
+the blocks into its tiles) and the
 PyTorch path's kernels (paged attention, the Q8_0 projection, rotary). Each is built once per
 machine, source, flags and torch version (`stratum pull` builds them ahead; later starts load the
 cached copies). They are compiled for this CPU (-march=native, or $STRATUM_MARCH, e.g. "haswell" to
@@ -41,7 +42,7 @@ class Library:
     cflags: tuple[str, ...]
 
 
-STEP = Library("stratum_step", ("packed_step.cpp",), ("-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"))
+STEP = Library("stratum_step", ("packed_step.cpp", "repack.cpp"), ("-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"))
 KERNELS = Library("stratum_native", ("paged_attention.cpp", "q8_linear.cpp", "rotary_cache.cpp"),
                   ("-O3", "-ffast-math", "-fopenmp"))
 LIBRARIES = (STEP, KERNELS)

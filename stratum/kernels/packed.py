@@ -212,11 +212,37 @@ def _packed(fmt: int, q: np.ndarray, scales: list[np.ndarray]) -> PackedWeight:
                         n, k, fmt)
 
 
+# the GGUF types as csrc/repack.cpp numbers them
+REPACK_TYPES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7, "F16": 8, "BF16": 9}
+
+
 def pack(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> PackedWeight:
-    """Raw GGUF rows [N, bytes] of a tensor of logical `shape` in one of PACKED_QTYPES -> PackedWeight."""
+    """Raw GGUF rows [N, bytes] of a tensor of logical `shape` in one of PACKED_QTYPES -> PackedWeight:
+    by the native repack (csrc/repack.cpp) where its library is loaded, else by `pack_reference`;
+    the same bytes either way."""
     if qtype not in FORMATS:
         raise ValueError(f"{qtype}: not a packed format ({', '.join(PACKED_QTYPES)})")
+    op = _repack_op()
+    if op is None:
+        return pack_reference(qtype, raw, shape)
+    n, k = shape
+    flat = kquant.mapped_tensor(np.ascontiguousarray(raw).view(np.uint8).reshape(-1))
+    data, scales = op(flat, REPACK_TYPES[qtype], n, k)
+    return PackedWeight(data, scales, n, k, FORMATS[qtype])
+
+
+def pack_reference(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> PackedWeight:
+    """`pack` in NumPy: the layouts of the module docstring, spelled out; what the native repack is
+    tested against, and what runs where the native kernels are not built."""
     return _packed(*decode(qtype, raw, shape))
+
+
+def _repack_op():
+    """torch.ops.stratum.packed_repack where the native step's library is loaded (never built here)."""
+    try:
+        return torch.ops.stratum.packed_repack
+    except (AttributeError, RuntimeError):
+        return None
 
 
 def reference_matmul(qtype: str, raw: np.ndarray, shape: tuple[int, int], x: torch.Tensor) -> torch.Tensor:
@@ -289,15 +315,25 @@ def pack_fused(quantized: dict, prefix: str, parts: tuple[str, ...]) -> list[Pac
     tensors = [quantized.get(f"{prefix}{p}.weight") for p in parts]
     if any(t is None or t.qtype not in FORMATS for t in tensors):
         return None
-    decoded = [decode(t.qtype, t.data, t.shape) for t in tensors]
-    segments: list[list] = []
-    for fmt, q, scales in decoded:
-        if segments and segments[-1][0] == fmt:
-            segments[-1][1].append(q)
-            segments[-1][2].append(scales)
+    runs: list[list] = []
+    for t in tensors:
+        if runs and FORMATS[runs[-1][0].qtype] == FORMATS[t.qtype]:
+            runs[-1].append(t)
         else:
-            segments.append([fmt, [q], [scales]])
-    return [_packed(fmt, np.concatenate(qs), [np.concatenate(parts) for parts in zip(*ss)]) for fmt, qs, ss in segments]
+            runs.append([t])
+    return [_pack_run(run) for run in runs]
+
+
+def _pack_run(run: list) -> PackedWeight:
+    """Tensors of one format as one segment: their raw rows as one tensor where they share a GGUF
+    type (Q4_0 and Q4_1, both Q4 tiles, are decoded apart)."""
+    n, k = sum(t.shape[0] for t in run), run[0].shape[1]
+    if len({t.qtype for t in run}) == 1:
+        raw = run[0].data if len(run) == 1 else np.concatenate([np.asarray(t.data).reshape(t.shape[0], -1) for t in run])
+        return pack(run[0].qtype, raw, (n, k))
+    decoded = [decode(t.qtype, t.data, t.shape) for t in run]
+    return _packed(decoded[0][0], np.concatenate([q for _, q, _ in decoded]),
+                   [np.concatenate(s) for s in zip(*(scales for _, _, scales in decoded))])
 
 
 class PackedStack:

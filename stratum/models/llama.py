@@ -107,14 +107,12 @@ class LlamaForCausalLM(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
-        self.lm_head_int8 = None  # set by the engine where the kernel plan offers a low-latency path
-        self.lm_head_q8 = None  # the checkpoint's own Q8_0 output projection, for up to q8_max_rows rows
+        self.lm_head_int8 = None  # the lossy int8 output projection, where the numerics offer it (kernels/numerics.py)
         # the embedding table as stored (GGUF blocks, dequantized row by row at lookup): exact, and no dense copy
         self.embed_table = None
-        self.q8_max_rows = 0
         self.packed = None  # every layer on the checkpoint's packed blocks, one native call per step (kernels.packed)
-        # the output projection held in the checkpoint's blocks (the native step's, or int4), the same
-        # kernel for every row, so a token's logits do not depend on the batch around it
+        # the output projection held in the checkpoint's blocks (the native kernel's, or int4), the
+        # same kernel for every row, so a token's logits do not depend on the batch around it
         self.packed_head = None
         self.packed_refusal = None  # why the native step cannot run this model (kernels.packed), or None
         self.weight_forms: dict[str, str] = {}  # how each quantized checkpoint tensor runs (set by the engine builder)
@@ -155,9 +153,8 @@ class LlamaForCausalLM(nn.Module):
     def compute_logits(self, hidden: torch.Tensor, fast: bool = False) -> torch.Tensor:
         """[N, hidden] -> fp32 logits [N, vocab]. fast: the int8 output projection, when one is attached.
 
-        With the native step, every row uses the packed output projection; otherwise small batches use
-        the exact Q8_0 projection where one is attached, the rest the dense weight. Soft-capped where
-        the model caps its logits (Gemma 2).
+        Every row uses the same projection: the packed one where the output projection is held in
+        its blocks, else the dense weight. Soft-capped where the model caps its logits (Gemma 2).
         """
         logits = self._project(hidden, fast)
         cap = self.config.final_logit_softcap
@@ -168,8 +165,6 @@ class LlamaForCausalLM(nn.Module):
             return self.lm_head_int8.matmul(hidden).float()
         if self.packed_head is not None:
             return self.packed_head.matmul(hidden).float()
-        if self.lm_head_q8 is not None and hidden.shape[0] <= self.q8_max_rows:
-            return self.lm_head_q8.matmul(hidden)
         if self.lm_head is None:
             w = self.embed_tokens.weight
             return F.linear(hidden.to(w.dtype), w).float()

@@ -111,6 +111,24 @@ class Checkpoint:
     quantized: dict[str, QuantizedTensor] = field(default_factory=dict)
     cache_dir: Path | None = None  # where derived forms of this checkpoint may be kept (GGUF only)
 
+    @functools.cached_property
+    def identity(self) -> str:
+        """Which file this is (`file_identity`), for the numerics record."""
+        return file_identity(self.path)
+
+
+def file_identity(path: Path) -> str:
+    """A digest of the checkpoint's files by resolved path, size and modification time: the same
+    file at every start, another after it is rewritten or replaced. (Hashing the content would cost a
+    read of the whole file at every start.)"""
+    path = Path(path)
+    files = sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+    try:
+        key = [[str(f.resolve()), f.stat().st_size, f.stat().st_mtime_ns] for f in files]
+    except OSError:
+        key = [str(path)]
+    return hashlib.sha256(json.dumps(key).encode()).hexdigest()[:16]
+
 
 class ModelLoadError(ValueError):
     """The path is not a model this runtime can load; the message says why."""

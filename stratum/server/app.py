@@ -62,12 +62,14 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     @app.get("/health")
     async def health():
         snap = engine.snapshot
-        status = "dead" if not snap.alive else "draining" if rt.draining else "ok"
+        status = "dead" if not snap.alive else "draining" if rt.draining else "ok" if is_ready(snap) else "loading"
         body: dict[str, Any] = {"status": status, "model": settings.model_name, "mode": snap.mode,
                                 "running": snap.num_running, "waiting": snap.num_waiting, "queued": engine.num_queued,
                                 "kv_blocks": asdict(snap.kv_blocks)}
         if snap.step:
             body["step"] = snap.step
+        if status == "loading":
+            body["stage"] = "waiting for the engine's first report"
         if snap.preparing:  # a cold start serves on PyTorch while its native kernels are prepared
             body["preparing"] = snap.preparing
         if snap.degraded_reason:
@@ -111,6 +113,12 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
 
     generation_routes(app, rt, settings)
     return app
+
+
+def is_ready(snap) -> bool:
+    """Whether a request would run now: the engine has reported its KV pool and the step it runs
+    (before its first report the snapshot is a placeholder with neither)."""
+    return snap.kv_blocks.total > 0 and bool(snap.step)
 
 
 def _batches(app: FastAPI, rt: Runtime, settings: ServerSettings) -> batches.BatchRunner | None:

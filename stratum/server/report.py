@@ -55,6 +55,11 @@ def early_headers(first: RequestOutput | None, facts: Facts) -> dict[str, str]:
     return headers
 
 
+def ran_low_latency_head(rt: Runtime) -> bool:
+    """Whether a request that asked for low latency ran on the int8 head: only where the engine built one."""
+    return rt.engine.info.kernel_choices.get("low_latency_lm_head") is not None
+
+
 def final_report(rt: Runtime, final: RequestOutput, usage: dict[str, int], facts: Facts, cpu_s: float,
                  wall_s: float) -> Report:
     """The finished request's report (`final`: its choices merged; `usage`: Anthropic's usage of it), priced
@@ -71,7 +76,9 @@ def final_report(rt: Runtime, final: RequestOutput, usage: dict[str, int], facts
                             "cache_written_tokens": stats.num_cache_written_tokens}
     if controls.debug:
         extra: dict[str, Any] = {"engine_mode": final.mode, "cache_mode": controls.cache_mode,
-                                 "priority": controls.priority, "low_latency": controls.is_low_latency}
+                                 "priority": controls.priority,
+                                 "low_latency": controls.is_low_latency and ran_low_latency_head(rt),
+                                 "low_latency_asked": controls.is_low_latency}
         if facts.compression is not None:
             extra["compression"] = facts.compression
         if facts.replica:
