@@ -339,8 +339,10 @@ def main(argv: list[str] | None = None) -> int:
         scenarios = args.scenarios.split(",")
         if "sessions" in scenarios:
             doc.update(sessions(args, agent_system_prompt(checkpoint, args.prompt_tokens, args.seed), work))
+            _save_partial(doc, args)  # a busy machine's run takes an hour: what it measured so far stays
         if "decode" in scenarios:
             doc["decode_while_writing"] = decode_while_writing(args, work)
+            _save_partial(doc, args)
         if "index" in scenarios:
             doc["index_read_at_start"] = index_read(work)
         doc["goals"] = _goals(doc)
@@ -354,6 +356,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.output:
         Path(args.output).write_text(text + "\n")
     return 0
+
+
+def _save_partial(doc: dict, args) -> None:
+    if args.output:
+        Path(args.output).write_text(json.dumps({**doc, "partial": True}, indent=2) + "\n")
 
 
 def _goals(doc: dict) -> dict:
