@@ -120,7 +120,9 @@ def test_every_exported_name_resolves():
     ("cache_hit_ratio=0,prefill_latency_us=951", StratumCost(0.0, 951, None)),
     ("cache_hit_ratio=1,prefill_latency_us=3,kv_sparsity=0.0417", StratumCost(1.0, 3, 0.0417)),
     (" cache_hit_ratio=0.5 , prefill_latency_us=10 ", StratumCost(0.5, 10, None)),
-    ("cache_hit_ratio=0.5,prefill_latency_us=10,kv_sparsity=0.2,new_field=7", StratumCost(0.5, 10, 0.2, (("new_field", "7"),))),
+    ("cache_hit_ratio=0.5,prefill_latency_us=10,kv_sparsity=0.2,new_field=7", StratumCost(0.5, 10, 0.2, extra=(("new_field", "7"),))),
+    ("cache_hit_ratio=0,prefill_latency_us=9,kv_sparsity=0.5,spec_proposed_tokens=40,spec_accepted_tokens=31",
+     StratumCost(0.0, 9, 0.5, 40, 31)),
 ])
 def test_parse_stratum_cost(header, expected):
     cost = parse_stratum_cost(header)

@@ -6,7 +6,7 @@ Each variant is its own library (-march=..., kernels/native.py) and registers th
 each runs in a process of its own: each tiny GGUF model prefills three prompts in one batch and
 decodes them greedily, and every variant must give the same tokens and the same logits. The bound
 on the logits is zero: the projections' integer sums are exact and every path scales and adds them
-by the same fused multiply-adds in the same order (csrc/packed_step.cpp). The builds are cached in
+by the same fused multiply-adds in the same order (csrc/step/numerics.h). The builds are cached in
 pytest's cache folder, so only the first run compiles (about 15 s of one core per variant, the variants
 built side by side on every core).
 """

@@ -62,14 +62,32 @@ def cold_engine(tiny_gguf, **kw):
     return LLM(str(tiny_gguf), defer_kernels=True, num_kv_blocks=128, block_size=4, **kw).engine
 
 
+def test_a_cold_start_serves_without_loading_the_native_kernels(tiny_gguf, uncompiled, monkeypatch):
+    """Loading them would compile them in the foreground: the wait the provisional step exists to avoid."""
+    from stratum.kernels import native
+
+    monkeypatch.setattr(native, "available", lambda: pytest.fail("a cold start loaded the native kernels"))
+    engine = cold_engine(tiny_gguf)
+    try:
+        assert engine.config.numerics.step == "pytorch" and not engine.runner.native
+        run(engine, [engine.tokenizer.encode(PROMPTS[0])], max_tokens=2)
+    finally:
+        engine.upgrade.cancel()
+
+
 def test_a_cold_engine_switches_to_the_prepared_step_with_requests_in_flight(tiny_gguf, uncompiled, tmp_path):
-    # with a disk tier: the provisional step's prompt blocks are on disk before the switch, and the
-    # recomputed requests must not read them (their logits are compared bit for bit below)
-    engine = cold_engine(tiny_gguf, kv_disk_gb=1.0, kv_disk_dir=str(tmp_path / "kv"))
+    # with a draft model (the file itself): it follows the target's kernels, and speculation verifies
+    # only once the step is batch-invariant, so the answers are still plain decoding's; and with a disk
+    # tier: the provisional step's prompt blocks are on disk before the switch, and the recomputed
+    # requests must not read them (their logits are compared bit for bit below)
+    engine = cold_engine(tiny_gguf, draft_model=str(tiny_gguf), speculative="draft", kv_disk_gb=1.0,
+                         kv_disk_dir=str(tmp_path / "kv"))
     assert engine.upgrade is not None and not engine.runner.native  # nothing native waited for
     assert engine.kernel_choices["step"] == "pytorch" and engine.kernel_choices["native_kernels"] == "being prepared"
     provisional = engine.config.numerics
     assert provisional.step == "pytorch" and "int4" in dict(provisional.weights).values()  # from the blocks, not dense
+    assert engine.speculator.draft.numerics == provisional  # the same file, by the same rule, on the same kernels
+    assert "batch-invariant" in engine.kernel_choices["speculative"]["why"]
     prompts = [engine.tokenizer.encode(p) for p in PROMPTS]
     seqs = [engine.add_request(p, greedy()) for p in prompts]
     for _ in range(STEPS_BEFORE_SWITCH):  # a step never switches: the loop does, between steps
@@ -88,11 +106,13 @@ def test_a_cold_engine_switches_to_the_prepared_step_with_requests_in_flight(tin
     assert engine.upgrade is None and engine.kernel_choices["step"] == "native, packed blocks"
     assert engine.config.numerics.step == "native" and engine.config.numerics.key() != provisional.key()
     assert engine.kernel_choices["numerics"] == engine.config.numerics.key()  # the key follows the step
+    assert engine.speculator.draft.numerics == engine.config.numerics and engine.kernel_choices["speculative"]["mode"] == "draft"
     assert engine.block_manager.num_cached_blocks == 0  # the old pool's cache is gone with it
     while engine.has_unfinished():
         engine.step()
     assert engine.block_manager.num_used_blocks == 0  # nothing leaked
     assert all(s.num_preemptions == 1 and s.num_output_tokens == MAX_TOKENS for s in seqs)
+    assert sum(s.spec.num_accepted for s in seqs) > 0  # the draft proposed after the switch, and was kept
 
     # Up to the switch: the provisional step's tokens (another provisional engine, alone).
     alone = cold_engine(tiny_gguf)
@@ -131,7 +151,7 @@ def starting_server():
 
 
 def test_requests_during_start_up_get_503_in_their_api_shape_then_the_app_answers(starting_server, tiny_model_dir):
-    from stratum.engine.client import start_thread_engine
+    from stratum.engine.loop import start_thread_engine
     from stratum.engine.core import LLMEngine
     from stratum.engine.config import EngineConfig
     from stratum.server.app import ServerSettings, create_app
@@ -193,7 +213,7 @@ def test_every_report_of_the_kernels_follows_the_switch(tiny_gguf, uncompiled, s
     """A cold start served over HTTP: once /health says the native step has taken over, a request's
     `X-Stratum-Debug: full` trace reports it and its numerics, not the provisional step the server
     started on (the engine sends its `EngineInfo` again when it switches)."""
-    from stratum.engine.client import start_thread_engine
+    from stratum.engine.loop import start_thread_engine
     from stratum.server.app import ServerSettings, create_app
     from stratum.telemetry.trace import decode_trace
 

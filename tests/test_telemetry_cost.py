@@ -30,7 +30,7 @@ TRACE_STEP_KEYS = {
     "queue": {"name", "duration_us"},
     "prefill": {"name", "duration_us", "cache_hit", "cache_hit_ratio", "cached_tokens", "computed_tokens", "chunks",
                 "tiers", "disk_read_us", "memory_used_mb"},
-    "decode_loop": {"name", "duration_us", "tokens", "kv_sparsity", "kv_sparsity_samples", "tokens_per_second"},
+    "decode_loop": {"name", "duration_us", "tokens", "kv_sparsity", "kv_sparsity_samples", "tokens_per_second", "speculative"},
 }
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -39,7 +39,8 @@ ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 def parse_cost(value: str) -> dict[str, float]:
     """`cache_hit_ratio=0.82,prefill_latency_us=14200,kv_sparsity=0.33` -> dict, parsed independently of the code."""
     fields = dict(part.split("=", 1) for part in value.split(","))
-    assert set(fields) <= {"cache_hit_ratio", "prefill_latency_us", "kv_sparsity"}, value
+    assert set(fields) <= {"cache_hit_ratio", "prefill_latency_us", "kv_sparsity", "spec_proposed_tokens",
+                           "spec_accepted_tokens"}, value
     out = {k: float(v) for k, v in fields.items()}
     out.setdefault("kv_sparsity", None)
     return out

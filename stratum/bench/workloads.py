@@ -41,6 +41,7 @@ class Conversation:
     user_turns: tuple[str, ...]
     system: str | None = None
     kind: str = "short"  # "short" or "long": mixed-long reports the TTFT of short requests separately
+    prefill: str = ""  # the start of the answer, sent as a final assistant message that the server continues
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,6 +16,7 @@ CACHE_MODE_HEADER = "x-stratum-cache-mode"
 ADVICE_HEADER = "x-stratum-advice"
 SESSION_HEADER = "x-stratum-session-id"
 _REQUIRED = ("cache_hit_ratio", "prefill_latency_us")
+_OPTIONAL = ("kv_sparsity", "spec_proposed_tokens", "spec_accepted_tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +29,9 @@ class StratumCost:
     cache_hit_ratio: float
     prefill_latency_us: int
     kv_sparsity: float | None = None  # None when the server took no sample (e.g. max_tokens 0)
+    # speculative decoding: tokens proposed and verified, and those kept (None: nothing was proposed)
+    spec_proposed_tokens: int | None = None
+    spec_accepted_tokens: int | None = None
     extra: tuple[tuple[str, str], ...] = ()
 
     @property
@@ -44,12 +48,16 @@ class StratumCost:
         parts = [f"cache_hit_ratio={self.cache_hit_ratio:g}", f"prefill_latency_us={self.prefill_latency_us}"]
         if self.kv_sparsity is not None:
             parts.append(f"kv_sparsity={self.kv_sparsity:g}")
+        if self.spec_proposed_tokens is not None:
+            parts += [f"spec_proposed_tokens={self.spec_proposed_tokens}", f"spec_accepted_tokens={self.spec_accepted_tokens}"]
         parts += [f"{k}={v}" for k, v in self.extra]
         return ",".join(parts)
 
     def as_dict(self) -> dict[str, Any]:
         d = {"cache_hit_ratio": self.cache_hit_ratio, "prefill_latency_us": self.prefill_latency_us,
              "kv_sparsity": self.kv_sparsity}
+        if self.spec_proposed_tokens is not None:
+            d.update(spec_proposed_tokens=self.spec_proposed_tokens, spec_accepted_tokens=self.spec_accepted_tokens)
         d.update(self.extra)
         return d
 
@@ -60,9 +68,11 @@ class StratumCost:
         if missing:
             raise ValueError(f"stratum cost lacks {', '.join(missing)}")
         sparsity = d.get("kv_sparsity")
-        extra = tuple((str(k), str(v)) for k, v in d.items() if k not in (*_REQUIRED, "kv_sparsity"))
+        proposed, accepted = d.get("spec_proposed_tokens"), d.get("spec_accepted_tokens")
+        extra = tuple((str(k), str(v)) for k, v in d.items() if k not in (*_REQUIRED, *_OPTIONAL))
         return cls(float(d["cache_hit_ratio"]), int(float(d["prefill_latency_us"])),
-                   None if sparsity is None else float(sparsity), extra)
+                   None if sparsity is None else float(sparsity), None if proposed is None else int(proposed),
+                   None if proposed is None else int(accepted or 0), extra)
 
 
 def parse_stratum_cost(header: str) -> StratumCost:

@@ -53,13 +53,13 @@ class BlockManager:
     def num_cached_blocks(self) -> int:
         return sum(1 for b in self.cache.block_node if self.ref_counts[b] == 0)
 
-    def usage(self) -> float:
-        """Fraction of blocks held by running requests."""
-        return self.num_used_blocks / self.num_blocks
-
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         total = math.ceil((seq.num_computed_tokens + num_new_tokens) / self.block_size)
         return max(0, total - len(seq.block_table))
+
+    def num_blocks_needed_for(self, num_tokens: int) -> int:
+        """Blocks that hold num_tokens positions."""
+        return -(-num_tokens // self.block_size)
 
     def can_allocate(self, num_blocks: int) -> bool:
         if num_blocks <= len(self.free_blocks):
@@ -189,6 +189,15 @@ class BlockManager:
             assert self.ref_counts[b] >= 0
             if self.ref_counts[b] == 0 and not self.cache.contains_block(b):
                 self.free_blocks.append(b)
+
+    def truncate(self, seq: Sequence, num_blocks: int) -> None:
+        """Return seq's blocks past its first num_blocks: blocks it alone holds, never cached (the
+        lookahead of a verify step whose proposals were rejected)."""
+        for b in seq.block_table[num_blocks:]:
+            self.ref_counts[b] -= 1
+            assert self.ref_counts[b] == 0 and not self.cache.contains_block(b), f"truncating shared block {b}"
+            self.free_blocks.append(b)
+        del seq.block_table[num_blocks:]
 
     def reset_prefix_cache(self) -> int:
         """Evict every unreferenced cached block. Returns how many were freed."""

@@ -15,6 +15,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
+from itertools import islice
 
 import torch
 
@@ -29,9 +30,11 @@ from stratum.engine.grammar import GrammarCompiler
 from stratum.engine.model_runner import ModelRunner
 from stratum.engine.outputs import OrchestrationError, RequestOutput, RequestStats, StepError, StepStats
 from stratum.engine.prepare import KernelUpgrade
+from stratum.engine.protocol import EngineSnapshot, KVBlocks
 from stratum.engine.request import CachePolicy, Sequence, SequenceStatus
 from stratum.engine.sampling_params import InvalidRequestError, SamplingParams
 from stratum.engine.scheduler import Scheduler, SchedulerOutput
+from stratum.engine.spec_decode import SpecConfig, Speculator
 from stratum.kernels import native
 from stratum.models.loader import Checkpoint
 
@@ -86,6 +89,7 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None):
+        settings, spec = config, SpecConfig.of(config)
         checkpoint = checkpoint or builder.load(config)
         settings = config
         resolved = builder.resolve(config, checkpoint, defer=config.defer_kernels)
@@ -98,7 +102,6 @@ class LLMEngine:
         self._threads = config.num_threads
         torch.manual_seed(config.seed)
         self.model_config = checkpoint.config
-        self.model_name = config.model
         self.tokenizer = checkpoint.tokenizer
         self.grammars = GrammarCompiler(checkpoint.tokenizer, checkpoint.config.vocab_size)
         self._chat_template_source = checkpoint.chat_template
@@ -113,13 +116,21 @@ class LLMEngine:
         self.runner = ModelRunner(self.model, config.num_kv_blocks, config.block_size, self.device, config.torch_kv_dtype,
                                   use_native=self.upgrade is None)
         self.runner.grammars = self.grammars
+        draft = None
+        if spec.uses_draft:
+            from stratum.engine.spec_decode.draft import DraftModel
+
+            draft = DraftModel(spec.draft_model, checkpoint.tokenizer, settings, config.num_threads,
+                               provisional=self.upgrade is not None)
+            draft.attach(config.num_kv_blocks, config.block_size)
+        self.speculator = Speculator(spec, lambda: self.config.numerics, self.model, self.kernel_plan, draft)
         self.requests: dict[str, _Request] = {}
         self.step_stats: deque[StepStats] = deque(maxlen=1024)
         self.num_steps = 0
         self.mode = "normal"
         self.degraded_reason: str | None = None
         self.tool_reserve_tokens = 128
-        self.kv_bytes_per_block = self.runner.kv_cache_bytes // config.num_kv_blocks
+        self.kv_bytes_per_block = self._kv_cache_bytes() // config.num_kv_blocks
         self._started: list[str] = []
         # the disk tier under the prefix cache (its figures for the pool tier too, when the disk is off)
         self.tier = DiskTier(open_store(settings.kv_disk_gb, settings.kv_disk_dir) if config.enable_prefix_cache else None)
@@ -149,7 +160,13 @@ class LLMEngine:
                 "native_step_refused": self.model.packed_refusal,
                 "step_simd": native.simd_path() if self.model.packed is not None else None,
                 "attention": attention_path(self.model, self.runner.native),
+                "speculative": self.speculator.describe(),
                 "source": plan.source}
+
+    def _kv_cache_bytes(self) -> int:
+        """The KV pool's memory: the target's, and the draft model's over the same blocks."""
+        draft = self.speculator.draft
+        return self.runner.kv_cache_bytes + (draft.kv_cache_bytes if draft is not None else 0)
 
     # ---- requests ------------------------------------------------------------------------------
     def check_request(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
@@ -231,9 +248,54 @@ class LLMEngine:
         started, self._started = self._started, []
         return started
 
+    # ---- what its loop reads (`stratum.engine.loop`) ----------------------------------------------
+    def snapshot(self, rss_mb: float = 0.0, kv_blocks: KVBlocks | None = None) -> EngineSnapshot:
+        """The engine's state now, as its loop publishes it after a step.
+
+        Args:
+            rss_mb: the process's resident memory, as the caller last measured it.
+            kv_blocks: a recent count of the KV pool to report again; None: counted now (counting
+                cached and in-use blocks walks the pool: milliseconds for a large GPU pool).
+        """
+        sched, bm = self.scheduler, self.block_manager
+        if kv_blocks is None:
+            kv_blocks = KVBlocks(bm.num_blocks, bm.num_free_blocks, bm.num_cached_blocks, bm.num_used_blocks)
+        steps = list(islice(reversed(self.step_stats), 64))  # the latest, not a copy of all 1,024 (every step)
+        total = sum(s.step_s for s in steps)
+        gpu = round(torch.cuda.memory_allocated(self.device) / 2**20, 1) if self.device.type == "cuda" else None
+        return EngineSnapshot(
+            alive=True, mode=self.mode, degraded_reason=self.degraded_reason,
+            num_running=len(sched.running), num_waiting=len(sched.waiting), kv_blocks=kv_blocks,
+            num_preemptions=sched.num_preemptions, num_steps=self.num_steps,
+            overhead_ratio=(total - sum(s.forward_s for s in steps)) / total if total > 0 else 0.0,
+            mean_step_s=total / len(steps) if steps else 0.0, threads=torch.get_num_threads(), rss_mb=rss_mb,
+            gpu_memory_allocated_mb=gpu, step="native" if self.model.packed is not None else "pytorch",
+            preparing=self.upgrade.stage if self.upgrade is not None else None, kv_tiers=self.tier.report(),
+        )
+
+    def request_ids(self) -> list[str]:
+        """Every request the engine holds, queued or running."""
+        return list(self.requests)
+
+    def recent_cache_keys(self, max_keys: int) -> list[bytes]:
+        """The prefix cache's block keys, most recently used first (none without a prefix cache)."""
+        bm = self.block_manager
+        return bm.cache.recent_keys(max_keys) if bm.enable_prefix_cache else []
+
+    @property
+    def is_preparing(self) -> bool:
+        """A cold start's kernels are being prepared: `switch_kernels` adopts them once ready."""
+        return self.upgrade is not None
+
+    @property
+    def works_in_background(self) -> bool:
+        """Work whose progress an idle loop should look in on: kernels being prepared, or the disk tier
+        still writing (its figures on /metrics would go stale until the next request)."""
+        return self.is_preparing or not self.tier.is_settled
+
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """schedule -> run -> postprocess.
+        """schedule -> run -> commit -> postprocess.
 
         Raises:
             OrchestrationError: scheduling or prefix-cache logic failed (the caller may degrade).
@@ -243,6 +305,8 @@ class LLMEngine:
             raise EngineKilled(f"injected engine death after {self.num_steps} steps (STRATUM_FAULT_INJECT)")
         t0 = time.perf_counter()
         try:
+            self.speculator.propose(self.scheduler.running, self.config.scheduler.max_num_batched_tokens,
+                                    allowed=self.mode == "normal")
             sched = self.scheduler.schedule()
         except Exception as e:
             raise OrchestrationError(f"scheduler: {type(e).__name__}: {e}") from e
@@ -253,19 +317,22 @@ class LLMEngine:
             return []
         self._set_threads(sched.num_batched_tokens)
         try:
+            draft_s = self.speculator.draft_proposals(sched.scheduled)
             result = self.runner.execute(sched)
         except Exception as e:
             raise StepError([s.seq.request_id for s in sched.scheduled], e) from e
         try:
             self.scheduler.commit(sched)
-            outputs = self._postprocess(sched, result.sampled, result.logprobs)
+            stats = StepStats(len(sched.scheduled), sched.num_decodes, sched.num_batched_tokens, 0.0, result.forward_s,
+                              result.mask_s, draft_s=draft_s)
+            outputs = self._postprocess(sched, result, stats)
         except Exception as e:
             raise OrchestrationError(f"postprocess: {type(e).__name__}: {e}") from e
-        step_s = time.perf_counter() - t0
+        stats.step_s = step_s = time.perf_counter() - t0
         if not sched.is_empty:
             self.num_steps += 1
-            self.step_stats.append(StepStats(len(sched.scheduled), sched.num_decodes, sched.num_batched_tokens, step_s,
-                                             result.forward_s, result.mask_s))
+            self.step_stats.append(stats)
+            self.speculator.observe_step(sched.scheduled, step_s - draft_s)
         return outputs
 
     def _set_threads(self, num_tokens: int) -> None:
@@ -275,7 +342,7 @@ class LLMEngine:
             torch.set_num_threads(threads)
             self._threads = threads
 
-    def _postprocess(self, sched: SchedulerOutput, sampled: dict[str, int], logprobs: dict) -> list[RequestOutput]:
+    def _postprocess(self, sched: SchedulerOutput, result, stats: StepStats) -> list[RequestOutput]:
         now = time.perf_counter()
         outputs = []
         for item in sched.scheduled:
@@ -286,13 +353,33 @@ class LLMEngine:
             if seq.prefill_done_time is None and seq.num_computed_tokens >= seq.num_prompt_tokens:
                 seq.prefill_done_time = now
             req = self.requests[seq.request_id]
-            token = sampled.get(seq.request_id)
-            if token is None:
+            kept = result.accepted.get(seq.request_id)
+            if kept is not None:  # a verify step: the accepted proposals and the target's next token
+                tokens, logprobs = kept
+                stats.num_verify_seqs += 1
+                stats.num_spec_proposed_tokens += item.num_spec_tokens
+                stats.num_spec_accepted_tokens += self.speculator.settle(item, tokens)
+            elif seq.request_id in result.sampled:
+                tokens, logprobs = [result.sampled[seq.request_id]], [result.logprobs.get(seq.request_id)]
+            else:
                 if seq.num_computed_tokens >= seq.num_tokens and seq.sampling.max_tokens == 0:
                     seq.state = "prefill_complete"
                     seq.kv_bytes_at_first_token = len(seq.block_table) * self.kv_bytes_per_block
                     outputs.append(self._finish(req, "length", running=True))
                 continue
+            outputs.append(self._take_tokens(req, tokens, logprobs, now))
+            if item.num_spec_tokens and not seq.is_finished:
+                self.scheduler.end_speculation(item)
+        return outputs
+
+    def _take_tokens(self, req: _Request, tokens: list[int], logprobs: list, now: float) -> RequestOutput:
+        """Append a step's tokens to the request one at a time, each through the stop conditions, the
+        grammar and the state machine as a decode's token; tokens after a stop are dropped. Each
+        accepted proposal after the first makes the KV its verify row wrote the request's own."""
+        seq = req.seq
+        for i, (token, lp) in enumerate(zip(tokens, logprobs)):
+            if i:
+                self.scheduler.advance(seq)
             if seq.first_token_time is None:
                 seq.first_token_time = now
                 seq.state = "prefill_complete"
@@ -301,8 +388,8 @@ class LLMEngine:
                 seq.state = f"decode_step_{seq.num_output_tokens}"
             seq.token_ids.append(token)
             seq.token_times.append(now)
-            if seq.request_id in logprobs:
-                seq.logprobs.append(logprobs[seq.request_id])
+            if lp is not None:
+                seq.logprobs.append(lp)
             reason = None
             if token in req.stop_ids:
                 reason, seq.stop_reason = "stop", token
@@ -317,10 +404,8 @@ class LLMEngine:
             if reason is None and seq.tool_marker is not None and not seq.is_tool_prepared and seq.tool_marker in req.detok.text:
                 self._prepare_tool_use(seq)
             if reason is not None:
-                outputs.append(self._finish(req, reason, running=True, last_token=token))
-            else:
-                outputs.append(self._output(req, [token], finished=False))
-        return outputs
+                return self._finish(req, reason, running=True, new_ids=tokens[: i + 1])
+        return self._output(req, tokens, finished=False)
 
     @staticmethod
     def _grammar_done(seq: Sequence, token: int) -> bool:
@@ -340,7 +425,7 @@ class LLMEngine:
         if reserve > 0 and self.scheduler.reserve(seq, 1 + reserve):
             seq.num_tool_reserved_tokens = reserve
 
-    def _finish(self, req: _Request, reason: str, running: bool = False, last_token: int | None = None) -> RequestOutput:
+    def _finish(self, req: _Request, reason: str, running: bool = False, new_ids: list[int] | None = None) -> RequestOutput:
         seq = req.seq
         efficiency = seq.kv_cache_efficiency(self.config.block_size)
         if running:
@@ -350,7 +435,7 @@ class LLMEngine:
         seq.finish_reason = reason
         seq.finish_time = time.perf_counter()
         req.detok.flush()
-        out = self._output(req, [last_token] if last_token is not None else [], finished=True, efficiency=efficiency)
+        out = self._output(req, new_ids or [], finished=True, efficiency=efficiency)
         seq.state = "finished"
         return out
 
@@ -405,6 +490,9 @@ class LLMEngine:
             num_prefill_chunks=seq.num_prefill_chunks,
             kv_bytes_at_first_token=seq.kv_bytes_at_first_token,
             num_tool_reserved_tokens=seq.num_tool_reserved_tokens,
+            num_spec_proposed_tokens=seq.spec.num_proposed if seq.spec is not None else 0,
+            num_spec_accepted_tokens=seq.spec.num_accepted if seq.spec is not None else 0,
+            num_spec_steps=seq.spec.num_steps if seq.spec is not None else 0,
         )
 
     # ---- degraded basic mode ---------------------------------------------------------------------
@@ -463,7 +551,11 @@ class LLMEngine:
         self.config, self.model, self.packed_bytes, self.runner = prepared.config, prepared.model, prepared.packed_bytes, prepared.runner
         self.kernel_plan, self.dtype = self.config.kernel_plan, self.config.torch_dtype  # numerics: config.numerics
         self.runner.grammars = self.grammars
-        self.kv_bytes_per_block = self.runner.kv_cache_bytes // self.config.num_kv_blocks
+        if self.speculator.draft is not None:
+            self.speculator.draft.follow(provisional=False)
+            self.speculator.draft.attach(self.config.num_kv_blocks, self.config.block_size)
+        self.speculator.set_target(self.model, self.kernel_plan)
+        self.kv_bytes_per_block = self._kv_cache_bytes() // self.config.num_kv_blocks
         self._threads = self.config.num_threads
         torch.set_num_threads(self._threads)
         self._renew_pool()

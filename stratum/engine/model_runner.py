@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import math
 import mmap
 import time
@@ -12,7 +13,7 @@ import torch
 from stratum.kernels import native
 from stratum.layers.attention import AttentionMetadata, CoverageProbe, PrefillSpan
 from stratum.models.llama import LlamaForCausalLM
-from stratum.engine import grammar
+from stratum.engine import grammar, spec_decode
 from stratum.engine.sampler import Logprobs, sample
 from stratum.engine.scheduler import SchedulerOutput
 
@@ -26,10 +27,11 @@ COVERAGE_EVERY = 8
 @dataclass
 class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)  # request_id -> new token, for sequences that sampled
+    # request_id -> (tokens kept, their logprobs), for sequences that verified proposed tokens
+    accepted: dict[str, tuple[list[int], list]] = field(default_factory=dict)
     logprobs: dict[str, Logprobs] = field(default_factory=dict)  # request_id -> its token's logprobs, where asked for
     forward_s: float = 0.0  # wall time inside the model forward and logits
-    sample_s: float = 0.0  # masks and sampling
-    mask_s: float = 0.0  # grammar masks alone
+    mask_s: float = 0.0  # grammar masks
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -53,7 +55,8 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.device = device
         num_slots = num_blocks * block_size
-        # kv_caches[layer] = (k, v), each [num_slots, num_kv_heads, head_dim]
+        # kv_caches[layer] = (k, v), each [num_slots, num_kv_heads, head_dim]; the native step keeps
+        # each block of k transposed, [num_kv_heads, head_dim, block_size] (`PackedStack.keys` reads it)
         shape = (num_slots, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [(_zeros(shape, dtype, device), _zeros(shape, dtype, device)) for _ in range(cfg.num_layers)]
         self._offsets = torch.arange(block_size, device=device)
@@ -72,13 +75,14 @@ class ModelRunner:
         return sum(k.numel() * k.element_size() * 2 for k, _ in self.kv_caches)
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
-        """Run one step. Sequences whose computed tokens reach num_tokens sample their next token."""
+        """Run one step. Sequences whose computed tokens reach num_tokens sample their next token;
+        those verifying proposed tokens keep what the target accepts (`spec_decode.verify`)."""
         for src, dst in sched.copies:  # a forked sample's last prompt block, a partial prefix match's slots
             a, b = src * self.block_size, dst * self.block_size
             for k, v in self.kv_caches:
                 k[b : b + self.block_size] = k[a : a + self.block_size]
                 v[b : b + self.block_size] = v[a : a + self.block_size]
-        input_ids, positions, meta, logit_rows, samplers, recorders = self._prepare(sched)
+        input_ids, positions, meta, logit_rows, samplers, recorders, verifiers = self._prepare(sched)
         fast_rows = [j for seq, j in samplers if seq.is_low_latency]
         t0 = time.perf_counter()
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
@@ -101,28 +105,45 @@ class ModelRunner:
             if seq.sampling.prompt_logprobs is not None:
                 self._score_prompt(seq, logits, index, pos)
         if samplers:
-            idx = [j for _, j in samplers]
-            seqs = [s for s, _ in samplers]
-            allowed = None
-            constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
-            if constrained:
-                masks = grammar.allowed_tokens([seqs[i].matcher for i in constrained], logits.shape[-1])
-                allowed = {}
-                for i, mask in zip(constrained, masks):
-                    seq = seqs[i]
-                    if (seq.sampling.max_tokens - seq.num_output_tokens <= grammar.WIND_DOWN_TOKENS
-                            and not seq.matcher.is_accepting()):
-                        mask = grammar.wind_down(mask, self.grammars.closers)
-                    allowed[i] = mask
-                out.mask_s = time.perf_counter() - t1
-            # usually every row samples: no copy, unless grammar masks will write into the rows (the
-            # logits are an inference-mode tensor, not writable here)
-            rows = logits if allowed is None and idx == list(range(len(logits))) else logits[idx]
-            result = sample(rows, [s.sampling for s in seqs], [s.generator for s in seqs], allowed)
-            out.sampled = {s.request_id: t for s, t in zip(seqs, result.tokens)}
-            out.logprobs = {s.request_id: lp for s, lp in zip(seqs, result.logprobs) if lp is not None}
-        out.sample_s = time.perf_counter() - t1
+            self._sample(logits, samplers, out, t1)
+        for seq, first, k in verifiers:
+            rows = logits[first : first + k + 1]
+            tokens, logprobs = spec_decode.verify(rows, seq, seq.spec_token_ids[:k], self.grammars)
+            out.accepted[seq.request_id] = (tokens, logprobs)
+            if seq.sampling.return_logits:  # the rows whose input was kept: their positions are computed
+                for i in range(len(tokens)):
+                    seq.logits.setdefault(seq.num_computed_tokens + i, rows[i].clone())
         return out
+
+    def _sample(self, logits: torch.Tensor, samplers: list, out: RunnerOutput, t1: float) -> None:
+        idx = [j for _, j in samplers]
+        seqs = [s for s, _ in samplers]
+        allowed = None
+        constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        if constrained:
+            masks = grammar.allowed_tokens([seqs[i].matcher for i in constrained], logits.shape[-1])
+            allowed = {}
+            for i, mask in zip(constrained, masks):
+                seq = seqs[i]
+                if (seq.sampling.max_tokens - seq.num_output_tokens <= grammar.WIND_DOWN_TOKENS
+                        and not seq.matcher.is_accepting()):
+                    mask = grammar.wind_down(mask, self.grammars.closers)
+                allowed[i] = mask
+            out.mask_s = time.perf_counter() - t1
+        # usually every row samples: no copy, unless grammar masks will write into the rows (the
+        # logits are an inference-mode tensor, not writable here)
+        rows = logits if allowed is None and idx == list(range(len(logits))) else logits[idx]
+        result = sample(rows, [s.sampling for s in seqs], [s.generator for s in seqs], allowed)
+        out.sampled = {s.request_id: t for s, t in zip(seqs, result.tokens)}
+        out.logprobs = {s.request_id: lp for s, lp in zip(seqs, result.logprobs) if lp is not None}
+
+    def last_logits(self, sched: SchedulerOutput) -> torch.Tensor:
+        """The logits of each scheduled item's last row, [items, V], for a draft model's proposals:
+        nothing is sampled, recorded or probed."""
+        input_ids, positions, meta, *_ = self._prepare(sched, probe=False)
+        hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        ends = list(itertools.accumulate(item.num_new_tokens for item in sched.scheduled))
+        return self.model.compute_logits(hidden[torch.tensor(ends, device=self.device) - 1]).cpu()
 
     @staticmethod
     def _score_prompt(seq, logits: torch.Tensor, index: range, pos: range) -> None:
@@ -154,7 +175,7 @@ class ModelRunner:
             logits[~is_fast] = self.model.compute_logits(hidden[rows[~is_fast]])
         return logits
 
-    def _prepare(self, sched: SchedulerOutput):
+    def _prepare(self, sched: SchedulerOutput, probe: bool = True):
         bs = self.block_size
         ids: list[int] = []
         pos: list[int] = []
@@ -162,22 +183,30 @@ class ModelRunner:
         logit_rows: list[int] = []
         samplers = []  # (seq, row in logits)
         recorders = []  # (seq, logits rows, positions) for return_logits and prompt logprobs
+        verifiers = []  # (seq, its first logits row, proposed tokens): every row of a verify step has logits
         decode_seqs = []
         prefills: list[PrefillSpan] = []
-        probe = CoverageProbe(self.coverage_layers)
+        probe = CoverageProbe(self.coverage_layers) if probe else None
         packed = self.model.packed is not None
         tables: list[list[int]] = []  # the native step's: one block table per sequence, and each row's
         row_seq: list[int] = []
         for item in sched.scheduled:
             seq, n, start = item.seq, item.num_new_tokens, item.start
             row0 = len(ids)
-            ids += seq.token_ids[start : start + n]
+            tokens = seq.token_ids[start : start + n]
+            if len(tokens) < n:  # proposed tokens, after the last one (a verify step, or a draft model's)
+                first = max(0, start - seq.num_tokens)
+                tokens = tokens + seq.spec_token_ids[first : first + n - len(tokens)]
+            ids += tokens
             pos += range(start, start + n)
             table = seq.block_table
             slots += [table[p // bs] * bs + p % bs for p in range(start, start + n)]
             will_sample = start + n == seq.num_tokens and seq.num_output_tokens < seq.sampling.max_tokens
             scores_prompt = seq.sampling.prompt_logprobs is not None and start < seq.num_prompt_tokens - 1
-            if seq.sampling.return_logits or scores_prompt:
+            if item.num_spec_tokens:
+                verifiers.append((seq, len(logit_rows), item.num_spec_tokens))
+                logit_rows += range(row0, row0 + n)
+            elif seq.sampling.return_logits or scores_prompt:
                 first = len(logit_rows)
                 logit_rows += range(row0, row0 + n)
                 recorders.append((seq, range(first, first + n), range(start, start + n)))
@@ -186,15 +215,18 @@ class ModelRunner:
             elif will_sample:
                 samplers.append((seq, len(logit_rows)))
                 logit_rows.append(row0 + n - 1)
-            if will_sample and seq.num_output_tokens % COVERAGE_EVERY == 0:
-                probe.rows.append(row0 + n - 1)
-                probe.slots.append(self._slots_of(table, start + n))
+            # a verify step's first row is its decode row; it samples when its tokens pass a multiple
+            if probe is not None and (will_sample and seq.num_output_tokens % COVERAGE_EVERY == 0 or (
+                    item.num_spec_tokens and -seq.num_output_tokens % COVERAGE_EVERY < n)):
+                row = row0 if item.num_spec_tokens else row0 + n - 1
+                probe.rows.append(row)
+                probe.slots.append(self._slots_of(table, start + row - row0 + 1))
                 probe.results.append([])
                 probe.seqs.append(seq)
             if packed:  # every row attends through its sequence's block table
                 row_seq += [len(tables)] * n
                 tables.append(table[: -(-(start + n) // bs)])
-            elif item.is_decode and not prefills:  # the batch's leading decodes (a late one-token chunk stays a prefill)
+            elif item.is_decode and n == 1 and not prefills:  # the batch's leading decodes (a late one-token chunk stays a prefill)
                 decode_seqs.append(seq)
             elif start == 0:
                 prefills.append(PrefillSpan(row0, row0 + n))
@@ -211,10 +243,10 @@ class ModelRunner:
         if decode_seqs:
             self._prepare_decode(decode_seqs, meta)
         meta.prefills = prefills
-        meta.probe = probe if probe.rows else None
+        meta.probe = probe if probe is not None and probe.rows else None
         return (torch.tensor(ids, dtype=torch.long, device=self.device),
                 torch.tensor(pos, dtype=torch.long, device=self.device),
-                meta, logit_rows, samplers, recorders)
+                meta, logit_rows, samplers, recorders, verifiers)
 
     def _slots_of(self, table: list[int], ctx: int) -> torch.Tensor:
         blocks = torch.tensor(table[: -(-ctx // self.block_size)], dtype=torch.long, device=self.device)

@@ -47,6 +47,10 @@ class RequestStats:
     num_tool_reserved_tokens: int = 0
     num_disk_cached_tokens: int = 0  # of num_cached_tokens, those the disk tier served
     disk_read_s: float = 0.0  # the wait for those reads
+    # speculative decoding: tokens proposed and accepted, and the verify steps they took
+    num_spec_proposed_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    num_spec_steps: int = 0
 
     @property
     def queue_s(self) -> float | None:
@@ -92,7 +96,10 @@ class StepStats:
     step_s: float
     forward_s: float
     mask_s: float = 0.0  # grammar masks (constrained requests)
+    # speculative decoding: proposed tokens verified in this step, those accepted, the requests that
+    # verified, and the draft model's forwards (seconds)
+    num_spec_proposed_tokens: int = 0
+    num_spec_accepted_tokens: int = 0
+    num_verify_seqs: int = 0
+    draft_s: float = 0.0
 
-    @property
-    def overhead_s(self) -> float:
-        return self.step_s - self.forward_s

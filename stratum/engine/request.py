@@ -116,6 +116,10 @@ class Sequence:
     matcher: object | None = None  # the grammar's state (llguidance LLMatcher), for constrained requests
     logprobs: list = field(default_factory=list)  # per output token, when sampling.logprobs is set
     prompt_logprobs: dict = field(default_factory=dict)  # prompt position -> (logprob, top), with sampling.prompt_logprobs
+    # Speculative decoding (engine.spec_decode): the tokens proposed for the coming step, verified
+    # after the last token in the same forward (empty: a plain decode), and the request's proposer state
+    spec_token_ids: list[int] = field(default_factory=list)
+    spec: object | None = None
 
     def __post_init__(self):
         if not self.token_ids:

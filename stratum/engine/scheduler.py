@@ -27,6 +27,8 @@ class ScheduledSeq:
     num_new_tokens: int  # tokens computed this step: 1 for a decode, the chunk for a prefill
     start: int  # seq.num_computed_tokens when it was scheduled: the chunk's first position
     is_decode: bool  # Sequence.is_decoding when scheduled
+    num_spec_tokens: int = 0  # of num_new_tokens, proposed tokens verified after a decode's last one
+    num_blocks_kept: int = 0  # with proposals: the blocks seq held before they took more (`end_speculation`)
 
 
 @dataclass
@@ -104,12 +106,46 @@ class Scheduler:
             seq = item.seq
             prompt_left = max(0, seq.num_prompt_tokens - item.start)
             seq.num_prompt_tokens_computed += min(item.num_new_tokens, prompt_left)
-            seq.num_computed_tokens = item.start + item.num_new_tokens
+            # a verify step's proposals count once accepted (`advance`)
+            seq.num_computed_tokens = item.start + item.num_new_tokens - item.num_spec_tokens
             policy = seq.cache_policy
             in_prompt = seq.num_computed_tokens <= seq.num_prompt_tokens
             self.bm.cache_computed_blocks(seq, policy.pin_ttl_s if in_prompt or policy.pin_output else 0.0)
             if seq.pin_prefixes:
                 self._pin_prefixes(seq)
+
+    def advance(self, seq: Sequence) -> None:
+        """One more of seq's proposed tokens was accepted: the KV its verify row wrote holds a token of
+        seq now, so that position is computed (and a block it fills is offered to the prefix cache)."""
+        assert seq.num_computed_tokens < seq.num_tokens
+        seq.num_computed_tokens += 1
+        policy = seq.cache_policy
+        self.bm.cache_computed_blocks(seq, policy.pin_ttl_s if policy.pin_output else 0.0)
+
+    def end_speculation(self, item: ScheduledSeq) -> None:
+        """After a verify step: give back the blocks that only held rejected proposals, keeping those
+        seq held before and those its next decode writes. They were never full of computed tokens, so
+        the prefix cache never saw them."""
+        seq = item.seq
+        ahead = seq.num_tool_reserved_tokens if seq.is_tool_prepared else 0  # a tool call's reserve (`reserve`)
+        self.bm.truncate(seq, max(item.num_blocks_kept, self.bm.num_blocks_needed_for(seq.num_computed_tokens + 1 + ahead)))
+
+    def _speculate(self, item: ScheduledSeq, budget: int) -> int:
+        """Rows for a decode's proposed tokens after its own: as many as the step's token budget and
+        the free blocks above the watermark allow. Speculation never preempts and never evicts the
+        prefix cache. Returns the rows added (seq.spec_token_ids is cut to them)."""
+        seq, bs = item.seq, self.bm.block_size
+        free = max(0, self.bm.num_free_blocks - self.config.watermark_blocks)
+        room = (len(seq.block_table) + free) * bs - seq.num_computed_tokens - 1
+        k = min(len(seq.spec_token_ids), budget, room)
+        item.num_blocks_kept = len(seq.block_table)
+        if k <= 0 or not self.bm.allocate(seq, 1 + k):
+            seq.spec_token_ids.clear()
+            return 0
+        del seq.spec_token_ids[k:]
+        item.num_new_tokens += k
+        item.num_spec_tokens = k
+        return k
 
     def reserve(self, seq: Sequence, num_tokens: int) -> bool:
         """Allocate blocks now for num_tokens that seq will decode (a tool call's arguments), so they
@@ -162,6 +198,8 @@ class Scheduler:
                 continue
             out.add(seq, n)
             budget -= n
+            if seq.spec_token_ids and seq.is_decoding:
+                budget -= self._speculate(out.scheduled[-1], budget)
         if out.preempted:
             return out  # under KV pressure admit nobody new this step
         in_flight = None

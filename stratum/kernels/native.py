@@ -1,18 +1,18 @@
 """Native CPU kernels (csrc/), compiled for this machine on first use and cached under $STRATUM_HOME.
 
-Two libraries: the native step (packed_step.cpp, the whole forward on the GGUF blocks; repack.cpp,
-the blocks into its tiles) and the
-PyTorch path's kernels (paged attention, the Q8_0 projection, rotary). Each is built once per
-machine, source, flags and torch version (`stratum pull` builds them ahead; later starts load the
-cached copies). They are compiled for this CPU (-march=native, or $STRATUM_MARCH, e.g. "haswell" to
-build what an AVX2-only machine would run), and the native step picks its instructions from what
-the compiler was told the CPU has (`simd_path()`). Without a C++ compiler, or with STRATUM_NATIVE=0,
-`available()` is False and the layers keep their PyTorch paths, which compute the same thing.
+Two libraries: the native step (packed_step.cpp over csrc/step/, the whole forward on the GGUF
+blocks; repack.cpp, the blocks into its tiles) and the PyTorch path's kernels (paged attention,
+rotary). Each is built once per machine, source, flags and torch version (`stratum pull` builds
+them ahead; later starts load the cached copies). They are compiled for this CPU (-march=native,
+or $STRATUM_MARCH, e.g. "haswell" to build what an AVX2-only machine would run), and the native
+step picks its instructions from what the compiler was told the CPU has (`simd_path()`). Without a
+C++ compiler, or with STRATUM_NATIVE=0, `available()` is False and the layers keep their PyTorch
+paths, which compute the same thing.
 
 Flags: the PyTorch path's kernels use -ffast-math (a vector exp; each row's arithmetic is still the
 same whatever the batch, since a row's code path never depends on the rows beside it). The native
 step is compiled without it and with -ffp-contract=off, so its results do not depend on the
-instruction set either: see packed_step.cpp.
+instruction set either: see csrc/step/numerics.h and docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -40,10 +40,16 @@ class Library:
     name: str
     sources: tuple[str, ...]
     cflags: tuple[str, ...]
+    headers: str = ""  # a folder under csrc/ whose headers the sources include (part of the build's key)
+
+    def files(self) -> list[Path]:
+        """Every file the build reads, in a fixed order."""
+        headers = sorted((CSRC / self.headers).glob("*.h")) if self.headers else []
+        return [CSRC / s for s in self.sources] + headers
 
 
-STEP = Library("stratum_step", ("packed_step.cpp", "repack.cpp"), ("-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"))
-KERNELS = Library("stratum_native", ("paged_attention.cpp", "q8_linear.cpp", "rotary_cache.cpp"),
+STEP = Library("stratum_step", ("packed_step.cpp", "repack.cpp"), ("-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"), "step")
+KERNELS = Library("stratum_native", ("paged_attention.cpp", "rotary_cache.cpp"),
                   ("-O3", "-ffast-math", "-fopenmp"))
 LIBRARIES = (STEP, KERNELS)
 _state: dict[str, object] = {}
@@ -58,8 +64,8 @@ def build_dir(home: Path, lib: Library = STEP) -> Path:
     """One folder per library source text, flags, -march, torch version and CPU."""
     arch = march()
     key = hashlib.sha256()
-    for name in lib.sources:
-        key.update((CSRC / name).read_bytes())
+    for path in lib.files():
+        key.update(path.read_bytes())
     key.update(f"{lib.cflags}|{arch}|{torch.__version__}|{platform.machine()}|{cpu_name()}|{sorted(cpu_flags())}".encode())
     return home / "kernels" / f"{lib.name}-{arch}-{key.hexdigest()[:16]}"
 

@@ -2,7 +2,7 @@
 
 Every block format the step runs is first decoded into one affine form per block of 32 inputs,
 weight = q·d + m with integer q (kept as stored: no value is rounded), and written in one of the
-formats (FORMATS; the same numbers in packed_step.cpp's `Format`), each as close to the file's own
+formats (FORMATS; the same numbers in csrc/step/formats.h's `Format`), each as close to the file's own
 bits per weight as the tiles allow:
 
     Q4    4-bit q, fp16 d and m                                Q4_0 (m = −8d, exact), Q4_1
@@ -55,7 +55,7 @@ from stratum.kernels import kquant
 from stratum.kernels.quant import GROUP_SIZE, Q8_0_BYTES
 
 TILE = 16
-# FORMATS, as packed_step.cpp numbers them; 3 (kQ8K: int8 q with fp32 scales, Q5_K's form before Q5K) is retired
+# FORMATS, as csrc/step/formats.h numbers them; 3 (kQ8K: int8 q with fp32 scales, Q5_K's form before Q5K) is retired
 Q4, Q8, Q4K, _, F16, BF16, Q5, Q5M, Q6K, Q5K = range(10)
 FORMAT_NAMES = ("q4", "q8", "q4k", "q8k", "f16", "bf16", "q5", "q5m", "q6k", "q5k")  # what `stratum info` calls them
 FORMATS = {"Q4_0": Q4, "Q4_1": Q4, "Q8_0": Q8, "Q5_0": Q5, "Q5_1": Q5M, "Q4_K": Q4K, "Q5_K": Q5K, "Q6_K": Q6K,
@@ -63,7 +63,7 @@ FORMATS = {"Q4_0": Q4, "Q4_1": Q4, "Q8_0": Q8, "Q5_0": Q5, "Q5_1": Q5M, "Q4_K": 
 PACKED_QTYPES = tuple(FORMATS)
 _SUPER = {Q4K: 2, Q5K: 2, Q6K: 1}  # formats with fp16 scales per super-block of 256 inputs: how many
 _SUPER_BLOCKS = kquant.QK_K // GROUP_SIZE  # blocks of 32 in a super-block
-LAYOUT_VERSION = 3  # of the tiles below and csrc/packed_step.cpp's reading of them; names the cached copy
+LAYOUT_VERSION = 3  # of the tiles below and csrc/step/formats.h's (which writes and reads them); names the cached copy
 
 
 def _fp16(blocks: np.ndarray, offset: int) -> np.ndarray:
@@ -283,7 +283,7 @@ FUSED = {
 }
 
 
-# What packed_step.cpp computes: Llama-shaped decoders (RMSNorm before attention and MLP, SwiGLU,
+# What the native step computes (csrc/step/forward.h): Llama-shaped decoders (RMSNorm before attention and MLP, SwiGLU,
 # unscaled embeddings, causal attention at 1/sqrt(head_dim)) with Qwen2's q/k/v bias and Qwen3's q/k
 # norms; Phi-3 once the loader has split its fused projections. Each family is checked against the
 # PyTorch model in tests/test_gguf_formats.py.
@@ -371,7 +371,7 @@ class PackedStack:
     @staticmethod
     def keys(k_cache: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:
         """The keys at `slots`, [n, KVH, D], from a pool the native step wrote: its blocks hold keys
-        transposed, [KVH, D, block_size] each (csrc/packed_step.cpp)."""
+        transposed, [KVH, D, block_size] each (csrc/step/attention.h)."""
         num_slots, kv_heads, head_dim = k_cache.shape
         blocks = k_cache.view(num_slots // block_size, kv_heads, head_dim, block_size)
         return blocks[slots // block_size, :, :, slots % block_size]

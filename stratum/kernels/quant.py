@@ -89,18 +89,11 @@ class Int4Weight:
 
 
 class Q8Weight:
-    """A GGUF Q8_0 weight as stored (int8 values, one fp32 scale per 32) for the native exact kernel.
-
-    Used for the output projection of small decode batches: fp32 logits from the checkpoint's own
-    values, reading half the bytes of a bf16 copy (kernels/csrc/q8_linear.cpp).
-    """
+    """A GGUF Q8_0 table as stored (int8 values, one fp32 scale per 32): the embedding, looked up row
+    by row from the checkpoint's own values with no dense copy."""
 
     def __init__(self, q: torch.Tensor, scales: torch.Tensor):
         self.q, self.scales = q.contiguous(), scales.float().contiguous()
-
-    def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        # x: [M, K] -> [M, N] fp32
-        return torch.ops.stratum.q8_linear(x.float(), self.q, self.scales)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` dequantized to fp32, exactly: an int8 times an fp16 scale fits fp32's mantissa.

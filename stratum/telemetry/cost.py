@@ -4,6 +4,9 @@ Every field is measured by the code that did the work (see docs/telemetry.md):
     cache_hit_ratio     prompt tokens served from the prefix cache / prompt tokens
     prefill_latency_us  first scheduled prefill chunk -> first sampled token (engine wall clock)
     kv_sparsity         attention coverage: share of cached positions holding 90% of the attention mass
+    spec_proposed_tokens, spec_accepted_tokens
+                        speculative decoding: tokens proposed and verified, and those kept (only when
+                        the request verified any)
 """
 
 from __future__ import annotations
@@ -20,22 +23,27 @@ class CostFields:
     cache_hit_ratio: float
     prefill_latency_us: int
     kv_sparsity: float | None  # None when no sample was taken (a request that never sampled)
+    spec_proposed_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
     @classmethod
     def from_stats(cls, s: "RequestStats") -> "CostFields":
         ratio = s.num_cached_tokens / s.num_prompt_tokens if s.num_prompt_tokens else 0.0
         latency = round(s.prefill_s * 1e6) if s.prefill_s is not None else 0
-        return cls(round(ratio, 4), latency, None if s.kv_sparsity is None else round(s.kv_sparsity, 4))
+        return cls(round(ratio, 4), latency, None if s.kv_sparsity is None else round(s.kv_sparsity, 4),
+                   s.num_spec_proposed_tokens, s.num_spec_accepted_tokens)
 
     def header(self) -> str:
-        """`cache_hit_ratio=0.82,prefill_latency_us=14200,kv_sparsity=0.33` (kv_sparsity omitted when unmeasured)."""
-        parts = [f"cache_hit_ratio={self.cache_hit_ratio:g}", f"prefill_latency_us={self.prefill_latency_us}"]
-        if self.kv_sparsity is not None:
-            parts.append(f"kv_sparsity={self.kv_sparsity:g}")
-        return ",".join(parts)
+        """`cache_hit_ratio=0.82,prefill_latency_us=14200,kv_sparsity=0.33[,spec_proposed_tokens=40,spec_accepted_tokens=31]`
+        (kv_sparsity omitted when unmeasured, the speculative counts when nothing was proposed)."""
+        return ",".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in self.as_dict().items()
+                        if v is not None)
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not self.spec_proposed_tokens:
+            del d["spec_proposed_tokens"], d["spec_accepted_tokens"]
+        return d
 
 
 class PricingModel(Protocol):

@@ -45,6 +45,7 @@ class Metrics:
         self.prefill = Histogram("stratum_prefill_time_seconds", "First scheduled to first token (prefill_latency_us)", buckets=_LATENCY_BUCKETS, registry=r)
         self.rejections = Counter("stratum_admission_rejections", "Requests rejected before any work, by reason", ["reason"], registry=r)
         self.advice = Counter("stratum_pollution_advice", "Responses carrying x-stratum-advice", registry=r)
+        self._speculative_series()
         # The console's window: (wall time, tenant, ttft s, inter-token gaps, output tokens, usd) per answered request
         self.recent: deque[tuple[float, str, float | None, list[float], int, float]] = deque(maxlen=4096)
         self.num_answered = self.num_hit_tokens = self.num_query_tokens = 0  # the console's totals
@@ -56,6 +57,18 @@ class Metrics:
         if in_flight_source is not None:
             Gauge("stratum_num_requests_in_flight", "Requests admitted by the server and not yet released",
                   registry=r).set_function(in_flight_source)
+
+    def _speculative_series(self) -> None:
+        """Speculative decoding, over answered requests: counters, and their ratios as gauges."""
+        r = self.registry
+        self.spec_proposed = Counter("stratum_spec_proposed_tokens", "Tokens proposed for verification (speculative decoding)", registry=r)
+        self.spec_accepted = Counter("stratum_spec_accepted_tokens", "Proposed tokens the target model accepted", registry=r)
+        self.spec_steps = Counter("stratum_spec_verify_steps", "Steps in which a request verified proposed tokens", registry=r)
+        self.num_spec = [0, 0, 0]  # proposed, accepted, verify steps
+        Gauge("stratum_spec_acceptance_rate", "Accepted / proposed tokens since start", registry=r).set_function(
+            lambda: self.num_spec[1] / self.num_spec[0] if self.num_spec[0] else 0.0)
+        Gauge("stratum_spec_tokens_per_verify_step", "Tokens a verify step yielded (accepted + the target's own), mean since start",
+              registry=r).set_function(lambda: (self.num_spec[1] + self.num_spec[2]) / self.num_spec[2] if self.num_spec[2] else 0.0)
 
     def _engine_gauges(self, snapshot_source) -> None:
         r = self.registry
@@ -90,6 +103,12 @@ class Metrics:
         self.cache_query_tokens.inc(stats.num_prompt_tokens)
         self.prompt_tokens.inc(stats.num_prompt_tokens)
         self.generation_tokens.inc(stats.num_output_tokens)
+        if stats.num_spec_steps:
+            self.spec_proposed.inc(stats.num_spec_proposed_tokens)
+            self.spec_accepted.inc(stats.num_spec_accepted_tokens)
+            self.spec_steps.inc(stats.num_spec_steps)
+            for i, n in enumerate((stats.num_spec_proposed_tokens, stats.num_spec_accepted_tokens, stats.num_spec_steps)):
+                self.num_spec[i] += n
         if cost.kv_sparsity is not None:
             self.kv_sparsity.observe(cost.kv_sparsity)
         self.cost.labels(model, "true" if stats.num_cached_tokens > 0 else "false").inc(max(0.0, usd))

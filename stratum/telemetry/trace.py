@@ -37,7 +37,8 @@ def build_trace(stats: "RequestStats", cost: CostFields, usage: dict[str, int], 
              "memory_used_mb": round(stats.kv_bytes_at_first_token / 2**20, 4)},
             {"name": "decode_loop", "duration_us": round(decode_s * 1e6), "tokens": decode_tokens,
              "kv_sparsity": cost.kv_sparsity, "kv_sparsity_samples": stats.num_kv_sparsity_samples,
-             "tokens_per_second": round(decode_tokens / decode_s, 3) if decode_s > 0 else None},
+             "tokens_per_second": round(decode_tokens / decode_s, 3) if decode_s > 0 else None,
+             "speculative": speculative_view(stats)},
         ],
         "cost": cost.as_dict(),
         "usage": usage,
@@ -49,6 +50,15 @@ def build_trace(stats: "RequestStats", cost: CostFields, usage: dict[str, int], 
     if hardware is not None:
         doc["hardware"] = hardware
     return doc
+
+
+def speculative_view(stats: "RequestStats") -> dict[str, Any]:
+    """The request's speculative decoding: tokens proposed, accepted, and the verify steps they took
+    (docs/telemetry.md)."""
+    proposed, accepted, steps = stats.num_spec_proposed_tokens, stats.num_spec_accepted_tokens, stats.num_spec_steps
+    return {"proposed_tokens": proposed, "accepted_tokens": accepted, "verify_steps": steps,
+            "acceptance_rate": round(accepted / proposed, 4) if proposed else None,
+            "tokens_per_verify_step": round((accepted + steps) / steps, 3) if steps else None}
 
 
 def encode_trace(doc: dict[str, Any]) -> str:

@@ -49,6 +49,40 @@ inline void axpy(float a, const T* v, float* acc, int64_t d) {
   for (int64_t i = 0; i < d; ++i) acc[i] += a * to_float(v[i]);
 }
 
+// One block of one sequence's context (n slots at base) folded into its heads' online softmax: scores,
+// the running max m and sum l, the accumulators acc rescaled, then the values added.
+template <typename T>
+inline void block_step(const T* kp, const T* vp, int64_t base, int64_t n, int64_t num_heads, int64_t head_dim, int64_t group,
+                       int64_t slot_stride, int64_t block_size, const float* qf, float* scores, float* m, float* l, float* acc) {
+  for (int64_t t = 0; t < n; ++t) {  // a slot holds every KV head contiguously: read it once
+    const T* k = kp + base + t * slot_stride;
+    for (int64_t hq = 0; hq < num_heads; ++hq)
+      scores[hq * block_size + t] = dot(&qf[hq * head_dim], k + (hq / group) * head_dim, head_dim);
+  }
+  for (int64_t hq = 0; hq < num_heads; ++hq) {
+    float* s = &scores[hq * block_size];
+    float new_m = m[hq];
+    for (int64_t t = 0; t < n; ++t) new_m = std::max(new_m, s[t]);
+    float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t t = 0; t < n; ++t) {
+      s[t] = std::exp(s[t] - new_m);
+      sum += s[t];
+    }
+    const float rescale = std::exp(m[hq] - new_m);  // 0 on the first block
+    l[hq] = l[hq] * rescale + sum;
+    m[hq] = new_m;
+    float* a = &acc[hq * head_dim];
+#pragma omp simd
+    for (int64_t i = 0; i < head_dim; ++i) a[i] *= rescale;
+  }
+  for (int64_t t = 0; t < n; ++t) {
+    const T* v = vp + base + t * slot_stride;
+    for (int64_t hq = 0; hq < num_heads; ++hq)
+      axpy(scores[hq * block_size + t], v + (hq / group) * head_dim, &acc[hq * head_dim], head_dim);
+  }
+}
+
 template <typename T>
 void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& block_table, const at::Tensor& ctx_lens, int64_t block_size,
@@ -84,7 +118,6 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
       const int64_t len = lens[b];
       const int64_t* table = tables + b * max_blocks;
       for (int64_t start = 0; start < len; start += block_size) {
-        const int64_t n = std::min(block_size, len - start);
         const int64_t base = table[start / block_size] * block_elems;
         if (start + block_size < len) {  // blocks are scattered: fetch the next one while this one computes
           const int64_t next = table[start / block_size + 1] * block_elems;
@@ -93,33 +126,8 @@ void decode_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const
             __builtin_prefetch(vp + next + off);
           }
         }
-        for (int64_t t = 0; t < n; ++t) {  // a slot holds every KV head contiguously: read it once
-          const T* k = kp + base + t * slot_stride;
-          for (int64_t hq = 0; hq < num_heads; ++hq)
-            scores[hq * block_size + t] = dot(&qf[hq * head_dim], k + (hq / group) * head_dim, head_dim);
-        }
-        for (int64_t hq = 0; hq < num_heads; ++hq) {
-          float* s = &scores[hq * block_size];
-          float new_m = m[hq];
-          for (int64_t t = 0; t < n; ++t) new_m = std::max(new_m, s[t]);
-          float sum = 0.f;
-#pragma omp simd reduction(+ : sum)
-          for (int64_t t = 0; t < n; ++t) {
-            s[t] = std::exp(s[t] - new_m);
-            sum += s[t];
-          }
-          const float rescale = std::exp(m[hq] - new_m);  // 0 on the first block
-          l[hq] = l[hq] * rescale + sum;
-          m[hq] = new_m;
-          float* a = &acc[hq * head_dim];
-#pragma omp simd
-          for (int64_t i = 0; i < head_dim; ++i) a[i] *= rescale;
-        }
-        for (int64_t t = 0; t < n; ++t) {
-          const T* v = vp + base + t * slot_stride;
-          for (int64_t hq = 0; hq < num_heads; ++hq)
-            axpy(scores[hq * block_size + t], v + (hq / group) * head_dim, &acc[hq * head_dim], head_dim);
-        }
+        block_step(kp, vp, base, std::min(block_size, len - start), num_heads, head_dim, group, slot_stride, block_size,
+                   qf.data(), scores.data(), m.data(), l.data(), acc.data());
       }
       for (int64_t hq = 0; hq < num_heads; ++hq) {
         const int64_t row = b * num_heads + hq;

@@ -5,10 +5,10 @@
 // file on two cores, most of it strided passes over small axes. Here each tile-block (16 rows x 32
 // inputs) is decoded from the blocks and written once, tiles shared out among the threads.
 //
-// The bytes are exactly those of kernels/packed.py (`pack`), whose module docstring draws the
-// layouts; tests/test_repack.py holds the two equal for every format, with padded rows. The block
-// formats are llama.cpp's (ggml-common.h: block_q4_0 ... block_q6_K); K-quant scales as
-// ggml-quants.c get_scale_min_k4 reads them.
+// This file reads the GGUF blocks (llama.cpp's, ggml-common.h: block_q4_0 ... block_q6_K; K-quant
+// scales as ggml-quants.c get_scale_min_k4 reads them); step/formats.h writes the tiles (`put_row`,
+// `put_scales`), as it reads them. The bytes are exactly those of kernels/packed.py `pack_reference`;
+// tests/test_repack.py holds the two equal for every format, with padded rows.
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -19,36 +19,37 @@
 #include <cstring>
 #include <tuple>
 
+#define STRATUM_TORCH 1  // numerics.h as packed_step.cpp includes it
+#include "step/formats.h"
+
 namespace {
 
-constexpr int64_t kTile = 16, kBlock = 32, kSuper = 8;  // rows per tile, inputs per block, blocks per super-block
+using stratum_step::Format, stratum_step::kBlock, stratum_step::kSuper, stratum_step::kTile;
 
 // the GGUF types, as kernels/packed.py REPACK_TYPES numbers them
 enum QType : int64_t { kQ4_0, kQ4_1, kQ8_0, kQ5_0, kQ5_1, kQ4_K, kQ5_K, kQ6_K, kF16, kBF16 };
 
 struct TypeInfo {
-  int64_t row_block;  // bytes of one GGUF block
+  int64_t row_block;     // bytes of one GGUF block
   int64_t block_inputs;  // inputs it covers
-  int64_t data_bytes;  // bytes of one tile-block in the tiles
-  int64_t high_bits;  // 0, 1 (5-bit), 2 (6-bit): a plane after the nibbles
-  int64_t scales;  // fp16 scales per block (not super-block formats), or integer scales per block (super)
-  int64_t super_fp16;  // fp16 values per super-block (K-quants), else 0
+  Format format;         // the tiles it becomes
 };
 
 constexpr TypeInfo info(QType t) {
+  using namespace stratum_step;
   switch (t) {
-    case kQ4_0: return {18, 32, 256, 0, 2, 0};
-    case kQ4_1: return {20, 32, 256, 0, 2, 0};
-    case kQ8_0: return {34, 32, 512, 0, 1, 0};
-    case kQ5_0: return {22, 32, 320, 1, 1, 0};
-    case kQ5_1: return {24, 32, 320, 1, 2, 0};
-    case kQ4_K: return {144, 256, 256, 0, 2, 2};
-    case kQ5_K: return {176, 256, 320, 1, 2, 2};
-    case kQ6_K: return {210, 256, 384, 2, 2, 1};
-    case kF16:
-    case kBF16: return {2, 1, 1024, 0, 0, 0};
+    case kQ4_0: return {18, 32, kQ4};
+    case kQ4_1: return {20, 32, kQ4};
+    case kQ8_0: return {34, 32, kQ8};
+    case kQ5_0: return {22, 32, kQ5};
+    case kQ5_1: return {24, 32, kQ5M};
+    case kQ4_K: return {144, 256, kQ4K};
+    case kQ5_K: return {176, 256, kQ5K};
+    case kQ6_K: return {210, 256, kQ6K};
+    case kF16: return {2, 1, stratum_step::kF16};
+    case kBF16: return {2, 1, stratum_step::kBF16};
   }
-  return {0, 0, 0, 0, 0, 0};
+  return {0, 0, kQ4};
 }
 
 inline uint16_t u16(const uint8_t* p) {
@@ -122,76 +123,41 @@ void decode(QType t, const uint8_t* row, int64_t b, Decoded& o) {
   }
 }
 
-// tile-block `d` (data_bytes of it) from its 16 rows' decoded blocks (rows past `valid` are zero)
-void write_data(QType t, const Decoded* rows, int64_t valid, uint8_t* d) {
-  const TypeInfo ti = info(t);
-  std::memset(d, 0, ti.data_bytes);
-  if (t == kF16 || t == kBF16) {
-    uint16_t* d16 = reinterpret_cast<uint16_t*>(d);
-    for (int64_t i = 0; i < valid; ++i)
-      for (int64_t j = 0; j < kBlock; ++j) d16[j * kTile + i] = rows[i].q16[j];
-    return;
-  }
-  if (t == kQ8_0) {  // [pair p][row i][e < 2]
-    for (int64_t i = 0; i < valid; ++i)
-      for (int64_t j = 0; j < kBlock; ++j) d[((j / 2) * kTile + i) * 2 + j % 2] = rows[i].q[j];
-    return;
-  }
-  uint8_t* high = d + 256;
-  for (int64_t i = 0; i < valid; ++i) {
-    const uint8_t* q = rows[i].q;
-    const int64_t L = i / 4, k = i % 4;
-    for (int64_t g = 0; g < 4; ++g)
-      for (int64_t h = 0; h < 2; ++h)
-        for (int64_t e = 0; e < 2; ++e) {
-          const uint8_t lo = q[8 * g + 2 * h + e], hi = q[8 * g + 4 + 2 * h + e];
-          d[((g * 4 + L) * 2 + h) * 8 + k * 2 + e] = (lo & 15) | ((hi & 15) << 4);
-          const int64_t r = h * 8 + k * 2 + e;
-          if (ti.high_bits == 1) {
-            high[g * 16 + r] |= ((lo >> 4) << L) | ((hi >> 4) << (4 + L));
-          } else if (ti.high_bits == 2) {
-            high[g * 32 + r] |= (lo >> 4) << (2 * L);
-            high[g * 32 + 16 + r] |= (hi >> 4) << (2 * L);
-          }
-        }
-  }
-}
-
 // raw [n, row bytes] -> (data [tiles, blocks, bytes] uint8, scales): kernels/packed.py `pack`
 std::tuple<at::Tensor, at::Tensor> packed_repack(const at::Tensor& raw, int64_t qtype, int64_t n, int64_t k) {
+  TORCH_CHECK(qtype >= 0 && qtype <= kBF16, "packed_repack: unknown type ", qtype);
   const QType t = static_cast<QType>(qtype);
   const TypeInfo ti = info(t);
-  TORCH_CHECK(ti.row_block > 0 && qtype >= 0 && qtype <= kBF16, "packed_repack: unknown type ", qtype);
+  const Format f = ti.format;
   TORCH_CHECK(raw.scalar_type() == at::kByte && raw.is_contiguous(), "packed_repack: raw must be contiguous uint8");
   TORCH_CHECK(k % ti.block_inputs == 0 && k % kBlock == 0, "packed_repack: ", k, " inputs do not fill whole blocks");
   const int64_t row_bytes = k / ti.block_inputs * ti.row_block;
   TORCH_CHECK(raw.numel() == n * row_bytes, "packed_repack: ", raw.numel(), " bytes are not ", n, " rows of ", row_bytes);
   const int64_t tiles = (n + kTile - 1) / kTile, nb = k / kBlock;
-  const bool super = ti.super_fp16 > 0;
-  const int64_t super_bytes = kSuper * 2 * kTile + ti.super_fp16 * kTile * 2;
-  at::Tensor data = at::empty({tiles, nb, ti.data_bytes}, at::kByte);
-  at::Tensor scales = super ? at::zeros({tiles, nb / kSuper, super_bytes}, at::kByte)
-                            : at::zeros({tiles, nb, kTile * ti.scales}, at::kHalf);
+  const int64_t data_bytes = stratum_step::block_bytes(f);
+  const int64_t scale_bytes = nb * stratum_step::block_scales(f) * stratum_step::scale_size(f);  // a tile's
+  at::Tensor data = at::empty({tiles, nb, data_bytes}, at::kByte);
+  at::Tensor scales = stratum_step::super_scales(f) ? at::zeros({tiles, nb / kSuper, stratum_step::super_bytes(f)}, at::kByte)
+                                                    : at::zeros({tiles, nb, stratum_step::block_scales(f)}, at::kHalf);
   const uint8_t* src = raw.data_ptr<uint8_t>();
   uint8_t* dst = data.data_ptr<uint8_t>();
-  uint8_t* sc8 = super ? scales.data_ptr<uint8_t>() : nullptr;
-  uint16_t* sc16 = super ? nullptr : reinterpret_cast<uint16_t*>(scales.data_ptr<at::Half>());
+  uint8_t* sc = static_cast<uint8_t*>(scales.data_ptr());
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    Decoded rows[kTile];
+    Decoded row;
     for (int64_t tile = begin; tile < end; ++tile) {
       const int64_t valid = std::min(kTile, n - tile * kTile);
       for (int64_t b = 0; b < nb; ++b) {
-        for (int64_t i = 0; i < valid; ++i) decode(t, src + (tile * kTile + i) * row_bytes, b, rows[i]);
-        write_data(t, rows, valid, dst + (tile * nb + b) * ti.data_bytes);
+        uint8_t* wb = dst + (tile * nb + b) * data_bytes;
+        std::memset(wb, 0, data_bytes);  // here, not by at::zeros: each tile-block is written once, in cache
         for (int64_t i = 0; i < valid; ++i) {
-          if (!super) {
-            for (int64_t s = 0; s < ti.scales; ++s) sc16[(tile * nb + b) * kTile * ti.scales + s * kTile + i] = rows[i].scale[s];
+          decode(t, src + (tile * kTile + i) * row_bytes, b, row);
+          if (stratum_step::is_float(f)) {
+            stratum_step::put_row_float(i, row.q16, wb);
             continue;
           }
-          uint8_t* base = sc8 + (tile * (nb / kSuper) + b / kSuper) * super_bytes;
-          base[(b % kSuper) * 2 * kTile + i] = rows[i].ints[0];
-          base[(b % kSuper) * 2 * kTile + kTile + i] = rows[i].ints[1];
-          for (int64_t s = 0; s < ti.super_fp16; ++s) std::memcpy(base + kSuper * 2 * kTile + s * kTile * 2 + i * 2, &rows[i].sup[s], 2);
+          stratum_step::put_row(f, i, row.q, wb);
+          const uint16_t* fp16 = stratum_step::super_scales(f) ? row.sup : row.scale;
+          stratum_step::put_scales(f, b, i, row.ints, fp16, sc + tile * scale_bytes);
         }
       }
     }
