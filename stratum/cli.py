@@ -25,6 +25,8 @@ def _engine_config(args, serving: bool = False):
         max_model_len=args.max_model_len,
         rope_scaling=args.rope_scaling, rope_scale=args.rope_scale, yarn_orig_ctx=args.yarn_orig_ctx,
         enable_prefix_cache=not args.no_prefix_cache,
+        kv_disk_gb=args.kv_disk_gb,
+        kv_disk_dir=args.kv_disk_dir,
         num_threads=args.threads,
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_num_seqs,
                                   max_waiting=args.max_waiting),
@@ -57,6 +59,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-waiting", type=int, default=256, help="waiting-queue cap; beyond it 529 overloaded")
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--no-prefix-cache", action="store_true")
+    p.add_argument("--kv-disk-gb", type=float, default=None,
+                   help="the prefix cache's disk tier bound in GiB (default: a tenth of the free disk, at most 16; 0: off)")
+    p.add_argument("--kv-disk-dir", default=None, help="the disk tier's folder (default: $STRATUM_HOME/kv)")
     p.add_argument("--speculative", default="auto", choices=["auto", "off", "ngram", "draft"],
                    help="speculative decoding: auto (default) proposes by prompt lookup, or by --draft-model, per request "
                         "where the measured step cost and its acceptance say it pays; ngram / draft: that proposer "
@@ -456,7 +461,7 @@ def cmd_warmup(args) -> int:
     return 0 if report["failed"] == 0 else 1
 
 
-BENCHMARKS = ("offline", "serve", "compare", "roofline", "soak", "constrained", "batch", "cluster", "startup", "speculative")
+BENCHMARKS = ("offline", "serve", "compare", "roofline", "soak", "constrained", "batch", "cluster", "startup", "speculative", "disktier")
 
 
 def cmd_bench(args, rest) -> int:
@@ -573,7 +578,7 @@ def _warmup_parser(sub) -> None:
 
 
 def _bench_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: offline, serve, compare, roofline, soak, constrained, batch, cluster, startup, speculative (each takes --help)", add_help=False)
+    p = sub.add_parser("bench", help="benchmarks: offline, serve, compare, roofline, soak, constrained, batch, cluster, startup, speculative, disktier (each takes --help)", add_help=False)
     p.add_argument("kind", choices=BENCHMARKS)
     p.set_defaults(func=None)
 

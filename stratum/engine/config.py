@@ -74,6 +74,10 @@ class EngineConfig:
     rope_scale: float | None = None
     yarn_orig_ctx: int | None = None
     enable_prefix_cache: bool = True
+    # the disk tier under the prefix cache (`disk_tier`): GiB (None: $STRATUM_KV_DISK_GB, else a tenth of the
+    # free disk, at most 16; 0: off) under kv_disk_dir (None: $STRATUM_HOME/kv)
+    kv_disk_gb: float | None = None
+    kv_disk_dir: str | None = None
     num_threads: int | None = None  # torch threads for decode-bound steps; None: `default_threads`
     prefill_threads: int | None = None  # for steps with at least PREFILL_STEP_TOKENS tokens; None: every core
     int4_max_tokens: int | None = None  # None: the numerics rule; 0: no packed weights (dense); N > 0: int4 copies
