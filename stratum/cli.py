@@ -23,7 +23,8 @@ def _engine_config(args, serving: bool = False):
         dtype=args.dtype,
         kv_cache_memory_mb=args.kv_cache_mb,
         max_model_len=args.max_model_len,
-        enable_prefix_cache=not args.no_prefix_cache,
+        rope_scaling=args.rope_scaling, rope_scale=args.rope_scale, yarn_orig_ctx=args.yarn_orig_ctx,
+        enable_prefix_cache=not args.no_prefix_cache, kv_disk_gb=args.kv_disk_gb, kv_disk_dir=args.kv_disk_dir,
         num_threads=args.threads,
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_num_seqs,
                                   max_waiting=args.max_waiting),
@@ -43,12 +44,22 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: the numerics rule (fp32 on the CPU; README); bfloat16 trades precision for speed and KV memory")
     p.add_argument("--kv-cache-mb", type=int, default=256, help="memory for the KV pool")
-    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="context length (default: the model's trained context; beyond it needs --rope-scaling)")
+    p.add_argument("--rope-scaling", default=None, choices=["none", "linear", "yarn"],
+                   help="extend the context beyond the trained one by scaling RoPE positions (default: none)")
+    p.add_argument("--rope-scale", type=float, default=None,
+                   help="the context scaling factor (default: --max-model-len / the trained context)")
+    p.add_argument("--yarn-orig-ctx", type=int, default=None,
+                   help="the context the scaling extends (default: the model's trained context)")
     p.add_argument("--max-batched-tokens", type=int, default=512, help="token budget per step (prefill chunk)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-waiting", type=int, default=256, help="waiting-queue cap; beyond it 529 overloaded")
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--no-prefix-cache", action="store_true")
+    p.add_argument("--kv-disk-gb", type=float, default=None,
+                   help="the prefix cache's disk tier bound in GiB (default: a tenth of the free disk, at most 16; 0: off)")
+    p.add_argument("--kv-disk-dir", default=None, help="the disk tier's folder (default: $STRATUM_HOME/kv)")
     p.add_argument("--speculative", default="auto", choices=["auto", "off", "ngram", "draft"],
                    help="speculative decoding: auto (default) proposes by prompt lookup, or by --draft-model, per request "
                         "where the measured step cost and its acceptance say it pays; ngram / draft: that proposer "
@@ -242,7 +253,8 @@ def _serving_app(args, client, name: str):
                                   args.host in ("127.0.0.1", "localhost", "::1") or bool(keys))),
                               default_temperature=config.default_temperature, default_top_p=config.default_top_p,
                               tenant_budget_tokens=args.tenant_budget_tokens, budget_window_s=args.budget_window_s,
-                              pollution_policy=args.pollution_policy, pricing=pricing_from_spec(args.pricing))
+                              pollution_policy=args.pollution_policy, pricing=pricing_from_spec(args.pricing),
+                              responses_store_bytes=args.responses_store_mb * 2**20)
     client.tokenizer.offload_large_texts(LARGE_TEXT_CHARS)
     if keys:
         print(f"stratum: {len(keys)} API key{'s' if len(keys) != 1 else ''}; " + (
@@ -447,7 +459,7 @@ def cmd_warmup(args) -> int:
     return 0 if report["failed"] == 0 else 1
 
 
-BENCHMARKS = ("offline", "serve", "compare", "roofline", "soak", "constrained", "batch", "cluster", "startup", "speculative")
+BENCHMARKS = ("offline", "serve", "compare", "roofline", "soak", "constrained", "batch", "cluster", "startup", "speculative", "disktier")
 
 
 def cmd_bench(args, rest) -> int:
@@ -487,6 +499,8 @@ def _serve_parser(sub) -> None:
                    help="where Message Batches are kept, in SQLite (default $STRATUM_HOME/data); '' to serve none")
     p.add_argument("--batch-expiry-h", type=float, default=24.0, help="a batch expires this long after creation")
     p.add_argument("--batch-retention-days", type=float, default=29.0, help="results are kept this long after a batch ends")
+    p.add_argument("--responses-store-mb", type=int, default=64,
+                   help="stored Responses API responses, kept in memory up to this much JSON (oldest dropped first)")
     p.add_argument("--console", choices=["auto", "on", "off"], default="auto",
                    help="the web console at /console; auto: on when serving loopback only or with API keys")
     p.add_argument("--header-wait-s", type=float, default=2.0,
@@ -562,7 +576,7 @@ def _warmup_parser(sub) -> None:
 
 
 def _bench_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: offline, serve, compare, roofline, soak, constrained, batch, cluster, startup, speculative (each takes --help)", add_help=False)
+    p = sub.add_parser("bench", help="benchmarks: offline, serve, compare, roofline, soak, constrained, batch, cluster, startup, speculative, disktier (each takes --help)", add_help=False)
     p.add_argument("kind", choices=BENCHMARKS)
     p.set_defaults(func=None)
 

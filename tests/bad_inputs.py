@@ -232,8 +232,16 @@ def _messages_cases() -> list[BadRequest]:
         # any claude-* name is served by the loaded model (README: "Model names"); other names are not found
         BadRequest("messages: unknown model", p, _with(MESSAGE, model="gpt-9"), status=404, error_type=NOT_FOUND,
                    message_has=("gpt-9",)),
-        # max_tokens beyond the context is lowered to fit (stop_reason model_context_window_exceeded,
-        # tests/test_agent_clients.py); a prompt beyond it is a 400 in Anthropic's words
+        # max_tokens above the context is a 400 naming both numbers, in Anthropic's words; one within it but
+        # beyond what the prompt leaves is lowered to fit (stop_reason model_context_window_exceeded,
+        # tests/test_agent_clients.py); a prompt beyond the context is a 400 in Anthropic's words
+        BadRequest("messages: max_tokens over the model's output limit", p, _with(MESSAGE, max_tokens=10**12),
+                   message_has=(f"max_tokens: {10**12} > {CONTEXT_LENGTH}, which is the maximum allowed number of "
+                                "output tokens for tiny",)),
+        BadRequest("messages: tool_use with a field of no block", p, _with(MESSAGE, messages=[
+            {"role": "user", "content": "hi"}, {"role": "assistant", "content": [
+                {"type": "tool_use", "id": "t", "name": "f", "input": {}, "colour": "red"}]}]),
+                   message_has=("messages.1.content.0.tool_use.colour: Extra inputs are not permitted",)),
         BadRequest("messages: prompt over the context", p, _content("the capital of Japan is Tokyo. " * 400),
                    message_has=("prompt is too long", f"> {CONTEXT_LENGTH} maximum")),
         BadRequest("messages: stream with a prompt over the context", p, _with(
@@ -338,9 +346,17 @@ def _responses_cases() -> list[BadRequest]:
         "message without role": _with(base, input=[{"type": "message", "content": "hi"}]),
         "role tool": _with(base, input=[{"role": "tool", "content": "hi"}]),
         "input_image": _with(base, input=[{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}]),
-        "item_reference": _with(base, input=[{"type": "item_reference", "id": "msg_1"}]),
         "function_call without call_id": _with(base, input=[{"type": "function_call", "name": "f", "arguments": "{}"}]),
-        "previous_response_id": _with(base, previous_response_id="resp_1"),
+        "conversation": _with(base, conversation="conv_1"),
+        "prompt template": _with(base, prompt={"id": "pmpt_1"}),
+        "custom tool with a grammar that does not compile": _with(base, tools=[{"type": "custom", "name": "f", "format": {
+            "type": "grammar", "syntax": "lark", "definition": "start: ("}}]),
+        "tool_choice forces a hosted tool": _with(base, tools=[{"type": "web_search"}],
+                                                  tool_choice={"type": "web_search_preview"}),
+        "function_call_output with an unknown part": _with(base, input=[{"type": "function_call_output", "call_id": "c",
+                                                                          "output": [{"type": "nope"}]}]),
+        "namespace without tools": _with(base, tools=[{"type": "namespace", "name": "ns", "description": "", "tools": []}]),
+        "repeated tool names": _with(base, tools=[{"type": "function", "name": "f"}, {"type": "custom", "name": "f"}]),
         "background": _with(base, background=True),
         "max_output_tokens 0": _with(base, max_output_tokens=0),
         "max_output_tokens over the context": _with(base, max_output_tokens=5000),
@@ -354,6 +370,15 @@ def _responses_cases() -> list[BadRequest]:
     }
     return [BadRequest(f"responses: {name}", p, body=body) for name, body in bodies.items()] + [
         BadRequest("responses: unknown model", p, _with(base, model="gpt-9"), status=404, error_type=NOT_FOUND),
+        BadRequest("responses: unknown previous_response_id", p, _with(base, previous_response_id="resp_1"), status=404,
+                   error_type=NOT_FOUND, message_has=("resp_1",)),
+        BadRequest("responses: item_reference to no stored item", p, _with(base, input=[{"type": "item_reference",
+                                                                                         "id": "msg_1"}]),
+                   status=404, error_type=NOT_FOUND, message_has=("msg_1",)),
+        BadRequest("responses: retrieve an unknown response", p + "/resp_nope", method="GET", status=404,
+                   error_type=NOT_FOUND),
+        BadRequest("responses: delete an unknown response", p + "/resp_nope", method="DELETE", status=404,
+                   error_type=NOT_FOUND),
         BadRequest("responses: malformed json", p, raw=b"{", headers=JSON_HEADERS)]
 
 

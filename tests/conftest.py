@@ -12,6 +12,10 @@ from tests.factories import make_tiny_model_dir
 # Kernel plans measured by the tests (and the servers they start) go to a directory of the session's
 # own: a plan measured while the suite loads the machine never becomes the plan a server here uses.
 os.environ["STRATUM_PLAN_DIR"] = tempfile.mkdtemp(prefix="stratum-test-plans-")
+# Engines built in the test process keep their prefix cache to themselves (no disk tier) unless a test
+# asks for one: a tier shared across tests would turn their cold prompts into hits. Servers get a tier
+# each (`ServerProcess`), as `stratum serve` has by default.
+os.environ["STRATUM_KV_DISK_GB"] = "0"
 
 
 def pytest_addoption(parser):
@@ -89,10 +93,15 @@ class ServerProcess:
         if "--data-dir" not in extra:  # batches of one test session never reach another's server
             self.data_dir = tempfile.mkdtemp(prefix="stratum-data-")
             extra = (*extra, "--data-dir", self.data_dir)
+        self.kv_dir = None
+        if "--kv-disk-dir" not in extra:  # the default disk tier, in a folder of this server's own
+            self.kv_dir = tempfile.mkdtemp(prefix="stratum-kv-")
+            extra = (*extra, "--kv-disk-dir", self.kv_dir)
         cmd = [sys.executable, "-m", "stratum.cli", "serve", "--model", model, "--port", str(self.port), *extra]
         # One engine thread: the test process and other servers share the same few cores, and
         # oversubscribed threads spin-wait (measured ~10x slower steps on 2 cores).
-        env = {"STRATUM_NUM_THREADS": "1", **os.environ, **(env or {})}
+        env = {"STRATUM_NUM_THREADS": "1", **{k: v for k, v in os.environ.items() if k != "STRATUM_KV_DISK_GB"},
+               **(env or {})}
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self, timeout: float = 120.0, prepared: bool = True) -> "ServerProcess":
@@ -123,11 +132,15 @@ class ServerProcess:
             return f.read()[-4000:]
 
     def stop(self) -> None:
+        import shutil
+
         self.proc.terminate()
         try:
             self.proc.wait(timeout=15)
         except Exception:
             self.proc.kill()
+        if self.kv_dir is not None:
+            shutil.rmtree(self.kv_dir, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")

@@ -30,11 +30,17 @@ _CORPUS = [
 ] * 20
 
 
-def make_tiny_model_dir(path: Path, num_layers: int = 2, hidden: int = 64, seed: int = 0, vocab_size: int = 512) -> Path:
+def make_tiny_model_dir(path: Path, num_layers: int = 2, hidden: int = 64, seed: int = 0, vocab_size: int = 512,
+                        context: int = 2048, eos_logit: float | None = None, corpus: list[str] = ()) -> Path:
     """Write config.json, model.safetensors, tokenizer.json and tokenizer_config.json for a tiny Llama.
 
-    The tokenizer is a byte-level BPE trained here on a small corpus; the weights are random but
-    fixed by `seed`. Returns the folder.
+    The tokenizer is a byte-level BPE trained here on a small corpus (and `corpus`, so that texts like
+    it take about as many tokens as a real model's tokenizer makes of them); the weights are random but
+    fixed by `seed`; `context` is its max_position_embeddings. With `eos_logit`, the model ends its
+    answers after a few tokens, as a chat model does (a random one rarely does, and agent clients wait
+    for the end): hidden dimension 0 is a constant 1 that no layer writes to, and an untied output
+    head reads it into the EOS logit only, at `eos_logit` / the final hidden state's RMS. Returns the
+    folder.
     """
     from safetensors.torch import save_file
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -46,7 +52,7 @@ def make_tiny_model_dir(path: Path, num_layers: int = 2, hidden: int = 64, seed:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
-    tok.train_from_iterator(_CORPUS, trainer)
+    tok.train_from_iterator([*_CORPUS, *corpus], trainer)
     tok.save(str(path / "tokenizer.json"))
     vocab = tok.get_vocab_size()
     heads, kv_heads = 4, 2
@@ -55,7 +61,7 @@ def make_tiny_model_dir(path: Path, num_layers: int = 2, hidden: int = 64, seed:
     config = {
         "model_type": "llama", "vocab_size": vocab, "hidden_size": hidden, "intermediate_size": inter,
         "num_hidden_layers": num_layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
-        "head_dim": head_dim, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": 2048,
+        "head_dim": head_dim, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "max_position_embeddings": context,
         "tie_word_embeddings": True, "bos_token_id": 1, "eos_token_id": 2,
     }
     (path / "config.json").write_text(json.dumps(config))
@@ -63,8 +69,25 @@ def make_tiny_model_dir(path: Path, num_layers: int = 2, hidden: int = 64, seed:
         "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": CHATML,
     }))
     w = random_llama_weights(torch.Generator().manual_seed(seed), num_layers, vocab, hidden, heads, kv_heads, head_dim, inter)
+    if eos_logit is not None:
+        _end_answers(w, num_layers, eos=2, logit=eos_logit)
+        config["tie_word_embeddings"] = False
+        (path / "config.json").write_text(json.dumps(config))
     save_file(w, str(path / "model.safetensors"))
     return path
+
+
+def _end_answers(w: dict[str, torch.Tensor], num_layers: int, eos: int, logit: float) -> None:
+    """`make_tiny_model_dir`'s eos_logit: a constant hidden dimension read into the EOS logit only."""
+    w["model.embed_tokens.weight"][:, 0] = 1.0
+    for i in range(num_layers):  # no layer writes to dimension 0: it reaches the final norm as the constant 1
+        w[f"model.layers.{i}.self_attn.o_proj.weight"][0] = 0.0
+        w[f"model.layers.{i}.mlp.down_proj.weight"][0] = 0.0
+    head = w["model.embed_tokens.weight"].clone()
+    head[:, 0] = 0.0
+    head[eos] = 0.0
+    head[eos, 0] = logit
+    w["lm_head.weight"] = head.contiguous()
 
 
 def random_llama_weights(g: torch.Generator, num_layers: int, vocab: int, hidden: int, heads: int, kv_heads: int,

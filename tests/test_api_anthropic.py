@@ -292,10 +292,11 @@ def test_not_found_error_for_unknown_model(client):
 
 def test_context_overflow_names_the_numbers(client):
     """A prompt beyond the context names both counts, as Anthropic words it, and the count is
-    count_tokens' own (max_tokens beyond the context is lowered instead: tests/test_agent_clients.py)."""
+    count_tokens' own (a max_tokens within the model's limit but beyond what the prompt leaves is lowered
+    instead: tests/test_agent_clients.py; one above the limit is its own 400: tests/bad_inputs.py)."""
     messages = [user("the capital of Japan is Tokyo. " * 400)]
     with pytest.raises(anthropic.BadRequestError) as info:
-        client.messages.create(model="tiny", max_tokens=5000, messages=messages)
+        client.messages.create(model="tiny", max_tokens=1000, messages=messages)
     message = info.value.body["error"]["message"]
     assert message == f"prompt is too long: {count(client, messages)} tokens > 2048 maximum"
 

@@ -68,14 +68,15 @@ def _openapi_with_bodies(url: str) -> dict:
     engine instead of stopping at 404 or spending seconds decoding.
     """
     from stratum.server.protocol import (BatchCreateRequest, ChatCompletionRequest, CompletionRequest, CountTokensRequest,
-                                         MessagesRequest, ResponsesRequest)
+                                         InputTokensRequest, MessagesRequest, ResponsesRequest)
 
     spec = httpx.get(url + "/openapi.json", timeout=10).json()
     components = spec.setdefault("components", {}).setdefault("schemas", {})
     small = {"type": "integer", "minimum": 0, "maximum": 32}
     for path, model in {"/v1/messages": MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest,
                         "/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
-                        "/v1/messages/batches": BatchCreateRequest, "/v1/responses": ResponsesRequest}.items():
+                        "/v1/messages/batches": BatchCreateRequest, "/v1/responses": ResponsesRequest,
+                        "/v1/responses/input_tokens": InputTokensRequest}.items():
         operation = spec["paths"][path]["post"]
         if "requestBody" in operation:
             continue

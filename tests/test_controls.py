@@ -187,8 +187,9 @@ def test_warmup_command_reports_created_tokens(tiny_server, client, tiny_templat
 # ---- pins survive a flooded pool -------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def small_kv_server(tiny_model_dir):
+    # the pool alone: what a flood evicts from it must be gone, not read back from the disk tier
     server = ServerProcess(str(tiny_model_dir), "--served-model-name", "tiny", "--kv-cache-mb", "1",
-                           "--dtype", "float32").wait_ready()
+                           "--dtype", "float32", "--kv-disk-gb", "0").wait_ready()
     yield server
     server.stop()
 

@@ -21,6 +21,7 @@ import torch
 import uvicorn
 
 from stratum.engine import LLM
+from stratum.engine.kv_view import kv_binding
 from stratum.engine.sampling_params import SamplingParams
 from stratum.server.startup import RETRY_AFTER_S, StartingApp
 from tests.conftest import ServerProcess
@@ -74,10 +75,13 @@ def test_a_cold_start_serves_without_loading_the_native_kernels(tiny_gguf, uncom
         engine.upgrade.cancel()
 
 
-def test_a_cold_engine_switches_to_the_prepared_step_with_requests_in_flight(tiny_gguf, uncompiled):
+def test_a_cold_engine_switches_to_the_prepared_step_with_requests_in_flight(tiny_gguf, uncompiled, tmp_path):
     # with a draft model (the file itself): it follows the target's kernels, and speculation verifies
-    # only once the step is batch-invariant, so the answers are still plain decoding's
-    engine = cold_engine(tiny_gguf, draft_model=str(tiny_gguf), speculative="draft")
+    # only once the step is batch-invariant, so the answers are still plain decoding's; and with a disk
+    # tier: the provisional step's prompt blocks are on disk before the switch, and the recomputed
+    # requests must not read them (their logits are compared bit for bit below)
+    engine = cold_engine(tiny_gguf, draft_model=str(tiny_gguf), speculative="draft", kv_disk_gb=1.0,
+                         kv_disk_dir=str(tmp_path / "kv"))
     assert engine.upgrade is not None and not engine.runner.native  # nothing native waited for
     assert engine.kernel_choices["step"] == "pytorch" and engine.kernel_choices["native_kernels"] == "being prepared"
     provisional = engine.config.numerics
@@ -95,7 +99,10 @@ def test_a_cold_engine_switches_to_the_prepared_step_with_requests_in_flight(tin
         assert time.monotonic() < deadline, f"still preparing: {engine.upgrade.stage}"
         time.sleep(0.2)
     assert engine.upgrade.error is None
+    assert engine.tier.flush() and engine.tier.report()["disk"]["written_bytes"] > 0  # the provisional KV is on disk
+    provisional_binding = engine.tier.binding
     assert engine.switch_kernels()
+    assert engine.tier.binding != provisional_binding  # the disk tier never serves the PyTorch step's KV to it
     assert engine.upgrade is None and engine.kernel_choices["step"] == "native, packed blocks"
     assert engine.config.numerics.step == "native" and engine.config.numerics.key() != provisional.key()
     assert engine.kernel_choices["numerics"] == engine.config.numerics.key()  # the key follows the step
@@ -116,6 +123,7 @@ def test_a_cold_engine_switches_to_the_prepared_step_with_requests_in_flight(tin
     # After it: what the prepared step computes from the same tokens, bit for bit.
     native = LLM(str(tiny_gguf), num_kv_blocks=128, block_size=4)
     assert native.engine.config.numerics == engine.config.numerics
+    assert kv_binding(native.engine.config, native.engine.model) == engine.tier.binding
     for s, b, p in zip(seqs, before, prompts):
         ref = run(native.engine, [p + b], max_tokens=MAX_TOKENS - len(b))[0]
         assert s.output_token_ids[len(b):] == ref.output_token_ids

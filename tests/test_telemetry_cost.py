@@ -29,7 +29,7 @@ BLOCK = 16  # EngineConfig.block_size
 TRACE_STEP_KEYS = {
     "queue": {"name", "duration_us"},
     "prefill": {"name", "duration_us", "cache_hit", "cache_hit_ratio", "cached_tokens", "computed_tokens", "chunks",
-                "memory_used_mb"},
+                "tiers", "disk_read_us", "memory_used_mb"},
     "decode_loop": {"name", "duration_us", "tokens", "kv_sparsity", "kv_sparsity_samples", "tokens_per_second", "speculative"},
 }
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -253,6 +253,7 @@ def test_trace_documents_every_step(client, tiny_server, tiny_model_dir):
     assert doc["cost"] == parse_cost(raw.headers["x-stratum-cost"])
     assert prefill["chunks"] == math.ceil(prefill["computed_tokens"] / 512)  # --max-batched-tokens 512 per step
     assert prefill["computed_tokens"] + prefill["cached_tokens"] == prompt
+    assert sum(prefill["tiers"].values()) == prefill["cached_tokens"] and set(prefill["tiers"]) == {"pool", "disk"}
     # memory_used_mb: the KV bytes of the blocks held at the first token (the prompt's blocks)
     config = json.loads((tiny_model_dir / "config.json").read_text())
     hw = doc["hardware"]

@@ -214,14 +214,16 @@ def render_like_transformers(source: str, tokenizer, messages: list[dict], tools
 def test_tool_turns_reach_the_template_natively(tokenizer, family, api):
     """Calls and results from every API reach the template as `tool_calls` and `tool` turns: the prompt is
     what transformers renders for the conversation in Hugging Face's form, quotes and newlines included."""
-    from stratum.server.chat import anthropic_input, openai_input, responses_input
+    from stratum.server.chat import anthropic_input, openai_input
     from stratum.server.protocol import ChatCompletionRequest, MessagesRequest, ResponsesRequest
+    from stratum.server.response_store import ResponseStore
+    from stratum.server.responses_chat import as_chat
 
     source = (TEMPLATES / f"{family}.jinja").read_text()
     body = history_bodies()[api]
     chat = {"anthropic": lambda: anthropic_input(MessagesRequest(model="m", max_tokens=8, **body)),
             "openai": lambda: openai_input(ChatCompletionRequest(model="m", **body)),
-            "responses": lambda: responses_input(ResponsesRequest(model="m", **body))}[api]()
+            "responses": lambda: as_chat(ResponsesRequest(model="m", **body), ResponseStore(0), "").chat}[api]()
     prompt = build_prompt(ChatTemplate(source, tokenizer), chat)
     text = tokenizer.decode(prompt.token_ids, skip_special_tokens=False)
     tools = [{"type": "function", "function": HISTORY_TOOL}]

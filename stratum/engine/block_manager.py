@@ -172,6 +172,24 @@ class BlockManager:
         seq.block_table = []
         seq.num_inserted_blocks = 0
 
+    def take_blocks(self, num_blocks: int) -> list[int] | None:
+        """num_blocks blocks of no sequence, held (one reference each) until `release_blocks`: the disk
+        tier reads cached blocks into them. None, changing nothing, when the pool cannot supply them."""
+        if num_blocks <= 0 or not self._reserve(num_blocks):
+            return None
+        taken = [self.free_blocks.popleft() for _ in range(num_blocks)]
+        for b in taken:
+            self.ref_counts[b] = 1
+        return taken
+
+    def release_blocks(self, block_ids: list[int]) -> None:
+        """Drop `take_blocks`' references: a block the prefix tree took stays cached, the rest are free."""
+        for b in block_ids:
+            self.ref_counts[b] -= 1
+            assert self.ref_counts[b] >= 0
+            if self.ref_counts[b] == 0 and not self.cache.contains_block(b):
+                self.free_blocks.append(b)
+
     def truncate(self, seq: Sequence, num_blocks: int) -> None:
         """Return seq's blocks past its first num_blocks: blocks it alone holds, never cached (the
         lookahead of a verify step whose proposals were rejected)."""

@@ -40,7 +40,11 @@ SIMD_FEATURES = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "a
 
 
 def load(config: EngineConfig) -> Checkpoint:
-    return load_checkpoint(resolve_model_path(config.model))
+    """The checkpoint, at the context asked for (ContextLengthError where the model cannot reach it)."""
+    checkpoint = load_checkpoint(resolve_model_path(config.model))
+    checkpoint.config = checkpoint.config.with_context(config.max_model_len, config.rope_scaling, config.rope_scale,
+                                                       config.yarn_orig_ctx)
+    return checkpoint
 
 
 def rule_inputs(config: EngineConfig, checkpoint: Checkpoint, device: str, load_native: bool = True) -> RuleInputs:

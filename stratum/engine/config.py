@@ -67,8 +67,17 @@ class EngineConfig:
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_mb
     kv_cache_memory_mb: int = 256
-    max_model_len: int | None = None  # None: the checkpoint's context length
+    max_model_len: int | None = None  # None: the checkpoint's context length (or what rope_scaling reaches)
+    # RoPE scaling that extends the context beyond the trained one, as llama.cpp's --rope-scaling /
+    # --rope-scale / --yarn-orig-ctx (`ModelConfig.with_context`); None: the trained context, at most
+    rope_scaling: str | None = None
+    rope_scale: float | None = None
+    yarn_orig_ctx: int | None = None
     enable_prefix_cache: bool = True
+    # the disk tier under the prefix cache (`disk_tier`): GiB (None: $STRATUM_KV_DISK_GB, else a tenth of the
+    # free disk, at most 16; 0: off) under kv_disk_dir (None: $STRATUM_HOME/kv)
+    kv_disk_gb: float | None = None
+    kv_disk_dir: str | None = None
     num_threads: int | None = None  # torch threads for decode-bound steps; None: `default_threads`
     prefill_threads: int | None = None  # for steps with at least PREFILL_STEP_TOKENS tokens; None: every core
     int4_max_tokens: int | None = None  # None: the numerics rule; 0: no packed weights (dense); N > 0: int4 copies

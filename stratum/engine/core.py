@@ -23,6 +23,9 @@ from stratum.engine import builder
 from stratum.engine.block_manager import BlockManager
 from stratum.engine.config import EngineConfig, SchedulerConfig
 from stratum.engine.detokenizer import Detokenizer
+from stratum.engine.disk_store import open_store
+from stratum.engine.disk_tier import DiskTier
+from stratum.engine.kv_view import kv_binding
 from stratum.engine.grammar import GrammarCompiler
 from stratum.engine.model_runner import ModelRunner
 from stratum.engine.outputs import OrchestrationError, RequestOutput, RequestStats, StepError, StepStats
@@ -89,6 +92,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None):
         settings, spec = config, SpecConfig.of(config)
         checkpoint = checkpoint or builder.load(config)
+        settings = config
         resolved = builder.resolve(config, checkpoint, defer=config.defer_kernels)
         self.upgrade: KernelUpgrade | None = None  # a cold start's kernels, being compiled (`switch_kernels`)
         if resolved is None:
@@ -130,6 +134,13 @@ class LLMEngine:
         self.tool_reserve_tokens = 128
         self.kv_bytes_per_block = self._kv_cache_bytes() // config.num_kv_blocks
         self._started: list[str] = []
+        # the disk tier under the prefix cache (its figures for the pool tier too, when the disk is off)
+        self.tier = DiskTier(open_store(settings.kv_disk_gb, settings.kv_disk_dir) if config.enable_prefix_cache else None)
+        self._attach_tier()
+
+    def _attach_tier(self) -> None:
+        self.tier.attach(self.block_manager, self.scheduler, self.runner.kv_caches,
+                         kv_binding(self.config, self.model))
 
     @functools.cached_property
     def chat_template(self):
@@ -217,7 +228,11 @@ class LLMEngine:
         """Prompt tokens the prefix cache would serve seq now: what it will read when it is scheduled,
         unless blocks are evicted or computed meanwhile."""
         match = self.block_manager.match_prefix(seq)
-        return match.num_tokens(self.config.block_size) if match is not None else 0
+        if match is None:
+            return 0
+        on_disk = self.tier.expected_blocks(seq, match)
+        bs = self.config.block_size
+        return (match.num_blocks + on_disk) * bs if on_disk else match.num_tokens(bs)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request in any state and return every block it held."""
@@ -257,7 +272,7 @@ class LLMEngine:
             overhead_ratio=(total - sum(s.forward_s for s in steps)) / total if total > 0 else 0.0,
             mean_step_s=total / len(steps) if steps else 0.0, threads=torch.get_num_threads(), rss_mb=rss_mb,
             gpu_memory_allocated_mb=gpu, step="native" if self.model.packed is not None else "pytorch",
-            preparing=self.upgrade.stage if self.upgrade is not None else None,
+            preparing=self.upgrade.stage if self.upgrade is not None else None, kv_tiers=self.tier.report(),
         )
 
     def request_ids(self) -> list[str]:
@@ -273,6 +288,12 @@ class LLMEngine:
     def is_preparing(self) -> bool:
         """A cold start's kernels are being prepared: `switch_kernels` adopts them once ready."""
         return self.upgrade is not None
+
+    @property
+    def works_in_background(self) -> bool:
+        """Work whose progress an idle loop should look in on: kernels being prepared, or the disk tier
+        still writing (its figures on /metrics would go stale until the next request)."""
+        return self.is_preparing or not self.tier.is_settled
 
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -292,6 +313,10 @@ class LLMEngine:
         except Exception as e:
             raise OrchestrationError(f"scheduler: {type(e).__name__}: {e}") from e
         self._started += [item.seq.request_id for item in sched.scheduled if item.seq.first_scheduled_time >= t0]
+        if sched.is_empty and not sched.copies:  # (every request waits: on reads from the disk tier, or for blocks)
+            if self.tier.num_loading:
+                self.tier.wait(0.05)  # nothing can run before a read lands: no busy loop
+            return []
         self._set_threads(sched.num_batched_tokens)
         try:
             draft_s = self.speculator.draft_proposals(sched.scheduled)
@@ -457,6 +482,8 @@ class LLMEngine:
             num_prompt_tokens_computed=seq.num_prompt_tokens_computed,
             num_cache_written_tokens=seq.num_cache_written_tokens,
             num_output_tokens=seq.num_output_tokens,
+            num_disk_cached_tokens=seq.num_disk_cached_tokens,
+            disk_read_s=seq.disk_read_s,
             num_preemptions=seq.num_preemptions,
             arrival_time=seq.arrival_time,
             first_scheduled_time=seq.first_scheduled_time,
@@ -502,6 +529,7 @@ class LLMEngine:
             self.scheduler = Scheduler(config.scheduler, self.block_manager, fault=self._fault)
         self.scheduler.num_preemptions = num_preemptions
         self.scheduler.adopt(pending)
+        self._attach_tier()
 
     # ---- the kernel switch: a cold start's PyTorch step, then the prepared kernels -----------------
     def switch_kernels(self) -> bool:

@@ -80,8 +80,9 @@ class EngineLoop:
         with self._wake:
             while not self._commands and not engine.has_unfinished() and not self._stopped:
                 # while a cold start's kernels are prepared, an idle loop looks in now and then: to
-                # switch to them (`LLMEngine.switch_kernels`), and to publish how far they are
-                if not self._wake.wait(self.PREPARING_POLL_S if engine.is_preparing else None):
+                # switch to them (`LLMEngine.switch_kernels`), and to publish how far they are; and
+                # while the disk tier writes, to publish its figures
+                if not self._wake.wait(self.PREPARING_POLL_S if engine.works_in_background else None):
                     break
             commands = list(self._commands)
             self._commands.clear()

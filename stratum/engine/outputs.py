@@ -45,6 +45,8 @@ class RequestStats:
     num_prefill_chunks: int = 0
     kv_bytes_at_first_token: int = 0
     num_tool_reserved_tokens: int = 0
+    num_disk_cached_tokens: int = 0  # of num_cached_tokens, those the disk tier served
+    disk_read_s: float = 0.0  # the wait for those reads
     # speculative decoding: tokens proposed and accepted, and the verify steps they took
     num_spec_proposed_tokens: int = 0
     num_spec_accepted_tokens: int = 0

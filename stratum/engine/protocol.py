@@ -50,6 +50,9 @@ class EngineSnapshot:
     gpu_memory_allocated_mb: float | None = None
     step: str = ""  # "native" or "pytorch": what runs the model now
     preparing: str | None = None  # a cold start's kernels being prepared in the background: the stage
+    # per tier of the prefix cache ("pool", "disk"): hit tokens, bytes read / written, evicted blocks,
+    # size (`disk_tier.DiskTier.report`)
+    kv_tiers: dict = field(default_factory=dict)
     num_engines: int = 1  # engine loops behind it: 1, or a replica set's live replicas
 
     @property
@@ -71,6 +74,7 @@ class EngineSnapshot:
             "mean_step_s": max(s.mean_step_s for s in snaps),
             "step": "+".join(sorted({s.step for s in alive if s.step})),
             "num_engines": len(alive),
+            "kv_tiers": _summed_tiers(snaps),
         }
         values = {}
         for f in fields(cls):
@@ -82,6 +86,19 @@ class EngineSnapshot:
             else:
                 values[f.name] = _total(each)
         return cls(**values)
+
+
+def _summed_tiers(snaps: list[EngineSnapshot]) -> dict:
+    """The replicas' tier figures added up, except the disk tier's size and bound: one tier on the
+    machine, which every replica reports whole."""
+    out: dict[str, dict] = {}
+    for snap in snaps:
+        for tier, figures in snap.kv_tiers.items():
+            into = out.setdefault(tier, {})
+            for name, value in figures.items():
+                shared = tier == "disk" and name in ("size_bytes", "blocks", "limit_bytes", "enabled")
+                into[name] = max(into.get(name, 0), value) if shared else into.get(name, 0) + value
+    return out
 
 
 def _total(values: list):

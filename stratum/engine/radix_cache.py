@@ -57,6 +57,8 @@ class RadixCache:
         self.ref_counts = ref_counts
         self.clock = clock
         self.block_node: dict[int, RadixNode] = {}  # every cached block -> its node
+        # told of blocks that enter the tree, leave it, or are pinned (the disk tier: `disk_tier.DiskTier`)
+        self.listener = None
 
     @property
     def num_cached_blocks(self) -> int:
@@ -101,6 +103,8 @@ class RadixCache:
                 for b in leaf.blocks:
                     assert b not in self.block_node, f"block {b} cached twice"
                     self.block_node[b] = leaf
+                if self.listener is not None:
+                    self.listener.inserted(leaf.keys, leaf.blocks)
                 return i
             n = _common_length(child.keys, keys[i:])
             if n < len(child.keys):
@@ -136,6 +140,8 @@ class RadixCache:
         match = self.match_prefix(keys)
         if match.num_blocks:
             match.node.pin_until = max(match.node.pin_until, self.clock() + ttl_s)
+            if self.listener is not None:
+                self.listener.pinned(keys[: match.num_blocks], match.block_ids)
         return match.num_blocks
 
     def is_evictable(self, node: RadixNode, now: float) -> bool:
@@ -179,6 +185,8 @@ class RadixCache:
         freed: list[int] = []
         while heap and len(freed) < num_blocks:
             _, _, node = heapq.heappop(heap)
+            if self.listener is not None:  # before the blocks can be handed out again
+                self.listener.evicted(node.keys, node.blocks)
             freed += reversed(node.blocks)
             for b in node.blocks:
                 del self.block_node[b]

@@ -83,6 +83,8 @@ class Sequence:
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first schedule; -1 until then
     num_cache_written_tokens: int = 0  # prompt tokens this request added to the prefix cache
+    num_disk_cached_tokens: int = 0  # of num_cached_tokens, those read from the disk tier (`disk_tier`)
+    disk_read_s: float = 0.0  # how long the request waited for those reads
     num_prompt_tokens_computed: int = 0  # prompt tokens that went through the forward (recompute included)
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)

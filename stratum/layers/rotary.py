@@ -1,4 +1,5 @@
-"""Rotary position embeddings in the rotate-half convention, with Llama 3 frequency scaling."""
+"""Rotary position embeddings in the rotate-half convention, with the checkpoint's frequency scaling
+(Llama 3's, stored factors) or the one a user asks to extend the context (linear, YaRN)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     The "llama3" rule follows Meta's reference `apply_scaling` (llama-models, Llama 3.1): wavelengths
     longer than original_max / low_freq_factor are divided by `factor`, shorter than
     original_max / high_freq_factor are kept, and the band between is interpolated smoothly.
+    "yarn" is YaRN's "NTK-by-parts" (Peng et al. 2023, arXiv:2309.00071, sec. 3.2): a frequency that
+    turns more than beta_fast (32) times over the original context is kept, one that turns less than
+    beta_slow (1) times is divided by `factor`, and the dimensions between are blended linearly.
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
     kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
@@ -21,6 +25,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
         inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float64)
     elif kind == "linear":
         inv_freq = inv_freq / float(scaling["factor"])
+    elif kind == "yarn":
+        inv_freq = _yarn(inv_freq, head_dim, theta, scaling)
     elif kind == "llama3":
         factor = float(scaling["factor"])
         low = float(scaling.get("low_freq_factor", 1.0))
@@ -35,16 +41,42 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     return inv_freq.float()
 
 
+def _yarn(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: dict[str, Any]) -> torch.Tensor:
+    factor = float(scaling["factor"])
+    original = float(scaling.get("original_max_position_embeddings", 8192))
+    fast, slow = float(scaling.get("beta_fast", 32.0)), float(scaling.get("beta_slow", 1.0))
+
+    def dim_of(rotations: float) -> float:  # the dimension whose frequency turns `rotations` times over `original`
+        return head_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = dim_of(fast), dim_of(slow)
+    if scaling.get("truncate", True):  # whole dimensions, as the paper's code has it (a checkpoint may say otherwise)
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    return inv_freq / factor * ramp + inv_freq * (1 - ramp)
+
+
+def attention_factor(scaling: dict[str, Any] | None) -> float:
+    """YaRN's scale of q and k (so of the attention logits, squared): 0.1 ln(factor) + 1 (the paper's
+    eq. 22, for sqrt(1/t)), unless the checkpoint gives its own; 1 for every other scaling."""
+    if (scaling or {}).get("rope_type") != "yarn":
+        return 1.0
+    return float(scaling.get("attention_factor") or 0.1 * math.log(float(scaling["factor"])) + 1.0)
+
+
 class RotaryEmbedding(torch.nn.Module):
-    """Holds the cos/sin table for every position up to `max_positions`."""
+    """Holds the cos/sin table for every position up to `max_positions` (scaled by YaRN's attention
+    factor where it applies, so every path that reads the tables, the native step's too, applies it)."""
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict[str, Any] | None):
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
         t = torch.arange(max_positions, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim / 2]
-        self.register_buffer("cos", freqs.cos(), persistent=False)
-        self.register_buffer("sin", freqs.sin(), persistent=False)
+        scale = attention_factor(scaling)
+        self.register_buffer("cos", freqs.cos() * scale, persistent=False)
+        self.register_buffer("sin", freqs.sin() * scale, persistent=False)
 
     def tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for this step's tokens, [T, 1, head_dim / 2]; looked up once per step, used by every layer."""

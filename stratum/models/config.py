@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 # Hugging Face model_type -> the family name used here (and by GGUF's general.architecture).
@@ -10,11 +10,16 @@ HF_FAMILIES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3"
                "gemma3_text": "gemma3", "phi3": "phi3"}
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "phi3")
 GEMMA = ("gemma2", "gemma3")
-ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")  # what layers/rotary.py computes
+ROPE_TYPES = ("default", "linear", "llama3", "freq_factors", "yarn")  # what layers/rotary.py computes
+CONTEXT_SCALINGS = ("linear", "yarn")  # what --rope-scaling may name (llama.cpp's --rope-scaling)
 
 
 class UnsupportedModelError(ValueError):
     """The checkpoint uses a feature this runtime does not compute; the message names it."""
+
+
+class ContextLengthError(ValueError):
+    """A context length the model was not trained for, asked without a RoPE scaling that reaches it."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +95,47 @@ class ModelConfig:
         if self.sliding_layers and len(self.sliding_layers) != self.num_layers:
             raise UnsupportedModelError(f"{self.architecture}: {len(self.sliding_layers)} layer types for {self.num_layers} layers")
         return self
+
+    def with_context(self, max_model_len: int | None, scaling: str | None = None, factor: float | None = None,
+                     original: int | None = None) -> "ModelConfig":
+        """The model at the context a user asked for (`stratum serve --max-model-len`, `--rope-scaling`,
+        `--rope-scale`, `--yarn-orig-ctx`, as llama.cpp names them).
+
+        Without `scaling` the context is at most the trained one (`max_position_embeddings`): a longer one
+        is refused, never served silently at another length. With it, RoPE positions are scaled by
+        `factor` (default: max_model_len / the trained context) from the `original` context (default the
+        trained one): "linear" divides every frequency (position interpolation), "yarn" interpolates the
+        low frequencies only and scales attention (`layers.rotary.rope_inv_freq`); the context is then
+        up to original x factor.
+
+        Raises:
+            ContextLengthError: the asked context is beyond what the model (so scaled) reaches, or the
+                scaling is asked for a model that already has one.
+        """
+        trained = self.max_position_embeddings
+        if scaling in (None, "none"):
+            if max_model_len is not None and max_model_len > trained:
+                raise ContextLengthError(
+                    f"--max-model-len {max_model_len} is beyond {self.name or 'the model'}'s trained context of {trained} "
+                    f"tokens: serve at most {trained}, or extend it explicitly with --rope-scaling yarn (or linear), "
+                    f"e.g. --max-model-len {max_model_len} --rope-scaling yarn")
+            return self
+        if scaling not in CONTEXT_SCALINGS:
+            raise ContextLengthError(f"--rope-scaling {scaling!r}: expected one of none, {', '.join(CONTEXT_SCALINGS)}")
+        if rope_type(self.rope_scaling) != "default":
+            raise ContextLengthError(f"{self.name or 'the model'} already scales RoPE ({rope_type(self.rope_scaling)}); "
+                                     "--rope-scaling cannot be applied over it")
+        base = original or trained
+        factor = factor or (max_model_len / base if max_model_len else None)
+        if not factor or factor <= 1.0:
+            raise ContextLengthError(f"--rope-scaling {scaling} needs --rope-scale above 1, or a --max-model-len above "
+                                     f"the {base}-token context it extends")
+        reach = int(base * factor)
+        if max_model_len is not None and max_model_len > reach:
+            raise ContextLengthError(f"--max-model-len {max_model_len} is beyond the {reach} tokens that --rope-scale "
+                                     f"{factor:g} reaches from {base}")
+        rope = {"rope_type": scaling, "factor": float(factor), "original_max_position_embeddings": base}
+        return replace(self, rope_scaling=rope, max_position_embeddings=max_model_len or reach)
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], name: str = "") -> "ModelConfig":

@@ -47,7 +47,7 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     app = FastAPI(title="Stratum", version="0.1.0", docs_url="/docs", redoc_url=None)
     rt = make_runtime(engine, settings.model_name, settings.pricing, settings.tenant_budget_tokens,
                       settings.budget_window_s, settings.pollution_policy, settings.isolate_tenants,
-                      settings.header_wait_s, settings.ping_interval_s)
+                      settings.header_wait_s, settings.ping_interval_s, settings.responses_store_bytes)
     app.state.runtime = rt
     runner = _batches(app, rt, settings)
     if settings.console:

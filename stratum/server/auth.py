@@ -50,3 +50,10 @@ def tenant_of(request: Request, user_id: str | None) -> str:
     if user_id:
         return "user:" + user_id
     return "addr:" + (request.client.host if request.client else "unknown")
+
+
+def owner_of(request: Request, keyed: bool) -> str:
+    """Whose stored objects (Responses API responses) a request may see: its API key's, when the server
+    has keys; without keys every client is one trust domain (""), as for the prefix cache."""
+    key = api_key_of(request.headers) if keyed else None
+    return "key:" + hashlib.sha256(key.encode()).hexdigest() if key else ""

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ValidationError
 from starlette.requests import ClientDisconnect, Request
 
 from stratum.server.errors import BodyTimeout, ClientDisconnected, InvalidRequest, RequestTooLarge
+from stratum.server.protocol.common import error_path
 
 log = logging.getLogger("stratum.server")
 
@@ -73,10 +74,32 @@ def _decode_json(body: bytes) -> dict[str, Any]:
 
 
 def _parse(model: type[Model], data: dict[str, Any]) -> Model:
+    """The body as `model`. A failure names its field by its path, through the variant of a union the
+    request meant (`messages.1.content.0.tool_use.toolset_name`: the union's tag is in the path), and
+    carries the field's own path in the API's terms as the error's `param` (`messages[1].content[0]
+    .toolset_name`), which OpenAI's error shape reports."""
     try:
         return model.model_validate(data)
     except ValidationError as e:
         first = e.errors()[0]
-        loc = ".".join(str(p) for p in first["loc"])
+        path = error_path(first["loc"])
+        loc = ".".join(str(p) for p in path)
         sep = "." if first["type"] == "unsupported_content" else ": "  # its message starts with the block's path
-        raise InvalidRequest(f"{loc}{sep}{first['msg']}" if loc else first["msg"]) from None
+        error = InvalidRequest(f"{loc}{sep}{first['msg']}" if loc else first["msg"])
+        error.param = _param(data, path)
+        raise error from None
+
+
+def _param(data: Any, path: list[str | int]) -> str | None:
+    """`path` as the request's own field path (`input[3].call_id`): union tags, which name a variant and
+    not a field, left out (a tag is a step the request's data does not have, short of the last one)."""
+    out, value = "", data
+    for i, step in enumerate(path):
+        if isinstance(step, int) and isinstance(value, list) and step < len(value):
+            out, value = f"{out}[{step}]", value[step]
+        elif isinstance(step, str) and (isinstance(value, dict) and step in value or i == len(path) - 1):
+            out = f"{out}.{step}" if out else step
+            value = value.get(step) if isinstance(value, dict) else None
+        elif not isinstance(step, str):
+            return out or None
+    return out or None

@@ -12,8 +12,8 @@ from stratum.models.chat_template import ChatTemplate, ChatTemplateError
 from stratum.server import structured
 from stratum.server import tools as tool_fmt
 from stratum.server.errors import InvalidRequest
-from stratum.server.protocol import (ChatCompletionRequest, CountTokensRequest, MessagesRequest, RespMessage,
-                                     ResponsesRequest)
+from stratum.server.protocol import ChatCompletionRequest, CountTokensRequest, MessagesRequest
+from stratum.server.protocol.messages import Tool
 
 
 @dataclass
@@ -94,16 +94,21 @@ class Prompt:
     # the answer may hold several calls: the request allows it, and the template has a form for them (not
     # Llama 3.1's, nor one that knows no tools: a model never taught calls repeats its one until max_tokens)
     parallel_calls: bool = True
+    raw_tools: frozenset[str] = frozenset()  # custom (freeform) tools: a call's input is raw text to the answer's end
 
 
-def _call(call_id: str, name: str, arguments: Any) -> dict[str, Any]:
+def tool_call(call_id: str, name: str, arguments: Any) -> dict[str, Any]:
     """A tool call in an assistant turn, as Hugging Face chat templates read `tool_calls`."""
     return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-def _result(call_id: str, content: str, names: dict[str, str]) -> dict[str, Any]:
+def tool_result(call_id: str, content: str, names: dict[str, str]) -> dict[str, Any]:
     """A tool's result as a `tool` turn, naming the call it answers (and, where known, its tool)."""
     return {"role": "tool", "tool_call_id": call_id, "name": names.get(call_id, ""), "content": content}
+
+
+_SILENT_BLOCKS = ("thinking", "redacted_thinking", "container_upload", "fallback", "mcp_tool_listing", "tool_addition",
+                  "tool_removal")
 
 
 def _block_text(block) -> str:
@@ -111,10 +116,10 @@ def _block_text(block) -> str:
     blocks"): text as is; documents and search results as their title, context and text; thinking and
     container uploads add nothing."""
     kind = block.type
-    if kind in ("thinking", "redacted_thinking", "container_upload"):  # a recorded model's reasoning is not prompt
+    if kind in _SILENT_BLOCKS:  # a recorded model's reasoning is not prompt, nor is bookkeeping
         return ""
-    if kind == "text":
-        return block.text
+    if kind in ("text", "compaction"):  # a compaction block's content is its summary of what came before
+        return (block.text if kind == "text" else block.content) or ""
     if kind == "document":
         source = block.source
         body = source.data if source.type == "text" else (
@@ -135,12 +140,12 @@ def _anthropic_turns(role: str, blocks, names: dict[str, str]) -> list[dict[str,
     for block in blocks:
         if block.type in ("tool_use", "server_tool_use", "mcp_tool_use"):
             names[block.id] = block.name
-            calls.append(_call(block.id, block.name, block.input))
+            calls.append(tool_call(block.id, block.name, block.input))
         elif block.type == "tool_result":
             content = block.content if isinstance(block.content, str) else "\n".join(map(_block_text, block.content))
-            results.append(_result(block.tool_use_id, content, names))
+            results.append(tool_result(block.tool_use_id, content, names))
         elif hasattr(block, "tool_use_id"):  # a server tool's result (web search, code execution...)
-            results.append(_result(block.tool_use_id, json.dumps(block.content, ensure_ascii=False), names))
+            results.append(tool_result(block.tool_use_id, json.dumps(block.content, ensure_ascii=False), names))
         elif text := _block_text(block):
             texts.append(text)
     turns = results
@@ -149,7 +154,7 @@ def _anthropic_turns(role: str, blocks, names: dict[str, str]) -> list[dict[str,
     return turns
 
 
-def _append(messages: list[dict[str, Any]], turn: dict[str, Any]) -> None:
+def append_turn(messages: list[dict[str, Any]], turn: dict[str, Any]) -> None:
     """Add a turn; consecutive turns of one role are merged, as the Messages API does: their text joined,
     their tool calls in order (text after an assistant's calls starts a turn of its own). Tool results
     stay one turn each."""
@@ -168,7 +173,8 @@ def _marks(blocks) -> list:
 
 def anthropic_input(req: MessagesRequest | CountTokensRequest) -> ChatInput:
     """Anthropic body -> chat messages. Consecutive turns of one role are merged, as the Messages API
-    does; a system message inside `messages` stays a system turn at its place in the conversation."""
+    does; a system message inside `messages` stays a system turn at its place in the conversation (one
+    with `clear_at: next_user_message` only until a user message follows it)."""
     messages: list[dict[str, Any]] = []
     pinned: dict[int, str | None] = {}
     system = req.system
@@ -181,100 +187,130 @@ def anthropic_input(req: MessagesRequest | CountTokensRequest) -> ChatInput:
         messages.append({"role": "system", "content": system_text})
         if marks:
             pinned[0] = marks[-1].ttl
-    choice = req.tool_choice
-    tools = None
-    if req.tools and not (choice and choice.type == "none"):
-        tools = [{"name": t.name, "description": t.description or "", "parameters": t.input_schema, "strict": bool(t.strict)}
-                 for t in req.tools]
-    if choice and choice.type == "tool" and choice.name not in {t.name for t in req.tools or []}:
-        raise InvalidRequest(f"tool_choice names {choice.name!r}, which is not in tools")
-    if choice and choice.type in ("any", "tool") and not req.tools:
-        raise InvalidRequest(f"tool_choice {choice.type!r} requires tools")
-    forced: bool | str = False
-    if choice is not None and choice.type == "any":
-        forced = True
-    elif choice is not None and choice.type == "tool":
-        forced = choice.name
+    tools, forced = _anthropic_tools(req)
     system_texts = [system_text] if system_text else []
     names: dict[str, str] = {}  # tool call id -> the tool's name
-    for m in req.messages:
+    for i, m in enumerate(req.messages):
+        if m.role == "system" and (not m.content or m.clear_at == "next_user_message"
+                                   and any(later.role == "user" for later in req.messages[i + 1:])):
+            continue  # only output_config, or cleared by the user message after it
         blocks = [] if isinstance(m.content, str) else m.content
         turns = [{"role": m.role, "content": m.content}] if isinstance(m.content, str) else _anthropic_turns(m.role, blocks, names)
         if m.role == "system":
             system_texts.append(turns[0]["content"])
         for turn in turns:
-            _append(messages, turn)
+            append_turn(messages, turn)
         marks = _marks(blocks) + ([m.cache_control] if m.cache_control else [])
         if marks:
             pinned[len(messages) - 1] = marks[-1].ttl
     if req.cache_control is not None:  # automatic caching: a breakpoint after the last message
         pinned[len(messages) - 1] = req.cache_control.ttl
+    choice = req.tool_choice
     parallel = not (choice is not None and choice.disable_parallel_tool_use)
     return ChatInput(messages, tools, forced, "\n".join(system_texts), pinned, output_schema=req.output_schema,
                      parallel_calls=parallel)
 
 
+def _anthropic_tools(req: MessagesRequest | CountTokensRequest) -> tuple[list[dict[str, Any]] | None, bool | str]:
+    """The custom tools offered at the end of the conversation (`tools`, changed by the messages'
+    tool_addition / tool_removal blocks, a compaction's among them) and what tool_choice forces.
+
+    Raises:
+        InvalidRequest: tool_choice names a tool not offered, or forces one where none is.
+    """
+    declared = {t.name: t for t in req.tools or []}
+    offered = dict(declared)
+    for m in req.messages:
+        for block in m.content if isinstance(m.content, list) else ():
+            for change in (block.tool_changes or []) if block.type == "compaction" else [block]:
+                if change.type in ("tool_addition", "tool_removal"):
+                    _change_tools(offered, declared, change)
+    choice = req.tool_choice
+    if choice and choice.type == "tool" and choice.name not in offered:
+        raise InvalidRequest(f"tool_choice names {choice.name!r}, which is not in tools")
+    if choice and choice.type in ("any", "tool") and not offered:
+        raise InvalidRequest(f"tool_choice {choice.type!r} requires tools")
+    if not offered or (choice and choice.type == "none"):
+        return None, False
+    tools = [{"name": t.name, "description": t.description or "", "parameters": t.input_schema, "strict": bool(t.strict)}
+             for t in offered.values()]
+    return tools, True if choice is not None and choice.type == "any" else choice.name if choice and choice.type == "tool" else False
+
+
+def _change_tools(offered: dict[str, Any], declared: dict[str, Any], change) -> None:
+    """Apply one tool_addition / tool_removal to the tools offered (MCP references change nothing here)."""
+    ref = change.tool
+    if ref.type == "tool_definition":
+        if (ref.definition or {}).get("type") not in (None, "custom"):
+            return  # an Anthropic-defined tool: not offered to this model
+        try:
+            tool = Tool.model_validate(ref.definition)
+        except ValueError as e:
+            raise InvalidRequest(f"tool_addition: the tool definition is not valid: {e}"[:500]) from None
+        if change.type == "tool_addition":
+            offered[tool.name] = declared[tool.name] = tool
+        return
+    if ref.type != "tool_reference" or ref.name is None:
+        return
+    if change.type == "tool_removal":
+        offered.pop(ref.name, None)
+    elif ref.name in declared:
+        offered[ref.name] = declared[ref.name]
+    else:
+        raise InvalidRequest(f"tool_addition names {ref.name!r}, which is neither in tools nor defined earlier")
+
+
 def openai_input(req: ChatCompletionRequest) -> ChatInput:
+    """OpenAI chat completions -> chat messages: developer turns as system ones, an assistant's tool calls
+    (a custom tool's with its raw input; the deprecated `function_call` too) as its `tool_calls`, tool
+    (and deprecated function) turns as tool turns."""
     messages: list[dict[str, Any]] = []
     names: dict[str, str] = {}
     for m in req.messages:
-        text = m.content if isinstance(m.content, str) else "".join(p.text for p in m.content or [])
-        if m.role == "tool":
-            _append(messages, {**_result(m.tool_call_id or "", text, names), **({"name": m.name} if m.name else {})})
+        if m.role in ("tool", "function"):
+            call_id = m.tool_call_id or ""
+            append_turn(messages, {**tool_result(call_id, m.text, names), **({"name": m.name} if m.name else {})})
             continue
-        turn = {"role": "system" if m.role == "developer" else m.role, "content": text}
-        if m.tool_calls:
-            names.update((c.id, c.function.name) for c in m.tool_calls)
-            turn["tool_calls"] = [_call(c.id, c.function.name, _args(c.function.arguments)) for c in m.tool_calls]
-        _append(messages, turn)
-    choice = req.tool_choice
-    tools = None
-    if req.tools and choice != "none":
-        tools = [{"name": t.function.name, "description": t.function.description or "", "parameters": t.function.parameters,
-                  "strict": bool(t.function.strict)} for t in req.tools]
-    named = choice.function.name if choice is not None and not isinstance(choice, str) else None
-    forced = _forced_function(choice, named, tools)
+        turn = {"role": "system" if m.role == "developer" else m.role, "content": m.text}
+        calls = [(c.id, c.function.name, call_arguments(c.function.arguments)) if c.type == "function"
+                 else (c.id, c.custom.name, c.custom.input) for c in m.tool_calls or []]
+        if m.function_call is not None:
+            calls.append(("", m.function_call.name, call_arguments(m.function_call.arguments)))
+        if calls:
+            names.update((call_id, name) for call_id, name, _ in calls)
+            turn["tool_calls"] = [tool_call(*c) for c in calls]
+        append_turn(messages, turn)
+    tools, forced = _openai_tools(req)
     system_text = "\n".join(m["content"] for m in messages if m["role"] == "system")
     schema = req.response_format.schema if req.response_format else None
     return ChatInput(messages, tools, forced, system_text, output_schema=schema,
                      parallel_calls=req.parallel_tool_calls is not False)
 
 
-def responses_input(req: ResponsesRequest) -> ChatInput:
-    """A Responses API request as chat messages: `instructions` first as a system message, developer
-    messages as system ones, function calls as an assistant turn's tool calls and their outputs as tool
-    turns, as chat completions' are."""
-    messages: list[dict[str, Any]] = []
-    if req.instructions:
-        _append(messages, {"role": "system", "content": req.instructions})
-    items = [RespMessage(role="user", content=req.input)] if isinstance(req.input, str) else req.input
-    names: dict[str, str] = {}
-    for item in items:
-        if item.type == "message":
-            text = item.content if isinstance(item.content, str) else "".join(p.text for p in item.content)
-            _append(messages, {"role": "system" if item.role == "developer" else item.role, "content": text})
-        elif item.type == "function_call":
-            names[item.call_id] = item.name
-            _append(messages, {"role": "assistant", "content": "",
-                               "tool_calls": [_call(item.call_id, item.name, _args(item.arguments))]})
-        elif item.type == "function_call_output":
-            output = item.output if isinstance(item.output, str) else "".join(p.text for p in item.output)
-            _append(messages, _result(item.call_id, output, names))
+def _openai_tools(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, bool | str]:
+    """The function and custom tools offered (those `allowed_tools` names, where tool_choice names some)
+    and what tool_choice forces."""
     choice = req.tool_choice
+    offered = list(req.tools or [])
+    if choice is not None and not isinstance(choice, str) and choice.type == "allowed_tools":
+        allowed = {(t.get("type"), (t.get(t.get("type") or "") or {}).get("name")) for t in choice.allowed_tools.tools}
+        offered = [t for t in offered if (t.type, _tool_name(t)) in allowed]
+        choice = "required" if choice.allowed_tools.mode == "required" else "auto"
     tools = None
-    if req.tools and choice != "none":
-        tools = [{"name": t.name, "description": t.description or "",
-                  "parameters": t.parameters or {"type": "object", "properties": {}}, "strict": bool(t.strict)}
-                 for t in req.tools]
-    forced = _forced_function(choice, choice.name if choice is not None and not isinstance(choice, str) else None, tools)
-    if not messages:
-        raise InvalidRequest("input holds no message to answer")
-    system_text = "\n".join(m["content"] for m in messages if m["role"] == "system")
-    return ChatInput(messages, tools, forced, system_text, output_schema=req.output_schema,
-                     parallel_calls=req.parallel_tool_calls is not False)
+    if offered and choice != "none":
+        tools = [{"name": t.custom.name, "description": t.custom.description or "", "format": t.format}
+                 if t.type == "custom" else
+                 {"name": t.function.name, "description": t.function.description or "", "parameters": t.function.parameters,
+                  "strict": bool(t.function.strict)} for t in offered]
+    named = choice.name if choice is not None and not isinstance(choice, str) else None
+    return tools, forced_function(choice, named, tools)
 
 
-def _forced_function(choice, named: str | None, tools: list[dict[str, Any]] | None) -> bool | str:
+def _tool_name(tool) -> str:
+    return tool.custom.name if tool.type == "custom" else tool.function.name
+
+
+def forced_function(choice, named: str | None, tools: list[dict[str, Any]] | None) -> bool | str:
     """OpenAI's tool_choice ("required", or a named function) as `ChatInput.forced_tool`."""
     forced: bool | str = True if choice == "required" else named if named is not None else False
     if isinstance(forced, str) and forced not in {t["name"] for t in tools or []}:
@@ -284,7 +320,7 @@ def _forced_function(choice, named: str | None, tools: list[dict[str, Any]] | No
     return forced
 
 
-def _args(arguments: str):
+def call_arguments(arguments: str):
     try:
         return json.loads(arguments)
     except ValueError:
@@ -310,8 +346,7 @@ def build_prompt(template: ChatTemplate, chat: ChatInput) -> Prompt:
         _add_system(messages, tool_fmt.tools_system_prompt(tools))
         template_tools, fmt = None, tool_fmt.HERMES
     else:  # as transformers' apply_chat_template passes them: OpenAI's function tools
-        template_tools = [{"type": "function", "function": {k: t[k] for k in ("name", "description", "parameters")
-                                                             if t.get(k)}} for t in tools] if tools else None
+        template_tools = [_template_tool(t) for t in tools] if tools else None
         fmt = fmt.for_vocabulary(template.tokenizer)
     if forced_tool is True and tools and len(tools) == 1:
         forced_tool = tools[0]["name"]  # "any" with one tool is that tool
@@ -328,8 +363,20 @@ def build_prompt(template: ChatTemplate, chat: ChatInput) -> Prompt:
         return build_prompt(template, chat)  # a template that allows a system turn only first
     prompt = Prompt(ids, prefill, {t["name"] for t in tools or []}, forced_tool is not False, template_tools,
                     forced_tool if isinstance(forced_tool, str) else None, tool_format=fmt,
-                    parallel_calls=chat.parallel_calls and fmt.parallel and template_tools is not None)
+                    parallel_calls=chat.parallel_calls and fmt.parallel and template_tools is not None,
+                    raw_tools=frozenset(t["name"] for t in tools or [] if "format" in t))
     return replace(prompt, grammar=structured.answer_grammar(chat, prompt))
+
+
+def _template_tool(tool: dict[str, Any]) -> dict[str, Any]:
+    """A tool as a chat template reads it: a function; a custom tool as one whose input is raw text, its
+    format in its description."""
+    if "format" in tool:
+        fmt = tool["format"]
+        how = (f"Its input is raw text in this {fmt['syntax']} grammar:\n{fmt['definition']}" if fmt.get("type") == "grammar"
+               else "Its input is raw text.")
+        return {"type": "function", "function": {"name": tool["name"], "description": f"{tool['description']}\n{how}".strip()}}
+    return {"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k)}}
 
 
 PIN_TTLS = {"5m": 300.0, "1h": 3600.0}

@@ -26,11 +26,13 @@ class APIError(Exception):
     status = 500
     type = "api_error"
 
-    def __init__(self, message: str, headers: dict[str, str] | None = None, extra: dict[str, Any] | None = None):
+    def __init__(self, message: str, headers: dict[str, str] | None = None, extra: dict[str, Any] | None = None,
+                 param: str | None = None):
         super().__init__(message)
         self.message = message
         self.headers = headers or {}
         self.extra = extra or {}
+        self.param = param  # the request field at fault (OpenAI's `param`), where one is
 
 
 class InvalidRequest(APIError):
@@ -121,7 +123,8 @@ def error_object(e: APIError) -> dict[str, Any]:
 def error_body(e: APIError, request_id: str, path: str) -> dict[str, Any]:
     if is_openai(path):
         code = e.extra.get("stratum_reason")
-        error = {"message": e.message, "type": _OPENAI_TYPES.get(e.type, e.type), "param": None, "code": code, **e.extra}
+        error = {"message": e.message, "type": _OPENAI_TYPES.get(e.type, e.type), "param": e.param, "code": code,
+                 **e.extra}
         return {"error": error, "request_id": request_id}
     return {"type": "error", "error": error_object(e), "request_id": request_id}
 
@@ -135,7 +138,7 @@ def sse_error(e: APIError, request_id: str, path: str, sequence_number: int = 0)
     OpenAI `data:` chunk holding the error object, or the Responses API's `error` event."""
     if path.startswith(RESPONSES_PATH):
         error = error_body(e, request_id, path)["error"]
-        body = json.dumps({"type": "error", "code": error["code"] or error["type"], "message": e.message, "param": None,
+        body = json.dumps({"type": "error", "code": error["code"] or error["type"], "message": e.message, "param": e.param,
                            "sequence_number": sequence_number}, ensure_ascii=False)
         return f"event: error\ndata: {body}\n\n".encode()
     body = json.dumps(error_body(e, request_id, path), ensure_ascii=False)

@@ -30,8 +30,9 @@ def usage(out: RequestOutput) -> dict[str, Any]:
 
 
 def tool_calls(calls) -> list[dict[str, Any]]:
-    return [{"id": new_call_id(), "type": "function", "function": {"name": n, "arguments": to_json(a)}}
-            for n, a in calls]
+    """The calls as chat completions' `tool_calls`: a function's arguments as JSON, a custom tool's raw input."""
+    return [{"id": new_call_id(), "type": "custom", "custom": {"name": n, "input": a}} if isinstance(a, str) else
+            {"id": new_call_id(), "type": "function", "function": {"name": n, "arguments": to_json(a)}} for n, a in calls]
 
 
 # ---- log-probabilities -----------------------------------------------------------------------------
@@ -138,7 +139,8 @@ class _Chunks:
 # ---- chat completions ------------------------------------------------------------------------------
 class Chat(_Chunks):
     """A `render.Renderer` for chat completions: the body, or one chunk per output per choice:
-    content deltas, tool-call deltas (the name first, then argument fragments as they are generated),
+    content deltas, tool-call deltas (the name first, then argument fragments as they are generated; a
+    custom tool's call as `custom` with `input` fragments),
     the finish reason, the cost, then usage if asked and [DONE]."""
 
     kind = "chat.completion.chunk"
@@ -148,6 +150,7 @@ class Chat(_Chunks):
         super().__init__(ctx, include_usage, tokenizer, "chatcmpl-")
         self.splitters = {i: answer_splitter(ctx.prompt) for i in range(ctx.num_choices)}
         self.calls = {i: -1 for i in range(ctx.num_choices)}  # the index of each choice's current tool call
+        self.kinds = {i: ("function", "arguments") for i in range(ctx.num_choices)}  # its type, and its payload's key
 
     def _finish_reason(self, choice: int, out: RequestOutput) -> str:
         return finish_reason(out, self.calls[choice] >= 0)
@@ -185,10 +188,13 @@ class Chat(_Chunks):
                     logprobs = None
                 case CallStart(name):
                     self.calls[i] += 1
-                    yield self._delta(i, {"tool_calls": [{"index": self.calls[i], "id": new_call_id(), "type": "function",
-                                                          "function": {"name": name, "arguments": ""}}]}, extra=meta)
+                    kind, part = ("custom", "input") if name in self.ctx.prompt.raw_tools else ("function", "arguments")
+                    self.kinds[i] = kind, part
+                    yield self._delta(i, {"tool_calls": [{"index": self.calls[i], "id": new_call_id(), "type": kind,
+                                                          kind: {"name": name, part: ""}}]}, extra=meta)
                 case CallArguments(fragment):
-                    yield self._delta(i, {"tool_calls": [{"index": self.calls[i], "function": {"arguments": fragment}}]},
+                    kind, part = self.kinds[i]
+                    yield self._delta(i, {"tool_calls": [{"index": self.calls[i], kind: {part: fragment}}]},
                                       logprobs=logprobs, extra=meta)
                     logprobs = None
         if logprobs is not None and logprobs["content"]:  # tokens whose text is held back or markup

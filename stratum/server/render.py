@@ -59,17 +59,17 @@ def _forced(prompt: Prompt) -> str:
     return prompt.prefill if prompt.is_forced_tool else ""
 
 
-def split_output(prompt: Prompt, text: str) -> tuple[str, list[tuple[str, dict]]]:
-    """A whole answer: its text and its tool calls."""
+def split_output(prompt: Prompt, text: str) -> tuple[str, list[tuple[str, dict | str]]]:
+    """A whole answer: its text and its tool calls (a custom tool's input is its raw text)."""
     full = _forced(prompt) + text
     if not prompt.tool_names:
         return full, []
-    return parse_tool_calls(full, prompt.tool_names, prompt.tool_format)
+    return parse_tool_calls(full, prompt.tool_names, prompt.tool_format, prompt.raw_tools)
 
 
 def answer_splitter(prompt: Prompt) -> AnswerSplitter:
     """An answer as it streams: its text and its tool calls' pieces (`tools.AnswerEvent`s)."""
-    return AnswerSplitter(prompt.tool_names, _forced(prompt), prompt.tool_format)
+    return AnswerSplitter(prompt.tool_names, _forced(prompt), prompt.tool_format, prompt.raw_tools)
 
 
 def new_call_id() -> str:

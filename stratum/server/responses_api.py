@@ -1,15 +1,17 @@
 """OpenAI Responses API (`POST /v1/responses`): the response object and its SSE event stream.
 
-An answer becomes output items: a `message` holding one `output_text` part, and a `function_call`
-item per tool call (arguments as a JSON string, with a `call_id` the client answers with a
-`function_call_output` item). The stream is the documented event sequence, every event numbered by
-`sequence_number`:
+An answer becomes output items: a `message` holding one `output_text` part, a `function_call` item per
+function call (arguments as a JSON string, with a `call_id` the client answers with a
+`function_call_output` item) and a `custom_tool_call` item per custom tool call (its raw `input`); a
+call of a tool inside a namespace names the `namespace` and the tool's own name. The stream is the
+documented event sequence, every event numbered by `sequence_number`:
 
     response.created, response.in_progress
     per item: response.output_item.added
-        message:       response.content_part.added, response.output_text.delta..., response.output_text.done,
-                       response.content_part.done
-        function_call: response.function_call_arguments.delta..., response.function_call_arguments.done
+        message:          response.content_part.added, response.output_text.delta..., response.output_text.done,
+                          response.content_part.done
+        function_call:    response.function_call_arguments.delta..., response.function_call_arguments.done
+        custom_tool_call: response.custom_tool_call_input.delta..., response.custom_tool_call_input.done
       response.output_item.done
     response.completed (or response.incomplete when max_output_tokens ended it; it also carries stratum_cost)
 """
@@ -17,7 +19,7 @@ item per tool call (arguments as a JSON string, with a `call_id` the client answ
 from __future__ import annotations
 
 import time
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 from stratum.engine.outputs import RequestOutput
 from stratum.server.errors import APIError, sse_error
@@ -39,9 +41,21 @@ def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 
-def _call_item(item_id: str, call_id: str, name: str, arguments: str, status: str) -> dict[str, Any]:
-    return {"type": "function_call", "id": item_id, "call_id": call_id, "name": name, "arguments": arguments,
-            "status": status}
+# A tool as the model calls it (`responses_chat.ToolSpec.model_name`) -> (its namespace, its name, is custom).
+ToolNames = dict[str, tuple[str | None, str, bool]]
+
+
+def _call_item(names: ToolNames, model_name: str, payload: str, status: str) -> dict[str, Any]:
+    """A function_call (arguments) or custom_tool_call (input) item, naming the namespace it is in."""
+    namespace, name, is_custom = names.get(model_name, (None, model_name, False))
+    item: dict[str, Any] = {"type": "custom_tool_call" if is_custom else "function_call",
+                            "id": new_id("ctc_" if is_custom else "fc_"), "call_id": new_call_id(), "name": name,
+                            "input" if is_custom else "arguments": payload}
+    if not is_custom:
+        item["status"] = status
+    if namespace is not None:
+        item["namespace"] = namespace
+    return item
 
 
 class ResponseShell:
@@ -60,10 +74,10 @@ class ResponseShell:
         self.fields = {
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": req.model,
             "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
-            "previous_response_id": None, "reasoning": {"effort": None, "summary": None}, "store": False,
-            "temperature": sampling_temperature, "top_p": sampling_top_p, "text": {"format": text_format},
-            "tool_choice": choice if isinstance(choice, str) else choice.model_dump(),
-            "tools": [t.model_dump() for t in req.tools or []], "truncation": "disabled",
+            "previous_response_id": req.previous_response_id, "reasoning": {"effort": None, "summary": None},
+            "store": req.is_stored, "temperature": sampling_temperature, "top_p": sampling_top_p,
+            "text": {"format": text_format}, "tool_choice": choice if isinstance(choice, str) else _dump(choice),
+            "tools": [_dump(t) for t in req.tools or []], "truncation": req.truncation or "disabled",
             "user": req.user, "metadata": req.metadata or {},
         }
 
@@ -74,23 +88,47 @@ class ResponseShell:
                 "usage": usage(out) if out is not None else None}
 
 
+def item_page(items: list[dict[str, Any]], limit: int, after: str | None) -> dict[str, Any]:
+    """One page of a list of items, OpenAI's list object: the `limit` items after the one of id `after`."""
+    start = next((i + 1 for i, item in enumerate(items) if item.get("id") == after), 0) if after else 0
+    page = items[start: start + limit]
+    return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None, "has_more": start + limit < len(items)}
+
+
+def _dump(model) -> dict[str, Any]:
+    return model.model_dump(by_alias=True, exclude_none=True)
+
+
 def _status(out: RequestOutput) -> str:
     return "incomplete" if out.finish_reason == "length" else "completed"
 
 
 class Responses:
     """A `render.Renderer`: the response object, or the documented event sequence (module
-    docstring), every event numbered; a keep-alive comment while waiting."""
+    docstring), every event numbered; `response.in_progress` again as its keep-alive."""
 
-    ping = b": ping\n\n"
-
-    def __init__(self, ctx: RenderContext, shell: ResponseShell):
+    def __init__(self, ctx: RenderContext, shell: ResponseShell, names: ToolNames | None = None,
+                 on_done: Callable[[dict[str, Any]], None] | None = None):
+        """Args:
+            names: the tools offered, by the name the model calls them.
+            on_done: given the final response object (stored, where the request asked for that).
+        """
         self.ctx, self.shell = ctx, shell
+        self.names = names or {}
+        self.on_done = on_done
         self.splitter = answer_splitter(ctx.prompt)
         self.sequence = 0
         self.output_items: list[dict[str, Any]] = []
         self.item: dict[str, Any] | None = None  # the open output item
         self.text = ""  # the open message's text so far
+
+    @property
+    def ping(self) -> bytes:
+        """The keep-alive while nothing else is sent (a long prefill): the Responses API has no ping event,
+        and an SSE comment is no event to a client that times out between events (Codex reconnects after
+        300 s without one), so the response says again that it is in progress."""
+        return self._event("response.in_progress", response=self.shell.body("in_progress", self.output_items, None))
 
     def body(self, outs: list[RequestOutput]) -> dict[str, Any]:
         out, = outs
@@ -99,8 +137,13 @@ class Responses:
         if text or not calls:
             output.append(_message_item(new_id("msg_"), text, "completed"))
         for name, args in calls:
-            output.append(_call_item(new_id("fc_"), new_call_id(), name, to_json(args), "completed"))
-        return self.shell.body(_status(out), output, out)
+            output.append(_call_item(self.names, name, args if isinstance(args, str) else to_json(args), "completed"))
+        return self._done(self.shell.body(_status(out), output, out))
+
+    def _done(self, body: dict[str, Any]) -> dict[str, Any]:
+        if self.on_done is not None:
+            self.on_done(body)
+        return body
 
     def start(self, first: RequestOutput | None, admitted: dict[str, int]) -> Iterable[bytes]:
         yield self._event("response.created", response=self.shell.body("in_progress", [], None))
@@ -117,8 +160,8 @@ class Responses:
             yield from self._open_item(_message_item(new_id("msg_"), "", "in_progress"))
             yield from self._close_item()
         status = _status(final)
-        yield self._event(f"response.{status}", response=self.shell.body(status, self.output_items, final),
-                          stratum_cost=cost)
+        body = self._done(self.shell.body(status, self.output_items, final))
+        yield self._event(f"response.{status}", response=body, stratum_cost=cost)
 
     def error(self, e: APIError) -> bytes:
         return sse_error(e, self.ctx.request_id, self.ctx.endpoint, self.sequence)
@@ -148,6 +191,9 @@ class Responses:
             yield self._event("response.content_part.done", item_id=done["id"], output_index=index, content_index=0,
                               part=part)
             done, self.text = _message_item(done["id"], text, "completed"), ""
+        elif done["type"] == "custom_tool_call":
+            yield self._event("response.custom_tool_call_input.done", item_id=done["id"], output_index=index,
+                              input=done["input"])
         else:
             yield self._event("response.function_call_arguments.done", item_id=done["id"], output_index=index,
                               name=done["name"], arguments=done["arguments"])
@@ -168,10 +214,12 @@ class Responses:
                                       output_index=len(self.output_items), content_index=0, delta=text, logprobs=[])
                 case CallStart(name):
                     yield from self._close_item()
-                    yield from self._open_item(_call_item(new_id("fc_"), new_call_id(), name, "", "in_progress"))
+                    yield from self._open_item(_call_item(self.names, name, "", "in_progress"))
                 case CallArguments(fragment):
-                    self.item["arguments"] += fragment
-                    yield self._event("response.function_call_arguments.delta", item_id=self.item["id"],
+                    is_custom = self.item["type"] == "custom_tool_call"
+                    self.item["input" if is_custom else "arguments"] += fragment
+                    kind = "custom_tool_call_input" if is_custom else "function_call_arguments"
+                    yield self._event(f"response.{kind}.delta", item_id=self.item["id"],
                                       output_index=len(self.output_items), delta=fragment)
                 case CallEnd():
                     yield from self._close_item()

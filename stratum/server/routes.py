@@ -7,13 +7,16 @@ import asyncio
 
 from fastapi import FastAPI, Request
 
-from stratum.server import anthropic_api, openai_api, responses_api
+from stratum.server import anthropic_api, openai_api, responses_api, responses_chat
+from stratum.server.auth import owner_of
 from stratum.server.body import read_request
-from stratum.server.chat import anthropic_input, openai_input, responses_input
+from stratum.server.chat import anthropic_input, build_prompt, openai_input
 from stratum.server.errors import InvalidRequest
 from stratum.server.lifecycle import RequestLifecycle
-from stratum.server.protocol import ChatCompletionRequest, CompletionRequest, MessagesRequest, ResponsesRequest
+from stratum.server.protocol import (ChatCompletionRequest, CompletionRequest, InputTokensRequest, MessagesRequest,
+                                     ResponsesRequest)
 from stratum.server.runtime import Runtime
+from stratum.server.sampling import check_output_limit
 from stratum.server.settings import ServerSettings
 
 # Choices one request may ask for: prompts x n on /v1/completions.
@@ -32,13 +35,12 @@ def generation_routes(app: FastAPI, rt: Runtime, settings: ServerSettings) -> No
     @app.post("/v1/messages")
     async def messages(request: Request):
         req = await read(request, MessagesRequest)
+        check_output_limit(req.max_tokens, engine.config, req.model)
         chat = anthropic_input(req)
         sampling = defaults.apply(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                                   top_k=req.top_k, stop=req.stop_sequences, seed=req.seed, ignore_eos=req.ignore_eos)
         user_id = req.metadata.user_id if req.metadata else None
-        # what max_tokens can cost is bounded by the context (`sampling.fit_to_context` lowers it to fit)
-        async with RequestLifecycle.admit(rt, request, "/v1/messages", min(req.max_tokens, engine.config.max_model_len),
-                                          user_id) as lc:
+        async with RequestLifecycle.admit(rt, request, "/v1/messages", req.max_tokens, user_id) as lc:
             await lc.prepare(chat, sampling, fit_context=True)
             await lc.submit()
             return await lc.respond(anthropic_api.Messages(lc.render_context(req.model)), req.stream)
@@ -78,15 +80,53 @@ def generation_routes(app: FastAPI, rt: Runtime, settings: ServerSettings) -> No
             renderer = openai_api.Text(lc.render_context(req.model), include_usage, engine.tokenizer, echoes)
             return await lc.respond(renderer, req.stream)
 
+    responses_routes(app, rt, settings, read)
+
+
+def responses_routes(app: FastAPI, rt: Runtime, settings: ServerSettings, read) -> None:
+    """/v1/responses: create (a stored response's conversation continued with previous_response_id),
+    retrieve, delete, and list a stored response's input items."""
+    store, keyed = rt.responses, bool(settings.api_keys)
+
     @app.post("/v1/responses")
     async def responses(request: Request):
         req = await read(request, ResponsesRequest)
-        chat = responses_input(req)
-        sampling = defaults.apply(max_tokens=req.max_output_tokens, temperature=req.temperature, top_p=req.top_p,
-                                  seed=req.seed)
+        owner = owner_of(request, keyed)
+        asked = responses_chat.as_chat(req, store, owner)
+        sampling = settings.sampling_defaults.apply(max_tokens=req.max_output_tokens, temperature=req.temperature,
+                                                    top_p=req.top_p, seed=req.seed, ignore_eos=req.ignore_eos)
+        names = {s.model_name: (s.namespace, s.name, s.is_custom) for s in asked.offered}
+        keep = (lambda body: store.put(owner, body, asked.stored_input, req.previous_response_id)) if req.is_stored else None
         async with RequestLifecycle.admit(rt, request, "/v1/responses", req.max_output_tokens,
                                           req.safety_identifier or req.user) as lc:
-            await lc.prepare(chat, sampling, default_max=req.max_output_tokens is None)
+            await lc.prepare(asked.chat, sampling, default_max=req.max_output_tokens is None)
             await lc.submit()
             shell = responses_api.ResponseShell(req, sampling.temperature, sampling.top_p)
-            return await lc.respond(responses_api.Responses(lc.render_context(req.model), shell), req.stream)
+            renderer = responses_api.Responses(lc.render_context(req.model), shell, names, keep)
+            return await lc.respond(renderer, req.stream)
+
+    @app.post("/v1/responses/input_tokens")
+    async def count_input_tokens(request: Request):
+        req = await read_request(request, InputTokensRequest, settings.max_body_bytes, settings.body_timeout_s)
+        if req.model is not None:
+            settings.check_model(req.model)
+        chat = responses_chat.as_chat(req, store, owner_of(request, keyed)).chat
+        prompt = await asyncio.to_thread(build_prompt, rt.engine.chat_template, chat)
+        return {"object": "response.input_tokens", "input_tokens": len(prompt.token_ids)}
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(request: Request, response_id: str):
+        return store.get(owner_of(request, keyed), response_id).body
+
+    @app.delete("/v1/responses/{response_id}")
+    async def delete_response(request: Request, response_id: str):
+        store.delete(owner_of(request, keyed), response_id)
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    @app.get("/v1/responses/{response_id}/input_items")
+    async def list_input_items(request: Request, response_id: str, limit: int = 20, order: str = "desc",
+                               after: str | None = None):
+        if not 1 <= limit <= 100 or order not in ("asc", "desc"):
+            raise InvalidRequest("limit must be 1 to 100 and order asc or desc")
+        items = store.input_of(owner_of(request, keyed), response_id)
+        return responses_api.item_page(items if order == "asc" else items[::-1], limit, after)

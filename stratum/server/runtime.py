@@ -16,6 +16,7 @@ from stratum.server.budget import CostAdmission
 from stratum.server.compression import CompressionSettings
 from stratum.server.errors import APIError, EngineUnavailable
 from stratum.server.pollution import PollutionDetector
+from stratum.server.response_store import ResponseStore
 from stratum.telemetry.cost import PricingModel
 from stratum.telemetry.metrics import Metrics
 
@@ -49,16 +50,20 @@ class Runtime:
     aggressive_ttl_s: float = 600.0
     warmup_ttl_s: float = 300.0
     compression: CompressionSettings = CompressionSettings()
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(RESPONSES_STORE_BYTES))
+
+
+RESPONSES_STORE_BYTES = 64 * 2**20  # stored Responses API responses, in memory (`--responses-store-mb`)
 
 
 def make_runtime(engine: EngineClient, model_name: str, pricing: PricingModel, budget_tokens: int | None,
                  window_s: float, pollution_policy: str, isolate_tenants: bool = False, header_wait_s: float = 2.0,
-                 ping_interval_s: float = 5.0) -> Runtime:
+                 ping_interval_s: float = 5.0, responses_store_bytes: int = RESPONSES_STORE_BYTES) -> Runtime:
     active: dict[str, Held] = {}
     metrics = Metrics(lambda: engine.snapshot, engine.replicas, lambda: len(active))
     return Runtime(engine, model_name, CostAdmission(budget_tokens, window_s), PollutionDetector(pollution_policy),
                    pricing, metrics, isolate_tenants=isolate_tenants, header_wait_s=header_wait_s,
-                   ping_interval_s=ping_interval_s, active=active)
+                   ping_interval_s=ping_interval_s, active=active, responses=ResponseStore(responses_store_bytes))
 
 
 async def drain(rt: Runtime, timeout_s: float, grace_s: float = 2.0) -> int:

@@ -14,19 +14,19 @@ from stratum.server.errors import InvalidRequest
 if TYPE_CHECKING:
     from stratum.engine.client import EngineClient
 
-# What a request without max_tokens may generate (OpenAI's APIs, where it is optional), at most: less
-# where the context ends sooner.
-DEFAULT_MAX_TOKENS = 1024
+# A request without max_tokens (OpenAI's APIs, where it is optional) may generate up to the end of the
+# context, as OpenAI's do: this stands for "no bound but the context", and `default_max_to_context`
+# lowers it to what the prompt leaves.
+TO_CONTEXT = 2**31 - 1
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingDefaults:
-    """What a request that omits a field gets: the model's recommended temperature and top_p, and
-    `max_tokens` where the API lets it be omitted."""
+    """What a request that omits a field gets: the model's recommended temperature and top_p; a
+    `max_tokens` the API lets it omit is the context's room (`TO_CONTEXT`)."""
 
     temperature: float = 1.0  # Anthropic's default when a request omits it
     top_p: float = 1.0
-    max_tokens: int = DEFAULT_MAX_TOKENS
 
     def apply(self, *, max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
               top_k: int | None = None, stop: str | list[str] | None = None, seed: int | None = None,
@@ -34,7 +34,7 @@ class SamplingDefaults:
               prompt_logprobs: int | None = None) -> SamplingParams:
         """The request's fields as sent (None: omitted) over these defaults."""
         return SamplingParams(
-            max_tokens=self.max_tokens if max_tokens is None else max_tokens,
+            max_tokens=TO_CONTEXT if max_tokens is None else max_tokens,
             temperature=self.temperature if temperature is None else temperature,
             top_p=top_p or self.top_p, top_k=top_k or 0,
             stop=[stop] if isinstance(stop, str) else list(stop or ()), seed=seed, ignore_eos=ignore_eos,
@@ -55,8 +55,10 @@ def for_prompt(sampling: SamplingParams, prompt: Prompt) -> SamplingParams:
 
 
 def default_max_to_context(sampling: SamplingParams, config: ResolvedConfig, longest_prompt: int) -> SamplingParams:
-    """A max_tokens the client did not send is lowered to what the context leaves (at least 1)."""
-    return replace(sampling, max_tokens=max(1, min(sampling.max_tokens, config.max_model_len - longest_prompt)))
+    """A max_tokens the client did not send is what the context leaves (at least 1), and what one
+    sequence's KV pool leaves where that is less (a cold start's pool)."""
+    limit = min(config.max_model_len, config.num_kv_blocks * config.block_size)
+    return replace(sampling, max_tokens=max(1, min(sampling.max_tokens, limit - longest_prompt)))
 
 
 def fit_to_context(sampling: SamplingParams, config: ResolvedConfig,
@@ -92,3 +94,18 @@ def check(engine: EngineClient, prompts: list[list[int]], sampling: SamplingPara
             engine.check_request(len(ids), sampling)
     except InvalidRequestError as e:
         raise InvalidRequest(str(e)) from None
+
+
+def check_output_limit(max_tokens: int, config: ResolvedConfig, model: str) -> None:
+    """Anthropic's rule: a max_tokens above the model's maximum output (here the whole context, all a
+    sequence can hold) is a 400 naming both numbers, in Anthropic's words (Claude Code reads them, and
+    asks again with the maximum). A max_tokens within it but beyond what the prompt leaves is served
+    (`fit_to_context`).
+
+    Raises:
+        InvalidRequest: max_tokens is above the context length.
+    """
+    limit = config.max_model_len
+    if max_tokens > limit:
+        raise InvalidRequest(f"max_tokens: {max_tokens} > {limit}, which is the maximum allowed number of output "
+                             f"tokens for {model}")

@@ -33,6 +33,8 @@ class ServerSettings:
         console: serve the console pages under /console (its figures need a key when keys are set).
         batch_ttl_s, batch_retention_s: a batch expires this long after creation; its results are kept
             this long after it ends.
+        responses_store_bytes: stored Responses API responses are kept in memory up to this many bytes
+            of JSON, the oldest dropped first.
     """
 
     model_name: str
@@ -55,6 +57,7 @@ class ServerSettings:
     batch_ttl_s: float = 86400.0
     batch_retention_s: float = 29 * 86400.0
     max_batch_bytes: int = 256 * 2**20  # Anthropic's limit on a batch's body
+    responses_store_bytes: int = 64 * 2**20
     pricing: PricingModel = field(default_factory=ArticleFormula)
     created_at: str = field(default_factory=lambda: datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
 

@@ -90,10 +90,15 @@ def _grammar_of_schema(body: dict[str, Any]) -> str:
     return llguidance.LLMatcher.grammar_from_json_schema(body)
 
 
-def _lark(rules: list[str]) -> str:
+def _lark(rules: list[str], subgrammars: dict[str, str] | None = None) -> str:
+    """The grammar of `rules`, with the named Lark `subgrammars` its rules reference as @NAME (a custom
+    tool's grammar keeps a lexer of its own that way: it is never parsed into these rules)."""
     import llguidance
 
     grammar = llguidance.LLMatcher.grammar_from_lark("\n".join(rules) + "\n")
+    if subgrammars:
+        grammar = json.dumps({"grammars": [{"lark_grammar": grammar},
+                                           *({"name": name, "lark_grammar": lark} for name, lark in subgrammars.items())]})
     try:
         engine_grammar.check(grammar)
     except InvalidRequestError as e:
@@ -106,12 +111,49 @@ def json_grammar(schema: dict[str, Any], where: str) -> str:
     return _lark([f"start: {_schema(schema, True, where)}"])
 
 
+def _custom_input(tool: dict[str, Any], i: int, subgrammars: dict[str, str]) -> str:
+    """A custom tool's raw input: any text, or text its Lark grammar or regex accepts (as a subgrammar).
+
+    Raises:
+        InvalidRequest: the grammar does not compile, naming the tool.
+    """
+    import llguidance
+
+    fmt = tool["format"]
+    if fmt.get("type") != "grammar":
+        return "/(?s:.*)/"
+    lark = fmt["definition"] if fmt["syntax"] == "lark" else f"start: /{llguidance.regex_to_lark(fmt['definition'])}/"
+    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(lark)
+    if is_error:
+        raise InvalidRequest(f"tools ({tool['name']}): format.definition is not a valid {fmt['syntax']} grammar: "
+                             f"{messages[0] if messages else 'it does not compile'}"[:1000])
+    subgrammars[f"tool_{i}"] = lark
+    return f"@tool_{i}"
+
+
+def _calls(first: dict[str, list[str]], rest: dict[str, str], sep: str, end: str, parallel: bool) -> str:
+    """The calls of an answer, from the first one's alternatives (`first["function"]`,
+    `first["custom"]`) on: function calls closed by `end`, several joined by `sep` where `parallel`; a
+    custom call's raw input runs to the end of the answer, so it can only come last."""
+    opts = []
+    f, c = " | ".join(first["function"]), " | ".join(first["custom"])
+    if f:
+        opts.append(f"({f}) ({sep} {rest['function']})* {end}" if parallel else f"({f}) {end}")
+    if c:
+        opts.append(f"({c})")
+    if parallel and f and rest["custom"]:
+        opts.append(f"({f}) ({sep} {rest['function']})* {sep} {rest['custom']}" if rest["function"]
+                    else f"({f}) {sep} {rest['custom']}")
+    return " | ".join(opts)
+
+
 def tool_grammar(tools: list[dict[str, Any]], forced: bool | str, text_schema: dict[str, Any] | None = None,
                  fmt: tool_fmt.ToolFormat = tool_fmt.HERMES, parallel: bool = True) -> str:
     """The rest of an answer that may (auto) or must (forced) be tool calls, in the family's format.
 
     Args:
-        tools: {"name", "parameters", "strict"} per declared tool.
+        tools: {"name", "parameters", "strict"} per declared function tool; {"name", "format"} per custom
+            (freeform) tool, whose call is its head (`name`, `fmt.arguments`) then its raw input.
         forced: False (auto: free text, or calls where the format allows them), True (any tool: the
             prompt ends with `fmt.forced_prefix(None)`), or a tool name (the prompt ends with
             `fmt.forced_prefix(name)`, right before the arguments; every call is to that tool).
@@ -119,19 +161,27 @@ def tool_grammar(tools: list[dict[str, Any]], forced: bool | str, text_schema: d
         fmt: the model family's tool-call format.
         parallel: one or more calls (written as `fmt` writes several); False: exactly one.
     """
-    args = {t["name"]: _schema(t.get("parameters") or {"type": "object"}, bool(t.get("strict")),
-                               f"tools.{i}.input_schema ({t['name']})") for i, t in enumerate(tools)}
-    rules = [f"call_{i}: {_seq(name + fmt.arguments, fmt)} {body}" for i, (name, body) in enumerate(args.items())]
-    rules.append("call: " + " | ".join(f"call_{i}" for i in range(len(args))))
-    end = _seq(fmt.call_end + fmt.close, fmt)
-    more = ""  # the calls after the first
-    if parallel and fmt.parallel:
-        named = f"{_seq(forced + fmt.arguments, fmt)} {args[forced]}" if isinstance(forced, str) else "call"
-        more = f"({_seq(fmt.call_end + fmt.between + fmt.call_start, fmt)} {named})* "
+    subgrammars: dict[str, str] = {}
+    bodies = {t["name"]: _custom_input(t, i, subgrammars) if "format" in t else
+              _schema(t.get("parameters") or {"type": "object"}, bool(t.get("strict")), f"tools.{i}.input_schema ({t['name']})")
+              for i, t in enumerate(tools)}
+    kinds = {t["name"]: "custom" if "format" in t else "function" for t in tools}
+    many = parallel and fmt.parallel
+    sep, end = _seq(fmt.call_end + fmt.between + fmt.call_start, fmt), _seq(fmt.call_end + fmt.close, fmt)
+    rules = [f"call_{i}: {_seq(name + fmt.arguments, fmt)} {body}" for i, (name, body) in enumerate(bodies.items())]
+    rest = {}
+    for kind in ("function", "custom"):
+        names = [f"call_{i}" for i, name in enumerate(bodies) if kinds[name] == kind]
+        rest[kind] = f"{kind}_call" if names else ""
+        rules += [f"{kind}_call: " + " | ".join(names)] if names else []
     if isinstance(forced, str):
-        return _lark([f"start: {args[forced]} {more}{end}"])
+        if kinds[forced] == "custom":
+            return _lark([f"start: {bodies[forced]}", *rules], subgrammars)
+        more = f"({sep} {_seq(forced + fmt.arguments, fmt)} {bodies[forced]})* " if many else ""
+        return _lark([f"start: {bodies[forced]} {more}{end}", *rules], subgrammars)
+    first = {kind: [rest[kind]] if rest[kind] else [] for kind in rest}
     if forced:
-        return _lark([f"start: call {more}{end}", *rules])
+        return _lark([f"start: {_calls(first, rest, sep, end, many)}", *rules], subgrammars)
     if text_schema is not None:
         text = f"answer: {_schema(text_schema, True, 'output format')}"
     else:  # free text, possibly none (an answer may end at once, as without tools)
@@ -141,18 +191,18 @@ def tool_grammar(tools: list[dict[str, Any]], forced: bool | str, text_schema: d
         # two lexemes, so the lexer decides at the tag itself, with no lookahead
         tag = _regex(fmt.open)
         lexemes = [f"TEXT: /(?s:.+)/ & ~/(?s:.*{tag}.*)/", f"OPEN: /(?s:.*){tag}/ & ~/(?s:.*{tag}.+)/"]
-        call = f"OPEN {_lit(fmt.call_start)} call {more}{end}"
+        call = f"OPEN {_lit(fmt.call_start)} ({_calls(first, rest, sep, end, many)})"
     else:  # the calls are the whole answer: text is what `tools` would not read as their beginning
         lexemes = [f"TEXT: /(?s:.+)/ & ~/(?s:{fmt.first_head.pattern}.*)/"]
         lead = f"{_seq(fmt.lead, fmt)}? " if fmt.lead in dict(fmt.special_tokens) else ""
         # the first call's head is one lexeme from the opening through its name and `arguments`: TEXT
         # only ends there (where `first_head` matches), and the lexer cannot take back what it gave TEXT
-        heads = [f"first_{i}: {_seq(fmt.open + fmt.call_start + name + fmt.arguments, fmt)} {body}"
-                 for i, (name, body) in enumerate(args.items())]
-        first = "first: " + " | ".join(f"first_{i}" for i in range(len(args)))
-        rules += [*heads, first]
-        call = f"{lead}first {more}{end}"
-    return _lark([f"start: answer | {call}", text, *lexemes, *rules])
+        heads = {name: f"first_{i}" for i, name in enumerate(bodies)}
+        rules += [f"first_{i}: {_seq(fmt.open + fmt.call_start + name + fmt.arguments, fmt)} {body}"
+                  for i, (name, body) in enumerate(bodies.items())]
+        first = {kind: [heads[n] for n in bodies if kinds[n] == kind] for kind in ("function", "custom")}
+        call = f"{lead}({_calls(first, rest, sep, end, many)})"
+    return _lark([f"start: answer | {call}", text, *lexemes, *rules], subgrammars)
 
 
 def answer_grammar(chat, prompt) -> str | None:

@@ -111,26 +111,36 @@ def format_for(template_source: str) -> ToolFormat:
 
 
 def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
-    """Hermes-style tool instructions for templates with no tool support of their own."""
-    lines = [json.dumps({"type": "function", "function": t}, ensure_ascii=False) for t in tools]
-    return (
+    """Hermes-style tool instructions for templates with no tool support of their own. A custom
+    (freeform) tool is listed with its input format, and called with its raw input as the arguments."""
+    lines = [json.dumps({"type": "custom", "custom": {k: t[k] for k in ("name", "description", "format")}}
+                        if "format" in t else {"type": "function", "function": t}, ensure_ascii=False) for t in tools]
+    text = (
         "You may call one or more functions to assist with the user query.\n"
         "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
         + "\n".join(lines)
         + "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
         "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>"
     )
+    if any("format" in t for t in tools):
+        text += ("\n\nA custom tool takes raw text, not JSON: call it last, as\n<tool_call>\n{\"name\": <tool-name>, "
+                 "\"arguments\": <its input, as raw text in its format>")
+    return text
 
 
-def parse_tool_calls(text: str, known: set[str], fmt: ToolFormat = HERMES) -> tuple[str, list[tuple[str, dict[str, Any]]]]:
+def parse_tool_calls(text: str, known: set[str], fmt: ToolFormat = HERMES,
+                     raw: frozenset[str] = frozenset()) -> tuple[str, list[tuple[str, dict[str, Any] | str]]]:
     """Split model output into leading text and tool calls, reading it as `AnswerSplitter` streams it.
 
+    Args:
+        raw: the custom (freeform) tools: a call of one holds its raw input, to the end of the answer.
     Returns:
-        (text before the first call, [(name, input)]). Calls naming an unknown tool, or whose arguments
-        are not a JSON object even after closing unbalanced brackets, are dropped; when no call is
-        left, the whole output is text.
+        (text before the first call, [(name, input)]): a function call's input is its arguments object,
+        a custom call's its raw text. Calls naming an unknown tool, or whose arguments are not a JSON
+        object even after closing unbalanced brackets, are dropped; when no call is left, the whole
+        output is text.
     """
-    splitter = AnswerSplitter(known, fmt=fmt)
+    splitter = AnswerSplitter(known, fmt=fmt, raw=raw)
     before, calls = "", []
     for event in splitter.feed(text) + splitter.flush():
         match event:
@@ -140,9 +150,12 @@ def parse_tool_calls(text: str, known: set[str], fmt: ToolFormat = HERMES) -> tu
                 calls.append([name, ""])
             case CallArguments(fragment):
                 calls[-1][1] += fragment
-    parsed = []
-    for name, raw in calls:
-        args = _loads_lenient(raw.strip())
+    parsed: list[tuple[str, dict[str, Any] | str]] = []
+    for name, written in calls:
+        if name in raw:
+            parsed.append((name, written))
+            continue
+        args = _loads_lenient(written.strip())
         if isinstance(args, str):  # arguments written as a JSON string holding the object
             args = _loads_lenient(args)
         if name in known and isinstance(args, dict):
@@ -248,16 +261,22 @@ class AnswerSplitter:
     its arguments and its end. Text that could be the start of a call is held back until it is known
     not to be one, so call markup never reaches a text block; text after the last call is dropped, as
     `parse_tool_calls` does. A call whose head never completes comes out as text at `flush`. `prefill`
-    is the prompt's forced start of a call (tool_choice any / tool), read as the answer's beginning.
+    is the prompt's forced start of a call (tool_choice any / tool), read as the answer's beginning. A
+    call of a `raw` (custom) tool takes the rest of the answer as its input, but for the format's
+    closing tag (`fmt.stop`) at its very end, which the model may write after it.
     """
 
-    def __init__(self, tool_names: set[str], prefill: str = "", fmt: ToolFormat = HERMES):
+    def __init__(self, tool_names: set[str], prefill: str = "", fmt: ToolFormat = HERMES,
+                 raw: frozenset[str] = frozenset()):
         self.has_tools = bool(tool_names)
         self.fmt = fmt
+        self.raw = raw
         self.held = ""
-        self.state = "text"  # text -> head -> args -> between -> head ...; or plain (no calls in this answer)
+        # text -> head -> args (or raw, to the end) -> between -> head ...; or plain (no calls in this answer)
+        self.state = "text"
         self.calls = 0
         self.args: _Arguments | None = None
+        self.skip = 0  # in a raw call, leading whitespace still to drop
         self._pending: list[AnswerEvent] = []
         self._pending = self.feed(prefill) if prefill else []
 
@@ -275,7 +294,20 @@ class AnswerSplitter:
                 m = pattern.match(self.held)
                 if m is not None:
                     events.append(CallStart(m.group(1)))
-                    self.held, self.state, self.args = self.held[m.end():], "args", _Arguments()
+                    state = "raw" if m.group(1) in self.raw else "args"
+                    self.held, self.state, self.args = self.held[m.end():], state, _Arguments()
+                    # the space the format writes after `arguments` is not input, whether or not the head read it
+                    head = m.group(0)
+                    self.skip = max(0, len(self.fmt.arguments) - len(self.fmt.arguments.rstrip())
+                                    - (len(head) - len(head.rstrip())))
+            elif self.state == "raw":
+                if self.skip:
+                    n = min(self.skip, len(self.held) - len(self.held.lstrip()))
+                    self.held, self.skip = self.held[n:], 0
+                cut = len(self.held) - _raw_tail(self.held, self.fmt.stop)
+                if cut:
+                    events.append(CallArguments(self.held[:cut]))
+                    self.held = self.held[cut:]
             elif self.state == "args":
                 if not self.args.started:  # whitespace before the arguments is not part of them
                     self.held = self.held.lstrip()
@@ -316,10 +348,27 @@ class AnswerSplitter:
     def flush(self) -> list[AnswerEvent]:
         """The end of the answer: held-back text that never became a call."""
         events, self._pending = self._pending, []
-        if self.held and not self.calls and self.state in ("text", "head", "plain"):
+        if self.state == "raw":
+            closed = self.fmt.stop and self.held.strip() == self.fmt.stop
+            events += ([CallArguments(self.held)] if self.held and not closed else []) + [CallEnd()]
+            self.state, self.calls = "between", self.calls + 1
+        elif self.held and not self.calls and self.state in ("text", "head", "plain"):
             events.append(TextPiece(self.held))
         self.held = ""
         return events
+
+
+def _raw_tail(text: str, tag: str | None) -> int:
+    """How much of the end of a raw input to hold back: what may yet be (whitespace and) the closing tag."""
+    if not tag:
+        return 0
+    body = text.rstrip()
+    if body.endswith(tag):
+        return len(text) - len(body[: -len(tag)].rstrip())
+    if len(body) < len(text):  # trailing whitespace: a tag may follow it
+        return len(text) - len(body)
+    keep = partial_suffix(body, tag)
+    return len(text) - len(body[: len(body) - keep].rstrip()) if keep else 0
 
 
 def partial_suffix(text: str, token: str) -> int:

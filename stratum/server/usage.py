@@ -47,5 +47,7 @@ def merge(outs: list[RequestOutput], n: int = 1) -> RequestOutput:
         token_times=sorted(t for s in stats for t in s.token_times), kv_sparsity=s0.kv_sparsity,
         num_kv_sparsity_samples=s0.num_kv_sparsity_samples, num_prefill_chunks=s0.num_prefill_chunks,
         kv_bytes_at_first_token=sum(s.kv_bytes_at_first_token for s in stats),
-        num_tool_reserved_tokens=sum(s.num_tool_reserved_tokens for s in stats))
+        num_tool_reserved_tokens=sum(s.num_tool_reserved_tokens for s in stats),
+        num_disk_cached_tokens=sum(s.num_disk_cached_tokens for s in stats[::n]),
+        disk_read_s=max(s.disk_read_s for s in stats))
     return replace(first, stats=merged, kv_cache_efficiency=sum(o.kv_cache_efficiency for o in outs) / len(outs))

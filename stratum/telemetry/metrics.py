@@ -11,7 +11,7 @@ import time
 from collections import deque
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from stratum.engine.outputs import RequestStats
 from stratum.telemetry.cost import CostFields
@@ -84,6 +84,7 @@ class Metrics:
         Gauge("stratum_runtime_overhead_ratio", "Time outside the model forward / step time, over recent steps", registry=r).set_function(read(lambda s: s.overhead_ratio))
         Gauge("stratum_engine_steps", "Engine steps run", registry=r).set_function(read(lambda s: s.num_steps))
         Gauge("stratum_engine_alive", "1 while the engine loop runs", registry=r).set_function(read(lambda s: s.alive))
+        r.register(_TierCollector(snapshot_source))
         mode = Gauge("stratum_engine_mode", "1 for the engine's current mode", ["mode"], registry=r)
         mode.labels("normal").set_function(read(lambda s: s.mode == "normal"))
         mode.labels("basic").set_function(read(lambda s: s.mode == "basic"))
@@ -194,3 +195,40 @@ class _ReplicaCollector:
             for v in views:
                 family.add_metric([v.name], float(value(v)))
             yield family
+
+
+class _TierCollector:
+    """The prefix cache's tiers ("pool", "disk"), labelled, from the engine's snapshot at scrape time."""
+
+    COUNTERS = (
+        ("stratum_kv_tier_hit_tokens", "Prompt tokens the tier served", "hit_tokens"),
+        ("stratum_kv_tier_read_bytes", "KV bytes read from the tier for hits", "read_bytes"),
+        ("stratum_kv_tier_written_bytes", "KV bytes written to the tier", "written_bytes"),
+        ("stratum_kv_tier_evicted_blocks", "Blocks the tier evicted", "evicted_blocks"),
+        ("stratum_kv_tier_dropped_blocks", "Blocks not written to the tier (queue full, evicted first)", "dropped_blocks"),
+        ("stratum_kv_tier_corrupt_blocks", "Blocks that failed their checksum on read (dropped, recomputed)", "corrupt_blocks"),
+        ("stratum_kv_tier_write_cpu_seconds", "CPU time of the tier's writer thread (its own clock)", "write_cpu_s"),
+        ("stratum_kv_tier_read_cpu_seconds", "CPU time of the tier's reader thread (its own clock)", "read_cpu_s"),
+    )
+    GAUGES = (
+        ("stratum_kv_tier_size_bytes", "Bytes the tier holds", "size_bytes"),
+        ("stratum_kv_tier_blocks", "Blocks the tier holds", "blocks"),
+        ("stratum_kv_tier_limit_bytes", "The tier's size bound", "limit_bytes"),
+        ("stratum_kv_tier_enabled", "1 while the tier is in use (a full disk turns the disk tier off)", "enabled"),
+    )
+
+    def __init__(self, source):
+        self.source = source
+
+    def describe(self):
+        return []  # collected at scrape time only: the tiers are the engine's
+
+    def collect(self):
+        tiers = self.source().kv_tiers
+        for families, kind in ((self.COUNTERS, CounterMetricFamily), (self.GAUGES, GaugeMetricFamily)):
+            for name, doc, key in families:
+                family = kind(name, doc, labels=["tier"])
+                for tier, figures in sorted(tiers.items()):
+                    if key in figures:
+                        family.add_metric([tier], float(figures[key]))
+                yield family

@@ -2,18 +2,32 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Discriminator, Field, Tag, field_validator, model_validator
 
-from stratum.server.protocol.common import TOOL_NAME, Loose, check_object_schema, refuse_media
+from stratum.server.protocol.common import TOOL_NAME, Loose, by_type, check_object_schema, refuse_media, str_or_list
 
 MAX_N = 16  # samples per request on the OpenAI endpoints
 
 
-class OAIContentPart(Loose):
+class OAITextPart(Loose):
     type: Literal["text"]
     text: str
+
+
+class OAIRefusalPart(Loose):
+    """An assistant's refusal, from an earlier turn: read as its text."""
+
+    type: Literal["refusal"]
+    refusal: str
+
+    @property
+    def text(self) -> str:
+        return self.refusal
+
+
+OAIContentPart = Annotated[Union[OAITextPart, OAIRefusalPart], Field(discriminator="type")]
 
 
 class OAIFunctionCall(Loose):
@@ -21,16 +35,39 @@ class OAIFunctionCall(Loose):
     arguments: str
 
 
-class OAIToolCall(Loose):
+class OAIFunctionToolCall(Loose):
     id: str
     type: Literal["function"] = "function"
     function: OAIFunctionCall
 
 
+class OAICustomCall(Loose):
+    name: str
+    input: str
+
+
+class OAICustomToolCall(Loose):
+    """A custom (freeform) tool's call from an earlier turn: its raw input."""
+
+    id: str
+    type: Literal["custom"]
+    custom: OAICustomCall
+
+
+def _call_kind(v: Any) -> str | None:
+    return (v.get("type") or "function") if isinstance(v, dict) else None  # `type` may be left out of a function call
+
+
+OAIToolCall = Annotated[Union[Annotated[OAIFunctionToolCall, Tag("function")], Annotated[OAICustomToolCall, Tag("custom")]],
+                        Discriminator(_call_kind, custom_error_type="call_type",
+                                      custom_error_message="Input should be a function or custom tool call")]
+
+
 class OAIMessage(Loose):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[OAIContentPart] | None = None
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]  # function: the deprecated tool turn
+    content: str_or_list(OAIContentPart, "a list of content parts") | None = None
     tool_calls: list[OAIToolCall] | None = None
+    function_call: OAIFunctionCall | None = None  # deprecated: one call, before tool_calls
     tool_call_id: str | None = None
     name: str | None = None
 
@@ -38,8 +75,12 @@ class OAIMessage(Loose):
     @classmethod
     def _text_only(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            refuse_media(data.get("content"), {"text"})
+            refuse_media(data.get("content"), {"text", "refusal"})
         return data
+
+    @property
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
 
 
 class OAIFunction(Loose):
@@ -54,9 +95,48 @@ class OAIFunction(Loose):
         return check_object_schema(v)
 
 
-class OAITool(Loose):
+class OAIFunctionTool(Loose):
     type: Literal["function"]
     function: OAIFunction
+
+
+class OAIGrammar(Loose):
+    definition: str = Field(min_length=1)
+    syntax: Literal["lark", "regex"]
+
+
+class OAICustomFormat(Loose):
+    type: Literal["text", "grammar"]
+    grammar: OAIGrammar | None = None
+
+    @model_validator(mode="after")
+    def _grammar_given(self):
+        if self.type == "grammar" and self.grammar is None:
+            raise ValueError("a custom tool's format of type grammar needs grammar")
+        return self
+
+
+class OAICustom(Loose):
+    name: str = Field(pattern=TOOL_NAME)
+    description: str | None = None
+    format: OAICustomFormat | None = None
+
+
+class OAICustomTool(Loose):
+    """A custom (freeform) tool: the model writes its input as raw text (in its grammar, where it has one)."""
+
+    type: Literal["custom"]
+    custom: OAICustom
+
+    @property
+    def format(self) -> dict[str, Any]:
+        fmt = self.custom.format
+        if fmt is None or fmt.type == "text":
+            return {"type": "text"}
+        return {"type": "grammar", "syntax": fmt.grammar.syntax, "definition": fmt.grammar.definition}
+
+
+OAITool = Annotated[Union[OAIFunctionTool, OAICustomTool], Field(discriminator="type")]
 
 
 class OAIFunctionName(Loose):
@@ -64,8 +144,40 @@ class OAIFunctionName(Loose):
 
 
 class OAINamedToolChoice(Loose):
-    type: Literal["function"]
-    function: OAIFunctionName
+    """{"type": "function", "function": {"name"}} or {"type": "custom", "custom": {"name"}}."""
+
+    type: Literal["function", "custom"]
+    function: OAIFunctionName | None = None
+    custom: OAIFunctionName | None = None
+
+    @model_validator(mode="after")
+    def _named(self):
+        if (self.function if self.type == "function" else self.custom) is None:
+            raise ValueError(f"tool_choice of type {self.type} needs {self.type}.name")
+        return self
+
+    @property
+    def name(self) -> str:
+        return (self.function if self.type == "function" else self.custom).name
+
+
+class OAIAllowed(Loose):
+    mode: Literal["auto", "required"]
+    tools: list[dict[str, Any]]
+
+
+class OAIAllowedTools(Loose):
+    """{"type": "allowed_tools", "allowed_tools": {"mode", "tools"}}: only those of `tools` are offered."""
+
+    type: Literal["allowed_tools"]
+    allowed_tools: OAIAllowed
+
+
+OAIToolChoice = Annotated[
+    Union[Annotated[Literal["none", "auto", "required"], Tag("#str")], Annotated[OAINamedToolChoice, Tag("function")],
+          Annotated[OAINamedToolChoice, Tag("custom")], Annotated[OAIAllowedTools, Tag("allowed_tools")]],
+    Discriminator(by_type, custom_error_type="choice_type",
+                  custom_error_message="Input should be 'none', 'auto', 'required' or an object")]
 
 
 class OAIStreamOptions(Loose):
@@ -121,7 +233,7 @@ class ChatCompletionRequest(_Sampled):
     max_tokens: int | None = Field(default=None, ge=0)
     max_completion_tokens: int | None = Field(default=None, ge=0)
     tools: list[OAITool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | OAINamedToolChoice | None = None
+    tool_choice: OAIToolChoice | None = None
     parallel_tool_calls: bool | None = None  # false: at most one call per answer
     response_format: OAIResponseFormat | None = None
     logprobs: bool = False

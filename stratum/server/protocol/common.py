@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Annotated, Any, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Discriminator, Tag
 from pydantic_core import PydanticCustomError
 
 TOOL_NAME = r"^[a-zA-Z0-9_-]{1,128}$"
@@ -25,6 +25,9 @@ class Loose(BaseModel):
 
 
 def check_object_schema(v: dict[str, Any]) -> dict[str, Any]:
+    # the anthropic SDK's InputSchema model dumps its unset `properties` / `required` as null: a null
+    # keyword says nothing, so it is left out rather than refused
+    v = {key: value for key, value in v.items() if value is not None}
     if v.get("type") != "object":
         raise ValueError("a tool's schema must have type 'object'")
     return v
@@ -52,3 +55,33 @@ def refuse_media(blocks: Any, known: set[str], where: str = "content") -> None:
                 refuse_media(source.get("content"), {"text"}, f"{where}.{j}.source.content")
         if kind == "tool_result":
             refuse_media(block.get("content"), _TOOL_RESULT_READABLE, f"{where}.{j}.content")
+
+
+# A field that is a string or a list (content: "text" or blocks) is a union discriminated by the
+# value's own JSON type, so a failing list reports the list's error, not that it is not a string.
+# Its two tags are not part of the request's path: `error_path` leaves them out.
+_STR, _LIST = "#str", "#list"
+BRANCH_TAGS = frozenset((_STR, _LIST))
+
+
+def _str_or_list(value: Any) -> str | None:
+    return _STR if isinstance(value, str) else _LIST if isinstance(value, list) else None
+
+
+def str_or_list(item: Any, what: str = "a list of content blocks") -> Any:
+    """`str | list[item]`, validated as the branch the value's JSON type names."""
+    return Annotated[Union[Annotated[str, Tag(_STR)], Annotated[list[item], Tag(_LIST)]],
+                     Discriminator(_str_or_list, custom_error_type="string_or_list",
+                                   custom_error_message=f"Input should be a string or {what}")]
+
+
+def by_type(value: Any) -> str | None:
+    """The tag of an object discriminated by its `type`, or "#str" for a bare string (tool_choice)."""
+    if isinstance(value, str):
+        return _STR
+    return value.get("type") if isinstance(value, dict) else None
+
+
+def error_path(loc: tuple) -> list[str | int]:
+    """A validation error's location as the request's own path (the str/list branch tags left out)."""
+    return [p for p in loc if p not in BRANCH_TAGS]

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from stratum.server.protocol.common import TOOL_NAME, Strict, check_object_schema, refuse_media
+from stratum.server.protocol.common import TOOL_NAME, Strict, check_object_schema, refuse_media, str_or_list
 
 
 def _check_messages(messages: list, tools: list | None) -> None:
@@ -15,7 +15,9 @@ def _check_messages(messages: list, tools: list | None) -> None:
     placement of system-role messages in `messages` (not first, right after a user turn, then the end
     or an assistant turn, never two in a row)."""
     for i, m in enumerate(messages):
-        if not m.content and not (i == len(messages) - 1 and m.role == "assistant"):
+        if m.role == "system" and not m.content and m.output_config is None:
+            raise ValueError(f"messages.{i}: a system message needs content or output_config")
+        if not m.content and m.role != "system" and not (i == len(messages) - 1 and m.role == "assistant"):
             raise ValueError(f"messages.{i}: content must be non-empty (only a final assistant message may be empty)")
         if m.role != "system":
             continue
@@ -91,6 +93,7 @@ class ToolUseBlock(Strict):
     input: dict[str, Any]
     cache_control: CacheControl | None = None
     caller: Any = None
+    toolset_name: str | None = None  # the MCP toolset the tool came from
 
 
 ToolResultContent = Annotated[Union[TextBlock, SearchResultBlock, DocumentBlock, ToolReferenceBlock],
@@ -120,7 +123,7 @@ class ServerToolUseBlock(Strict):
 
 SERVER_TOOL_RESULTS = ("web_search_tool_result", "web_fetch_tool_result", "code_execution_tool_result",
                        "bash_code_execution_tool_result", "text_editor_code_execution_tool_result",
-                       "tool_search_tool_result", "mcp_tool_result")
+                       "tool_search_tool_result", "mcp_tool_result", "advisor_tool_result")
 
 
 class ServerToolResultBlock(Strict):
@@ -155,24 +158,96 @@ class ContainerUploadBlock(Strict):
     cache_control: CacheControl | None = None
 
 
+class ToolChangeRef(Strict):
+    """What a tool_addition / tool_removal names: a tool by name, a tool defined by value (a `tools`
+    entry), or an MCP tool or toolset (no MCP server is reached from here: those change nothing)."""
+
+    type: Literal["tool_reference", "tool_definition", "mcp_tool_reference", "mcp_toolset_reference"]
+    name: str | None = None
+    definition: dict[str, Any] | None = None
+    server_name: str | None = None
+
+
+class ToolChangeBlock(Strict):
+    """A mid-conversation change of the tools offered (`tool_addition`, `tool_removal`): from here on the
+    tool is offered, or not (`chat.offered_tools`)."""
+
+    type: Literal["tool_addition", "tool_removal"]
+    tool: ToolChangeRef
+    cache_control: CacheControl | None = None
+
+
+class CompactionBlock(Strict):
+    """A summary of the conversation before it (read as text), and the tool changes of that range."""
+
+    type: Literal["compaction"]
+    content: str | None = None
+    encrypted_content: str | None = None
+    signature: str | None = None
+    tool_changes: list[ToolChangeBlock] | None = None
+    cache_control: CacheControl | None = None
+
+
+class FallbackBlock(Strict):
+    """Where a model declined and another took over, in a recorded turn: adds nothing to the prompt."""
+
+    model_config = ConfigDict(populate_by_name=True)  # the SDK's model_dump() writes `from_`
+
+    type: Literal["fallback"]
+    from_: dict[str, Any] = Field(alias="from")
+    to: dict[str, Any]
+    trigger: Any = None
+
+
+class MCPToolListingBlock(Strict):
+    """An MCP server's tool listing from a recorded turn: adds nothing (no MCP server is reached here)."""
+
+    type: Literal["mcp_tool_listing"]
+    mcp_server_name: str
+    tools: list[dict[str, Any]]
+
+
 ContentBlock = Annotated[Union[TextBlock, DocumentBlock, SearchResultBlock, ToolUseBlock, ToolResultBlock,
                                ServerToolUseBlock, ServerToolResultBlock, ThinkingBlock, RedactedThinkingBlock,
-                               ContainerUploadBlock], Field(discriminator="type")]
+                               ContainerUploadBlock, CompactionBlock, FallbackBlock, MCPToolListingBlock,
+                               ToolChangeBlock], Field(discriminator="type")]
 _READABLE = {"text", "document", "search_result", "tool_use", "tool_result", "server_tool_use", "mcp_tool_use",
-             *SERVER_TOOL_RESULTS, "thinking", "redacted_thinking", "container_upload"}
+             *SERVER_TOOL_RESULTS, "thinking", "redacted_thinking", "container_upload", "compaction", "fallback",
+             "mcp_tool_listing", "tool_addition", "tool_removal"}
+SystemBlock = Annotated[Union[TextBlock, ToolChangeBlock], Field(discriminator="type")]
+
+
+class SystemOutputConfig(Strict):
+    """A system message's per-turn output settings: effort, which has no effect on a local model."""
+
+    effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None
 
 
 class Message(Strict):
+    """A user, assistant or system message. A system message's blocks are text and tool changes; it may
+    carry `output_config` (then its content may be left out) and `clear_at`."""
+
     role: Literal["user", "assistant", "system"]
-    content: str | list[ContentBlock]
+    content: str_or_list(ContentBlock) | None = None
     cache_control: CacheControl | None = None  # a system message's breakpoint, as the top-level system's blocks
+    output_config: SystemOutputConfig | None = None
+    clear_at: Literal["next_user_message", "never"] | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _text_only(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            refuse_media(data.get("content"), {"text"} if data.get("role") == "system" else _READABLE)
+            system = data.get("role") == "system"
+            refuse_media(data.get("content"), {"text", "tool_addition", "tool_removal"} if system else _READABLE)
         return data
+
+    @model_validator(mode="after")
+    def _role_fields(self):
+        if self.role != "system" and (self.output_config is not None or self.clear_at is not None):
+            raise ValueError("output_config and clear_at are only permitted on role: \"system\" messages")
+        if self.role != "system" and self.content is None:
+            raise ValueError("content: Field required")
+        return self
 
 
 class Tool(Strict):

@@ -1,90 +1,23 @@
-"""OpenAI's Responses API request body (`POST /v1/responses`), mirroring its API reference: input
-items and tools as unions discriminated by `type`, so a new kind is one model and one tag."""
+"""OpenAI's Responses API request body (`POST /v1/responses`), mirroring its API reference; its input
+items are in `response_items`, its tools and tool_choice in `response_tools`."""
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Union
+from typing import Any, Literal
 
-from pydantic import Discriminator, Field, Tag, field_validator, model_validator
-from pydantic_core import PydanticCustomError
+from pydantic import Field, model_validator
 
-from stratum.server.protocol.common import TOOL_NAME, Loose, check_object_schema, refuse_media
-
-
-class RespInputText(Loose):
-    type: Literal["input_text", "output_text", "text"]
-    text: str
-
-
-class RespMessage(Loose):
-    """A message input item (`type` "message", or an "easy" message without it)."""
-
-    type: Literal["message"] = "message"
-    role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[RespInputText]
-
-
-class RespFunctionCall(Loose):
-    type: Literal["function_call"]
-    call_id: str
-    name: str
-    arguments: str
-
-
-class RespFunctionCallOutput(Loose):
-    type: Literal["function_call_output"]
-    call_id: str
-    output: str | list[RespInputText]
-
-
-class RespReasoning(Loose):
-    """A reasoning item from an earlier turn: accepted, and left out of the prompt (as thinking is)."""
-
-    type: Literal["reasoning"]
-
-
-# The input items taken, by their `type` (a message may leave it out): a new kind is a model and an entry here.
-_INPUT_ITEMS = {"message": RespMessage, "function_call": RespFunctionCall,
-                "function_call_output": RespFunctionCallOutput, "reasoning": RespReasoning}
-_RESP_ITEMS = tuple(_INPUT_ITEMS)
-
-
-def _input_item_kind(v: Any) -> str:
-    return (v.get("type") or "message") if isinstance(v, dict) else "message"
-
-
-RespInputItem = Annotated[Union[tuple(Annotated[model, Tag(kind)] for kind, model in _INPUT_ITEMS.items())],
-                          Discriminator(_input_item_kind)]
-
-
-class RespFunctionTool(Loose):
-    type: Literal["function"]
-    name: str = Field(pattern=TOOL_NAME)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-    @field_validator("parameters")
-    @classmethod
-    def _object_schema(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        return v if v is None else check_object_schema(v)
-
-
-# The tool kinds served (function tools today); several become a union discriminated by `type`, as
-# `RespInputItem` is.
-RespTool = RespFunctionTool
-
-
-class RespNamedToolChoice(Loose):
-    type: Literal["function"]
-    name: str
+from stratum.server.protocol.common import TOOL_NAME, Loose, str_or_list
+from stratum.server.protocol.response_items import RespInputItem, RespMessage
+from stratum.server.protocol.response_tools import RespTool, RespToolChoice, check_unique
 
 
 class RespTextFormat(Loose):
     type: Literal["text", "json_object", "json_schema"]
-    name: str | None = None
+    name: str | None = Field(default=None, pattern=TOOL_NAME)
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
+    description: str | None = None
 
     @model_validator(mode="after")
     def _schema_given(self):
@@ -95,58 +28,66 @@ class RespTextFormat(Loose):
 
 class RespTextConfig(Loose):
     format: RespTextFormat | None = None
-    verbosity: str | None = None
+    verbosity: Literal["low", "medium", "high"] | None = None  # no effect on a local model
 
 
 class ResponsesRequest(Loose):
-    """POST /v1/responses. Fields of the API that need stored state (previous_response_id,
-    conversation, background) are refused; others a local model has no use for are ignored."""
+    """POST /v1/responses. `store` (default true) keeps the response for GET /v1/responses/{id} and
+    for `previous_response_id` / `item_reference`; `conversation`, `background` and `prompt` need
+    OpenAI's stored objects and are refused; fields a local model has no use for are ignored."""
 
     model: str = Field(min_length=1, max_length=256)
-    input: str | list[RespInputItem]
+    input: str_or_list(RespInputItem, "a list of input items")
     instructions: str | None = None
     tools: list[RespTool] | None = None
-    tool_choice: Literal["none", "auto", "required"] | RespNamedToolChoice | None = None
+    tool_choice: RespToolChoice | None = None
     parallel_tool_calls: bool | None = None
     max_output_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     text: RespTextConfig | None = None
     stream: bool = False
-    store: bool | None = None  # nothing is stored here, whatever it says
+    store: bool | None = None
     metadata: dict[str, str] | None = None
     user: str | None = Field(default=None, max_length=256)
     safety_identifier: str | None = Field(default=None, max_length=256)
-    previous_response_id: str | None = None
+    previous_response_id: str | None = Field(default=None, min_length=1)
     conversation: Any = None
     background: bool | None = None
+    prompt: Any = None
+    truncation: Literal["auto", "disabled"] | None = None
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # extension, as on chat completions
-
-    @model_validator(mode="before")
-    @classmethod
-    def _text_only(cls, data: Any) -> Any:
-        items = data.get("input") if isinstance(data, dict) else None
-        for i, item in enumerate(items if isinstance(items, list) else []):
-            if isinstance(item, dict):
-                kind = item.get("type", "message")
-                if isinstance(kind, str) and kind not in _RESP_ITEMS:
-                    raise PydanticCustomError("unsupported_content", "input.{i}: input items of type {kind} are not "
-                                              "supported here (messages, function_call, function_call_output and "
-                                              "reasoning are)", {"i": i, "kind": repr(kind)})
-                field = "output" if kind == "function_call_output" else "content"
-                refuse_media(item.get(field), {"input_text", "output_text", "text"}, f"input.{i}.{field}")
-        return data
+    ignore_eos: bool = False  # vLLM's extension, for benchmarks
 
     @model_validator(mode="after")
     def _rules(self):
-        if self.previous_response_id is not None or self.conversation is not None:
-            raise ValueError("previous_response_id and conversation are not supported: this server stores no "
-                             "responses; send the whole conversation as input")
+        if self.conversation is not None:
+            raise ValueError("conversation is not supported: this server has no Conversations API; send the "
+                             "conversation as input, or chain responses with previous_response_id")
         if self.background:
-            raise ValueError("background responses are not supported")
+            raise ValueError("background responses are not supported: stream the response instead")
+        if self.prompt is not None:
+            raise ValueError("prompt (a stored prompt template) is not supported: this server stores no prompt "
+                             "templates; send the prompt as instructions and input")
         if isinstance(self.input, list) and not self.input:
             raise ValueError("input must not be empty")
+        check_unique([*(self.tools or []), *self.additional_tools])
         return self
+
+    @property
+    def is_stored(self) -> bool:
+        """OpenAI's default: a response is stored unless `store` is false."""
+        return self.store is not False
+
+    @property
+    def items(self) -> list:
+        """The input as items: a string input is one user message."""
+        return [RespMessage(role="user", content=self.input)] if isinstance(self.input, str) else list(self.input or [])
+
+    @property
+    def additional_tools(self) -> list:
+        """Tools given as `additional_tools` input items, in order."""
+        return [t for item in self.items if item.type == "additional_tools" for t in item.tools]
 
     @property
     def output_schema(self) -> dict[str, Any] | None:
@@ -154,3 +95,11 @@ class ResponsesRequest(Loose):
         if fmt is None or fmt.type == "text":
             return None
         return {"type": "object"} if fmt.type == "json_object" else fmt.schema_
+
+
+class InputTokensRequest(ResponsesRequest):
+    """POST /v1/responses/input_tokens: what a response to the same body would read, counted; `model` and
+    `input` may be left out (a stored response continued is the input then)."""
+
+    model: str | None = Field(default=None, min_length=1, max_length=256)
+    input: str_or_list(RespInputItem, "a list of input items") | None = None
