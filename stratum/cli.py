@@ -1,4 +1,4 @@
-"""The `stratum` command: pull, serve, generate, info, bench."""
+"""The `stratum` command: pull, serve, chat, generate, info, trace, warmup, bench."""
 
 from __future__ import annotations
 
@@ -30,6 +30,11 @@ def _engine_config(args, serving: bool = False):
     )
 
 
+THREADS_HELP = ("engine threads (default: $STRATUM_NUM_THREADS, else every core, of which the native step's kernel "
+                "plan may take fewer; a server on the PyTorch step leaves one to its HTTP side, and --replicas "
+                "share the cores but one)")
+
+
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="registered name, .gguf file or Hugging Face folder")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
@@ -40,8 +45,7 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batched-tokens", type=int, default=512, help="token budget per step (prefill chunk)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-waiting", type=int, default=256, help="waiting-queue cap; beyond it 529 overloaded")
-    p.add_argument("--threads", type=int, default=None,
-                   help="engine threads (default: the kernel plan's on the native step, else cores - 1)")
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--engine", default="process", choices=["process", "thread"],
                    help="where the engine loop runs: a process of its own (default), or a thread of the server "
@@ -98,29 +102,16 @@ def cmd_serve(args) -> int:
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.DEBUG),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = _engine_config(args, serving=True)
-    if args.replicas < 1:
-        print("error: --replicas must be at least 1", file=sys.stderr)
-        return 2
-    if args.replicas > 1:
-        import importlib.util
-
-        if importlib.util.find_spec("ray") is None:
-            print("error: --replicas needs Ray Serve: pip install 'stratum-serve[ray]'", file=sys.stderr)
-            return 1
+    refused = _refuse_replicas(args)
+    if refused is not None:
+        return refused
     # The engine process loads the model while this one opens the port and builds the web app.
     engine = EngineProcess(config) if args.engine == "process" and args.replicas == 1 else None
-    import uvicorn
-
-    from stratum.server.http import Server, protocol
     from stratum.server.startup import StartingApp
 
     name = args.served_model_name or args.model
     starting = StartingApp(name)
-    server = Server(uvicorn.Config(starting, host=args.host, port=args.port, log_level=args.log_level,
-                                   http=protocol(args.max_connections, args.read_timeout_s),
-                                   h11_max_incomplete_event_size=args.max_header_bytes,
-                                   timeout_graceful_shutdown=5, loop="asyncio"),
-                    None, args.drain_timeout_s)
+    server = _http_server(args, starting)
     up: dict = {}  # what the start-up thread brought up: "client", or "error"
     stopped = threading.Event()
 
@@ -144,10 +135,7 @@ def cmd_serve(args) -> int:
         if "error" in up:
             server.should_exit = True
             return
-        cfg, kernels = client.config, client.info.kernel_choices
-        later = "; preparing the native kernels in the background" if kernels.get("native_kernels") == "being prepared" else ""
-        print(f"stratum: {name} ready in {time.perf_counter() - t0:.1f}s on {cfg.device}/{cfg.dtype} ({kernels['step']} "
-              f"step), {cfg.num_kv_blocks} KV blocks, {cfg.num_threads} engine threads in {where}{later}", flush=True)
+        _say_ready(client, name, time.perf_counter() - t0, where)
         if args.replicas > 1:
             # Ray spawns its own processes (the GCS, the raylet) with a parent-death signal, which Linux
             # sends when the *thread* that spawned them exits: this one stays until the server stops
@@ -172,6 +160,40 @@ def cmd_serve(args) -> int:
     return 0
 
 
+def _refuse_replicas(args) -> int | None:
+    """The exit status when --replicas cannot be served here, said on stderr; None when it can."""
+    if args.replicas < 1:
+        print("error: --replicas must be at least 1", file=sys.stderr)
+        return 2
+    if args.replicas > 1:
+        import importlib.util
+
+        if importlib.util.find_spec("ray") is None:
+            print("error: --replicas needs Ray Serve: pip install 'stratum-serve[ray]'", file=sys.stderr)
+            return 1
+    return None
+
+
+def _http_server(args, app):
+    """The HTTP server (uvicorn, hardened: `server.http`) for app, as the command line set it."""
+    import uvicorn
+
+    from stratum.server.http import Server, protocol
+
+    return Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                 http=protocol(args.max_connections, args.read_timeout_s),
+                                 h11_max_incomplete_event_size=args.max_header_bytes,
+                                 timeout_graceful_shutdown=5, loop="asyncio"),
+                  None, args.drain_timeout_s)
+
+
+def _say_ready(client, name: str, elapsed_s: float, where: str) -> None:
+    cfg, kernels = client.config, client.info.kernel_choices
+    later = "; preparing the native kernels in the background" if kernels.get("native_kernels") == "being prepared" else ""
+    print(f"stratum: {name} ready in {elapsed_s:.1f}s on {cfg.device}/{cfg.dtype} ({kernels['step']} "
+          f"step), {cfg.num_kv_blocks} KV blocks, {cfg.num_threads} engine threads in {where}{later}", flush=True)
+
+
 def _start_engine(args, config, engine, starting):
     """(the engine client, where its loop runs): the engine process's (started already), a
     thread's, or Ray Serve replicas'."""
@@ -184,7 +206,7 @@ def _start_engine(args, config, engine, starting):
     if engine is not None:
         starting.wait_listening()  # the server's event loop reads the engine's events
         return engine.connect(on_stage=lambda stage: setattr(starting, "stage", stage), loop=starting.loop), "a process"
-    from stratum.engine.client import start_thread_engine
+    from stratum.engine.loop import start_thread_engine
     from stratum.engine.core import LLMEngine
 
     starting.stage = "loading model"
@@ -416,16 +438,16 @@ def cmd_bench(args, rest) -> int:
     return importlib.import_module(f"stratum.bench.{args.kind}").main(rest)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="stratum", description="Stratum LLM serving runtime")
-    sub = parser.add_subparsers(dest="command", required=True)
-
+# ---- the command line: one function per command's arguments ---------------------------------------
+def _pull_parser(sub) -> None:
     p = sub.add_parser("pull", help="fetch a registered model into $STRATUM_HOME/models and prepare it for this machine")
     p.add_argument("name", nargs="?", default="smollm2-135m")
     p.add_argument("--no-prepare", action="store_true",
                    help="only fetch: do not build the native kernels or measure the kernel plan now (the first serve will)")
     p.set_defaults(func=cmd_pull)
 
+
+def _serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve the Anthropic and OpenAI APIs")
     _add_engine_args(p)
     p.add_argument("--host", default="127.0.0.1")
@@ -468,6 +490,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--log-level", default="warning")
     p.set_defaults(func=cmd_serve)
 
+
+def _chat_parser(sub) -> None:
     p = sub.add_parser("chat", help="chat in the terminal, streaming, with each answer's cost")
     p.add_argument("--url", default=None, help="a running server; without it one is started for the session")
     p.add_argument("--model", default="smollm2-135m", help="the model a session's own server runs")
@@ -477,6 +501,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=512)
     p.set_defaults(func=cmd_chat)
 
+
+def _generate_parser(sub) -> None:
     p = sub.add_parser("generate", help="complete one prompt (chat-formatted unless --raw)")
     p.add_argument("prompt")
     p.add_argument("--model", default="smollm2-135m")
@@ -489,19 +515,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--raw", action="store_true", help="no chat template")
     p.set_defaults(func=cmd_generate)
 
+
+def _info_parser(sub) -> None:
     p = sub.add_parser("info", help="hardware, the model's architecture and tensor types, what runs packed, and the kernel plan")
     p.add_argument("file", nargs="?", default=None, help="a .gguf file or Hugging Face folder (default: --model)")
     p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--threads", type=int, default=None, help="engine threads (default: the kernel plan's, or the rule's)")
+    p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="as `serve --dtype`")
     p.add_argument("--remeasure", action="store_true", help="measure the kernel plan again and cache the new one")
     p.set_defaults(func=cmd_info)
 
+
+def _trace_parser(sub) -> None:
     p = sub.add_parser("trace", help="decode an x-stratum-trace header")
     p.add_argument("action", choices=["decode"])
     p.add_argument("value", help="the header value (base64), or - for stdin")
     p.set_defaults(func=cmd_trace)
 
+
+def _warmup_parser(sub) -> None:
     p = sub.add_parser("warmup", help="prefill and pin prompts on a running server")
     p.add_argument("file", help="a text file (one prompt per line) or JSONL ({\"system\":..., \"messages\":[...]} per line)")
     p.add_argument("--url", default="http://127.0.0.1:8080")
@@ -509,10 +541,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--api-key", default=None)
     p.set_defaults(func=cmd_warmup)
 
+
+def _bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: offline, serve, compare, roofline, soak, constrained, batch, cluster, startup (each takes --help)", add_help=False)
     p.add_argument("kind", choices=BENCHMARKS)
     p.set_defaults(func=None)
 
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="stratum", description="Stratum LLM serving runtime")
+    sub = parser.add_subparsers(dest="command", required=True)
+    for add in (_pull_parser, _serve_parser, _chat_parser, _generate_parser, _info_parser, _trace_parser,
+                _warmup_parser, _bench_parser):
+        add(sub)
     args, rest = parser.parse_known_args(argv)
     if args.command == "bench":
         return cmd_bench(args, rest)

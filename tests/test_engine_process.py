@@ -16,11 +16,11 @@ import pytest
 from stratum.engine import (
     LLM, EngineConfig, EngineDeadError, InvalidRequestError, RequestOutput, RequestStats, SamplingParams,
 )
-from stratum.engine.client import start_thread_engine
+from stratum.engine.loop import EngineLoop, start_thread_engine
 from stratum.engine.process import EngineProcess, start_process_engine
 from stratum.engine.protocol import (
     Abort, Accepted, AddRequest, EngineDied, EngineInfo, EngineSnapshot, HeldKeys, KVBlocks, ListHeld, RequestFailed,
-    Routed, Started, Stop, StreamDecoder, decode, decode_info, encode, encode_info,
+    Routed, StartFailed, Started, Starting, Stop, StreamDecoder, TokenizerData, decode, encode,
 )
 from stratum.engine.request import CachePolicy
 
@@ -66,9 +66,68 @@ def test_every_message_round_trips_as_its_own_type(tiny_model_dir):
     assert isinstance(decode(wire(encode(add))).pin_prefixes[0], tuple)
     assert isinstance(RequestFailed("r", "m", "invalid_request").exception(), InvalidRequestError)
     assert isinstance(RequestFailed("r", "m", "unavailable").exception(), EngineDeadError)
-    info = EngineInfo.of(LLM(str(tiny_model_dir), num_kv_blocks=32).engine)
-    assert decode_info(wire(encode_info(info))) == info
-    assert decode(wire(encode(info))) == info  # the event sent again after a switch of kernels
+    engine = LLM(str(tiny_model_dir), num_kv_blocks=32).engine
+    info = EngineInfo.of(engine)
+    assert decode(wire(encode(info))) == info  # the start-up's last message, and the event after a switch of kernels
+    tokenizer = TokenizerData.of(engine.tokenizer, engine.chat_template.source)
+    for message in (Starting("loading model"), tokenizer, StartFailed("ModelLoadError: no such file")):
+        assert decode(wire(encode(message))) == message
+    rebuilt, template = decode(wire(encode(tokenizer))).build()
+    assert rebuilt.encode("hello there") == engine.tokenizer.encode("hello there")
+    assert template.source == engine.chat_template.source
+
+
+def test_a_replica_sets_snapshot_adds_up_its_replicas():
+    a = EngineSnapshot(alive=True, num_running=2, num_waiting=1, kv_blocks=KVBlocks(64, 10, 4, 50), num_steps=30,
+                       overhead_ratio=0.1, mean_step_s=0.02, threads=1, rss_mb=100.0, step="native")
+    b = EngineSnapshot(alive=True, mode="basic", degraded_reason="cache: boom", num_running=1,
+                       kv_blocks=KVBlocks(64, 60, 0, 4), num_steps=10, overhead_ratio=0.5, mean_step_s=0.05, threads=1,
+                       rss_mb=120.0, step="pytorch", preparing="measuring")
+    dead = EngineSnapshot(alive=False, error="gone")
+    total = EngineSnapshot.summed({"a": a, "b": b, "c": dead})
+    assert total.alive and total.error is None and total.num_engines == 2 and total.mode == "basic"
+    assert (total.num_running, total.num_waiting, total.kv_blocks) == (3, 1, KVBlocks(128, 70, 4, 54))
+    assert total.overhead_ratio == pytest.approx((0.1 * 30 + 0.5 * 10) / 40) and total.mean_step_s == 0.05
+    assert (total.threads, total.rss_mb, total.step) == (2, 220.0, "native+pytorch")
+    assert (total.degraded_reason, total.preparing, total.gpu_memory_allocated_mb) == ("b: cache: boom", "b: measuring", None)
+    gone = EngineSnapshot.summed({"c": dead})
+    assert not gone.alive and gone.error == "c: gone" and gone.num_engines == 0
+
+
+def test_one_thread_rule_for_an_engine_and_for_replicas(monkeypatch):
+    """`default_threads` is what the builder and `cluster.launch` both ask: the numbers each had before."""
+    from stratum.engine.config import default_threads
+
+    monkeypatch.delenv("STRATUM_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 9)
+    assert default_threads(serving=True, native_step=True) == 9  # the native step: every core
+    assert default_threads(serving=True) == 8  # the PyTorch step leaves one to the HTTP side
+    assert default_threads(serving=False) == 9  # offline: nothing else runs
+    assert default_threads(serving=True, replicas=2) == 4  # replicas share the cores but one
+    assert default_threads(serving=True, native_step=True, replicas=16) == 1
+    monkeypatch.setenv("STRATUM_NUM_THREADS", "3")
+    assert default_threads(serving=True, replicas=2) == 3
+    monkeypatch.setenv("STRATUM_NUM_THREADS", "-1")  # not a thread count: ignored
+    assert default_threads(serving=True, replicas=2) == 4
+
+
+def test_the_builder_takes_its_threads_from_the_one_rule(monkeypatch):
+    """The PyTorch step's threads are `default_threads`' (the plan measures only the native step's);
+    --threads, else $STRATUM_NUM_THREADS, is taken as set."""
+    from stratum.engine import builder
+    from stratum.engine.config import EngineConfig
+    from stratum.kernels.numerics import PYTORCH, Numerics
+
+    numerics = Numerics("m", "cpu", PYTORCH, "float32", "float32", (), "pytorch", None)
+    monkeypatch.delenv("STRATUM_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 9)
+    plan = builder._plan(EngineConfig(serving=True), None, numerics, measure=False)
+    assert (plan.threads, plan.source) == (8, "rule")
+    assert builder._plan(EngineConfig(), None, numerics, measure=False).threads == 9
+    assert builder._plan(EngineConfig(num_threads=5), None, numerics, measure=False).source == "configured"
+    monkeypatch.setenv("STRATUM_NUM_THREADS", "3")
+    plan = builder._plan(EngineConfig(serving=True), None, numerics, measure=False)
+    assert (plan.threads, plan.source) == (3, "configured")
 
 
 def test_a_step_is_one_compact_frame():
@@ -83,8 +142,6 @@ def test_a_step_is_one_compact_frame():
 
 def test_an_aborted_request_ends_with_a_last_output(tiny_model_dir):
     """The loop emits an aborted request's last output, so the side that assembles deltas forgets it."""
-    from stratum.engine.client import EngineLoop
-
     emitted: list = []
     loop = EngineLoop(LLM(str(tiny_model_dir), num_kv_blocks=32).engine, emitted.extend)
     loop.submit(AddRequest("a1", [1, 5, 9], SamplingParams(max_tokens=50, ignore_eos=True)))

@@ -61,6 +61,19 @@ def cold_engine(tiny_gguf):
     return LLM(str(tiny_gguf), defer_kernels=True, num_kv_blocks=128, block_size=4).engine
 
 
+def test_a_cold_start_serves_without_loading_the_native_kernels(tiny_gguf, uncompiled, monkeypatch):
+    """Loading them would compile them in the foreground: the wait the provisional step exists to avoid."""
+    from stratum.kernels import native
+
+    monkeypatch.setattr(native, "available", lambda: pytest.fail("a cold start loaded the native kernels"))
+    engine = cold_engine(tiny_gguf)
+    try:
+        assert engine.config.numerics.step == "pytorch" and not engine.runner.native
+        run(engine, [engine.tokenizer.encode(PROMPTS[0])], max_tokens=2)
+    finally:
+        engine.upgrade.cancel()
+
+
 def test_a_cold_engine_switches_to_the_prepared_step_with_requests_in_flight(tiny_gguf, uncompiled):
     engine = cold_engine(tiny_gguf)
     assert engine.upgrade is not None and not engine.runner.native  # nothing native waited for
@@ -124,7 +137,7 @@ def starting_server():
 
 
 def test_requests_during_start_up_get_503_in_their_api_shape_then_the_app_answers(starting_server, tiny_model_dir):
-    from stratum.engine.client import start_thread_engine
+    from stratum.engine.loop import start_thread_engine
     from stratum.engine.core import LLMEngine
     from stratum.engine.config import EngineConfig
     from stratum.server.app import ServerSettings, create_app
@@ -186,7 +199,7 @@ def test_every_report_of_the_kernels_follows_the_switch(tiny_gguf, uncompiled, s
     """A cold start served over HTTP: once /health says the native step has taken over, a request's
     `X-Stratum-Debug: full` trace reports it and its numerics, not the provisional step the server
     started on (the engine sends its `EngineInfo` again when it switches)."""
-    from stratum.engine.client import start_thread_engine
+    from stratum.engine.loop import start_thread_engine
     from stratum.server.app import ServerSettings, create_app
     from stratum.telemetry.trace import decode_trace
 

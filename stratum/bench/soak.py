@@ -32,9 +32,9 @@ from typing import Any, NamedTuple
 
 import httpx
 
-from stratum.bench.serve import (API_PATHS, BenchError, RequestResult, StreamError, Target, _anthropic_event,
-                                 _apply_usage, _auth_headers, _openai_event, base_url, check_url, emit, request_body,
-                                 sse_events)
+from stratum.bench.serve import emit
+from stratum.bench.wire import (API_PATHS, BenchError, RequestResult, StreamError, Target, anthropic_event, apply_usage,
+                                auth_headers, base_url, check_url, openai_event, request_body, sse_events)
 from stratum.bench.workloads import make_question, make_text
 
 WARM_S = 120.0  # RSS growth is measured from the first sample at or after this
@@ -180,7 +180,7 @@ async def send(client: httpx.AsyncClient, target: Target, system: str | None, me
     if not is_stream:
         body["stream"] = False
         body.pop("stream_options", None)
-    url, headers = target.url + API_PATHS[target.api], _auth_headers(target.api, target.api_key)
+    url, headers = target.url + API_PATHS[target.api], auth_headers(target.api, target.api_key)
     try:
         async with asyncio.timeout(timeout_s):
             if not is_stream:
@@ -194,11 +194,11 @@ async def send(client: httpx.AsyncClient, target: Target, system: str | None, me
                 r, usage, num_events = RequestResult(0, 0, "soak"), {}, 0
                 async for name, data in sse_events(resp.aiter_lines()):
                     if target.api == "anthropic":
-                        is_done = _anthropic_event(r, name, data, usage, 0.0)
+                        is_done = anthropic_event(r, name, data, usage, 0.0)
                     else:
-                        is_done = _openai_event(r, data, usage, 0.0)
+                        is_done = openai_event(r, data, usage, 0.0)
                     if is_done:
-                        _apply_usage(r, target.api, usage)
+                        apply_usage(r, target.api, usage)
                         return Outcome("ok", text=r.text, num_output_tokens=r.num_output_tokens)
                     num_events += 1
                     if drop_after is not None and num_events >= drop_after:

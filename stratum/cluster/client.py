@@ -4,9 +4,9 @@
 and its telemetry use it unchanged. What the transport changes is where a request goes — one
 streamed `generate` call on the replicas' deployment handle, routed by `router.StratumRouter` on the
 prompt's block keys, its commands and events in `stratum.engine.protocol`'s codec — and where the
-snapshot comes from: the sum of the replicas' routing stats. A replica that dies mid-request ends
-that request with an error; the ones after it are routed to the replicas left, and Serve starts a
-replacement.
+snapshot comes from: each time the replicas report to the router, the transport publishes the sum
+of their snapshots to the client. A replica that dies mid-request ends that request with an error;
+the ones after it are routed to the replicas left, and Serve starts a replacement.
 """
 
 from __future__ import annotations
@@ -16,9 +16,7 @@ import logging
 from dataclasses import dataclass, field
 
 from stratum.engine.client import EngineClient, ReplicaView, Transport
-from stratum.engine.protocol import (
-    AddRequest, EngineSnapshot, KVBlocks, RequestFailed, StreamDecoder, decode, decode_info, decode_tokenizer, encode,
-)
+from stratum.engine.protocol import AddRequest, EngineSnapshot, RequestFailed, StreamDecoder, decode, encode
 from stratum.engine.request import prompt_block_keys
 
 log = logging.getLogger("stratum.cluster")
@@ -44,69 +42,47 @@ def connect(handle, description: dict, deployment: str, on_shutdown=None) -> Eng
         deployment: the deployment's name (which router in this process routes it).
         on_shutdown: stops the deployment.
     """
-    tokenizer, template = decode_tokenizer(description["tokenizer"])
-    transport = ReplicaSetTransport(handle, decode(description["snapshot"]), deployment, on_shutdown)
-    return EngineClient(decode_info(description["info"]), tokenizer, template, transport, engine_pid=description["pid"])
+    tokenizer, template = decode(description["tokenizer"]).build()
+    transport = ReplicaSetTransport(handle, deployment, on_shutdown)
+    client = EngineClient(decode(description["info"]), tokenizer, template, transport, engine_pid=description["pid"])
+    client.deliver([decode(description["snapshot"])])  # what a replica described itself with, until they report
+    transport.start()
+    return client
 
 
 class ReplicaSetTransport(Transport):
     """Args:
         handle: the replicas' DeploymentHandle.
-        first: the snapshot a replica described itself with (reported until the router exists).
         deployment: the deployment's name.
         on_shutdown: stops the deployment.
     """
 
-    def __init__(self, handle, first: EngineSnapshot, deployment: str, on_shutdown=None):
+    def __init__(self, handle, deployment: str, on_shutdown=None):
         self._generate = handle.options(stream=True, method_name="generate")
-        self._first = first
         self.deployment = deployment
         self._on_shutdown = on_shutdown
         self._calls: dict[str, _Call] = {}
+        self._replicas: list[ReplicaView] = []
+
+    def start(self) -> None:
+        """Follow the replicas' reports from now on (the router's, in this process)."""
+        from stratum.cluster import router
+
+        router.listen(self.deployment, self._reported)
 
     # ---- the state of the replica set ---------------------------------------------------------------
     def replicas(self) -> list[ReplicaView]:
-        """The replicas the router knows, with what each last reported (in name order)."""
-        from stratum.cluster.router import ROUTERS
+        """The replicas the router knows, as each last reported (in name order)."""
+        return self._replicas
 
-        router = ROUTERS.get(self.deployment)
-        if router is None:
-            return []
-        views = []
-        for name, stats in sorted(router.stats().items()):
-            state = router.policy.replicas.get(name)
-            snap = decode(stats["snapshot"]) if "snapshot" in stats else EngineSnapshot(alive=True)
-            views.append(ReplicaView(name, stats.get("pid"), snap, state.load if state else 0,
-                                     len(stats.get("held", ())), stats.get("at", 0.0)))
-        return views
-
-    def snapshot(self, published: EngineSnapshot) -> EngineSnapshot:
-        """The replicas' snapshots summed (alive while any replica is); before the router exists, the
-        first replica's own. (No engine loop publishes to the client itself: `published` is unused.)"""
-        from stratum.cluster.router import ROUTERS
-
-        views = self.replicas()
-        if not views:
-            if self.deployment not in ROUTERS:
-                return self._first
-            return EngineSnapshot(alive=False, error="no replica is running (Serve starts replacements)")
-        snaps = [v.snapshot for v in views]
-        alive = [s for s in snaps if s.alive]
-        steps = sum(s.num_steps for s in snaps)
-        return EngineSnapshot(
-            alive=bool(alive),
-            mode="normal" if all(s.mode == "normal" for s in alive) else "basic",
-            degraded_reason="; ".join(f"{v.name}: {v.snapshot.degraded_reason}" for v in views
-                                      if v.snapshot.degraded_reason) or None,
-            error=None if alive else "; ".join(f"{v.name}: {v.snapshot.error}" for v in views),
-            num_running=sum(s.num_running for s in snaps), num_waiting=sum(s.num_waiting for s in snaps),
-            kv_blocks=KVBlocks(*(sum(getattr(s.kv_blocks, f) for s in snaps) for f in ("total", "free", "cached", "in_use"))),
-            num_preemptions=sum(s.num_preemptions for s in snaps), num_steps=steps,
-            overhead_ratio=sum(s.overhead_ratio * s.num_steps for s in snaps) / steps if steps else 0.0,
-            mean_step_s=max(s.mean_step_s for s in snaps), threads=sum(s.threads for s in snaps),
-            rss_mb=sum(s.rss_mb for s in snaps), step="+".join(sorted({s.step for s in alive if s.step})),
-            preparing="; ".join(f"{v.name}: {v.snapshot.preparing}" for v in views if v.snapshot.preparing) or None,
-            published_at=min(s.published_at for s in snaps))
+    def _reported(self, views: list[ReplicaView]) -> None:
+        """The replicas reported (the router's thread): their snapshots' sum is the client's now."""
+        if views:
+            summed = EngineSnapshot.summed({v.name: v.snapshot for v in views})
+        else:
+            summed = EngineSnapshot(alive=False, error="no replica is running (Serve starts replacements)")
+        self._replicas = views
+        self.client.deliver([summed])
 
     # ---- requests -----------------------------------------------------------------------------------
     def send(self, commands: list[AddRequest]) -> None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, replace
 
-from stratum.engine.config import EngineConfig
+from stratum.engine.config import EngineConfig, default_threads
 
 DEPLOYMENT = "stratum-engine"
 
@@ -42,8 +42,7 @@ def start(config: EngineConfig, replicas: int, ray_address: str | None = None, r
         else:  # a cluster of this machine alone
             ray.init(address="local", num_cpus=os.cpu_count() or 1, include_dashboard=False,
                      _node_ip_address="127.0.0.1", log_to_driver=True)
-    cores = os.cpu_count() or 1
-    threads = config.num_threads or int(os.environ.get("STRATUM_NUM_THREADS", 0) or 0) or max(1, (cores - 1) // replicas)
+    threads = config.num_threads or default_threads(serving=True, replicas=replicas)
     # Each replica starts on the prepared kernels (no PyTorch-first start and switch per replica):
     # on this machine they are prepared once, here, rather than by every replica at once, each
     # disturbing the others' measurements; a replica on another node measures its own as it starts.

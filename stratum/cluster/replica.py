@@ -16,12 +16,12 @@ import threading
 import time
 from dataclasses import replace
 
-from stratum.engine.client import EngineLoop
 from stratum.engine.config import EngineConfig, SchedulerConfig
+from stratum.engine.loop import EngineLoop
 from stratum.engine.outputs import RequestOutput
 from stratum.engine.protocol import (
     Abort, Accepted, EngineDied, EngineInfo, EngineSnapshot, Event, HeldKeys, ListHeld, RequestFailed, Routed, Started,
-    decode, encode, encode_info, encode_tokenizer,
+    TokenizerData, decode, encode,
 )
 
 # Block keys a replica reports: the most recently used first. 4096 keys of 16-token blocks cover
@@ -38,8 +38,8 @@ class EngineReplica:
         settings = dict(config, scheduler=SchedulerConfig(**config["scheduler"]))
         engine = LLMEngine(EngineConfig(**settings))
         self.name = _replica_name()
-        self.description = {"replica": self.name, "pid": os.getpid(), "info": encode_info(EngineInfo.of(engine)),
-                            "tokenizer": encode_tokenizer(engine.tokenizer, engine.chat_template.source)}
+        self.description = {"pid": os.getpid(), "info": encode(EngineInfo.of(engine)),
+                            "tokenizer": encode(TokenizerData.of(engine.tokenizer, engine.chat_template.source))}
         self.snapshot = EngineSnapshot(alive=True)
         self.held: tuple[list[int], float] = ([], 0.0)  # the cache's recent keys, and when the loop listed them
         self.calls = 0  # generate calls being served
@@ -51,7 +51,7 @@ class EngineReplica:
     # ---- Serve calls these --------------------------------------------------------------------------
     def describe(self) -> dict:
         """What the ingress needs before its first request: configuration, tokenizer, chat template."""
-        return dict(self.description, snapshot=self._stats()["snapshot"])
+        return dict(self.description, snapshot=encode(self.snapshot))
 
     async def generate(self, payload: dict):
         """Run one request, or one group (n samples forked from a prompt), streaming lists of encoded events.
@@ -96,8 +96,12 @@ class EngineReplica:
                 self.loop.submit(Abort(rid))
 
     def record_routing_stats(self) -> dict:
+        """This replica's report: what its cache holds (listed by the loop since the last report), how
+        many calls it serves, and its engine's snapshot (the router's `update_replicas` reads it)."""
         self.loop.submit(ListHeld(MAX_HELD_KEYS))  # fresh for the next report
-        return self._stats()
+        keys, held_at = self.held
+        return {"pid": os.getpid(), "at": time.time(), "calls": self.calls, "snapshot": encode(self.snapshot),
+                "held": keys, "held_at": held_at}
 
     def check_health(self) -> None:
         if not self.snapshot.alive:
@@ -133,11 +137,6 @@ class EngineReplica:
                 loop, queue = target
                 for event in evs:
                     loop.call_soon_threadsafe(queue.put_nowait, event)
-
-    def _stats(self) -> dict:
-        keys, held_at = self.held
-        return {"replica": self.name, "pid": os.getpid(), "at": time.time(), "calls": self.calls,
-                "snapshot": encode(self.snapshot), "held": keys, "held_at": held_at}
 
 
 def _replica_name() -> str:

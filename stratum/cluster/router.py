@@ -3,48 +3,74 @@
 Serve runs the router in the process that holds the deployment handle — the ingress — and calls
 `choose_replicas` for each request; the ranks it returns are tried in order, and within a rank
 Serve skips a replica whose queue is full. This adapter feeds the pure policy (`routing.py`): the
-replicas' routing stats as reports, the requests it routed as its own memory. It also keeps the latest stats per replica, which the ingress reads for /health and /metrics.
+replicas' routing stats as reports, the requests it routed as its own memory. Each time the
+replicas report (Serve hands the router their stats with `update_replicas`), it also tells the
+ingress's transport what each replica reported (`listen`), for /health, /metrics and admission.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import threading
+from typing import Any, Callable
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from stratum.cluster.routing import make_policy
-from stratum.engine.protocol import decode
+from stratum.engine.client import ReplicaView
+from stratum.engine.protocol import EngineSnapshot, decode
 
-ROUTERS: dict[str, "StratumRouter"] = {}  # deployment name -> its router in this process
+Listener = Callable[[list[ReplicaView]], None]
+_LISTENERS: dict[str, Listener] = {}  # deployment name -> what the ingress's transport is told
+_LATEST: dict[str, list[ReplicaView]] = {}  # deployment name -> the replicas' latest reports
+_LOCK = threading.Lock()
+
+
+def listen(deployment: str, listener: Listener) -> None:
+    """Tell `listener` each report of the deployment's replicas (in name order, from the router's
+    thread), starting with the latest one, if the router has had one."""
+    with _LOCK:
+        _LISTENERS[deployment] = listener
+        if deployment in _LATEST:
+            listener(_LATEST[deployment])
+
+
+def publish(deployment: str, views: list[ReplicaView]) -> None:
+    with _LOCK:
+        _LATEST[deployment] = views
+        listener = _LISTENERS.get(deployment)
+        if listener is not None:
+            listener(views)
 
 
 class StratumRouter(RequestRouter):
     def initialize_state(self, policy: str = "prefix", **kwargs) -> None:
         self.policy = make_policy(policy, **kwargs)
-        self.policy_name = policy
         # Serve ships this class to the handle by value (cloudpickle), so its functions' globals are a
-        # copy: the registry the ingress reads is the imported module's.
+        # copy: the registry the ingress listens on is the imported module's.
         from stratum.cluster import router
 
-        router.ROUTERS[self._deployment_id.name] = self
+        self._registry = router
 
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         self.policy.set_replicas(sorted(r.replica_id.unique_id for r in replicas))
+        views = [self._report(r.replica_id.unique_id, dict(r.routing_stats or {})) for r in replicas]
+        self._registry.publish(self._deployment_id.name, sorted(views, key=lambda v: v.name))
 
-    def stats(self) -> dict[str, dict[str, Any]]:
-        """Each replica's latest routing stats (what /health and /metrics show), by replica name."""
-        return {r.replica_id.unique_id: dict(r.routing_stats or {}) for r in self._replicas_list}
+    def _report(self, name: str, stats: dict[str, Any]) -> ReplicaView:
+        """A replica's routing stats (`EngineReplica.record_routing_stats`), told to the policy once."""
+        snapshot = EngineSnapshot(alive=True)  # until its first report
+        if "snapshot" in stats:
+            snapshot = decode(stats["snapshot"])
+            free = snapshot.kv_blocks.free if snapshot.kv_blocks.total else None
+            self.policy.report(name, stats["at"], stats["calls"], free, stats["held"], stats["held_at"], snapshot.alive)
+        state = self.policy.replicas.get(name)
+        return ReplicaView(name, stats.get("pid"), snapshot, state.load if state else 0, len(stats.get("held", ())),
+                           stats.get("at", 0.0))
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         by_name = {r.replica_id.unique_id: r for r in candidate_replicas}
-        for name, r in by_name.items():
-            stats = r.routing_stats
-            if stats and "snapshot" in stats:
-                s = decode(stats["snapshot"])
-                self.policy.report(name, stats["at"], stats["calls"], s.kv_blocks.free if s.kv_blocks.total else None,
-                                   stats["held"], stats["held_at"], s.alive)
         ranked = self.policy.rank(_keys_of(pending_request), sorted(by_name))
         return [[by_name[n]] for n in ranked]
 

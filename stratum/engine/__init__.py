@@ -1,6 +1,6 @@
 """The runtime core: a request's state, the scheduler, the KV block manager and radix cache, the model
-runner, sampler and detokenizer, the synchronous engine with its basic mode, the offline `LLM`, and
-the client the server talks to. It imports no web framework.
+runner, sampler and detokenizer, the synchronous engine with its basic mode, the offline `LLM`, the
+engine loop and the client the server talks to. It imports no web framework.
 
 Names are imported on first use, so `import stratum.engine.outputs` (plain data) loads no torch.
 """
@@ -9,7 +9,7 @@ import importlib
 
 _EXPORTS = {
     "EngineClient": "client", "EngineSnapshot": "protocol", "QueueFull": "client", "RequestStream": "client",
-    "start_thread_engine": "client",
+    "start_thread_engine": "loop",
     "EngineConfig": "config", "ResolvedConfig": "config", "SchedulerConfig": "config",
     "LLMEngine": "core", "LLM": "llm",
     "EngineDeadError": "outputs", "OrchestrationError": "outputs", "RequestOutput": "outputs", "RequestStats": "outputs",

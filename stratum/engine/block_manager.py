@@ -53,10 +53,6 @@ class BlockManager:
     def num_cached_blocks(self) -> int:
         return sum(1 for b in self.cache.block_node if self.ref_counts[b] == 0)
 
-    def usage(self) -> float:
-        """Fraction of blocks held by running requests."""
-        return self.num_used_blocks / self.num_blocks
-
     def num_blocks_needed(self, seq: Sequence, num_new_tokens: int) -> int:
         total = math.ceil((seq.num_computed_tokens + num_new_tokens) / self.block_size)
         return max(0, total - len(seq.block_table))

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from stratum.engine import weight_cache
-from stratum.engine.config import EngineConfig, ResolvedConfig
+from stratum.engine.config import EngineConfig, ResolvedConfig, configured_threads, default_threads
 from stratum.home import stratum_home
 from stratum.kernels import KernelPlan, native
 from stratum.kernels import numerics as rule
@@ -43,29 +43,13 @@ def load(config: EngineConfig) -> Checkpoint:
     return load_checkpoint(resolve_model_path(config.model))
 
 
-def default_threads(serving: bool, native_step: bool = False) -> int:
-    """$STRATUM_NUM_THREADS, else every core; a server on the PyTorch step leaves one core to its
-    HTTP side.
-
-    Measured on the 2-core reference machine: with the PyTorch step, 1 engine thread served 1.6x (one
-    stream) and 1.16x (32 streams) the tokens/s of 2 threads, whose spin-waiting lost to the server's
-    own work. With the native step it is the other way round (`stratum bench compare`, 2 threads
-    over 1, Intel machine): 1.69x at one stream, 1.34x at 16 unique streams, 1.27x at 32 streams
-    under a shared prompt and 1.27x on the multiturn workload.
-    """
-    env = int(os.environ.get("STRATUM_NUM_THREADS", 0) or 0)
-    if env > 0:
-        return env
-    cores = os.cpu_count() or 1
-    return max(1, cores - 1) if serving and not native_step else cores
-
-
-def rule_inputs(config: EngineConfig, checkpoint: Checkpoint, device: str) -> RuleInputs:
-    """What the numerics rule reads. On the CPU it loads the native kernels (compiling them once)."""
+def rule_inputs(config: EngineConfig, checkpoint: Checkpoint, device: str, load_native: bool = True) -> RuleInputs:
+    """What the numerics rule reads. On the CPU it loads the native kernels (compiling them once), unless
+    told not to (`load_native=False`: a cold start's provisional step must not wait for a compile)."""
     quantized = checkpoint.quantized
     return RuleInputs(device, config.dtype, config.native_step, config.int4_max_tokens,
                       tuple(sorted({t.qtype for t in quantized.values()})), native_step_refusal(checkpoint.config, quantized),
-                      device == "cpu" and native.available(), tuple(sorted(cpu_flags() & SIMD_FEATURES)))
+                      device == "cpu" and load_native and native.available(), tuple(sorted(cpu_flags() & SIMD_FEATURES)))
 
 
 def resolve(config: EngineConfig, checkpoint: Checkpoint, measure: bool = True, defer: bool = False) -> ResolvedConfig | None:
@@ -89,7 +73,7 @@ def resolve(config: EngineConfig, checkpoint: Checkpoint, measure: bool = True, 
 def provisional(config: EngineConfig, checkpoint: Checkpoint) -> ResolvedConfig:
     """What a cold start serves on while the native kernels are compiled (`engine.prepare`): the
     PyTorch layers on int4 copies where the format allows (`numerics.provisional`), nothing measured."""
-    inputs = replace(rule_inputs(config, checkpoint, "cpu"), native_kernels=False)
+    inputs = rule_inputs(config, checkpoint, "cpu", load_native=False)
     numerics = rule.provisional(inputs, checkpoint.identity)
     numerics = replace(numerics, platform=_platform(numerics))
     threads = config.num_threads or default_threads(config.serving)
@@ -127,13 +111,14 @@ def _resolved(config: EngineConfig, checkpoint: Checkpoint, numerics: Numerics, 
 def _plan(config: EngineConfig, checkpoint: Checkpoint, numerics: Numerics, measure: bool) -> KernelPlan:
     """The speed choices: the native step's threads from the kernel plan; elsewhere by rule, since
     the PyTorch step's fp32 matmuls may sum in another order at another thread count."""
-    configured = config.num_threads or int(os.environ.get("STRATUM_NUM_THREADS", 0) or 0)
+    configured = configured_threads(config.num_threads)
     if configured:
         return KernelPlan(numerics.device, configured, cpu_name(), source="configured", basis="set by the user")
+    threads = default_threads(config.serving, native_step=numerics.step == NATIVE)
     if numerics.step != NATIVE:
-        return KernelPlan(numerics.device, default_threads(config.serving), cpu_name(), source="rule",
-                          basis="builder.default_threads")
-    return select_plan(stratum_home(), Shapes.of(checkpoint.config, checkpoint.quantized), os.cpu_count() or 1,
+        return KernelPlan(numerics.device, threads, cpu_name(), source="rule", basis="config.default_threads")
+    # the rule's count (every core) is the plan's default and the most it tries
+    return select_plan(stratum_home(), Shapes.of(checkpoint.config, checkpoint.quantized), threads,
                        remeasure=config.remeasure_plan, measure=measure)
 
 

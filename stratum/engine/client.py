@@ -1,40 +1,29 @@
-"""The boundary between the engine and whoever serves it.
-
-The engine side is `EngineLoop`: it owns an `LLMEngine`, applies commands between steps and, after
-every step, emits one batch of events (outputs, requests that left the queue, a fresh snapshot). The
-serving side is `EngineClient`: submit, abort, stream outputs, and a read-only `EngineSnapshot`. The
-server talks to the engine through the client alone; nothing on the serving side reads the
+"""The serving side of the engine boundary: `EngineClient` submits and aborts requests, streams their
+outputs (`RequestStream`, `RequestGroup`) and holds the `EngineSnapshot` the engine published last.
+The server talks to the engine through the client alone; nothing on the serving side reads the
 scheduler or the KV pool, and nothing there waits for a step.
 
 Commands and events are the typed records of `stratum.engine.protocol`. How they travel is the
-client's `Transport`: a thread of this process (`ThreadTransport`, here), a process of its own
-(`stratum.engine.process`) or a set of Ray Serve replicas (`stratum.cluster`), behind the same client.
+client's `Transport`: the engine loop (`stratum.engine.loop`) in a thread of this process
+(`ThreadTransport`), in a process of its own (`stratum.engine.process`) or in each of a set of Ray
+Serve replicas (`stratum.cluster`), behind the same client.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import math
 import os
 import random
-import threading
-import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, replace
-from itertools import islice
-from typing import Callable
 
-from stratum.engine.outputs import EngineDeadError, OrchestrationError, RequestOutput, StepError
+from stratum.engine.outputs import EngineDeadError, RequestOutput
 from stratum.engine.protocol import (
-    Abort, Accepted, AddRequest, Command, EngineDied, EngineInfo, EngineSnapshot, Event, HeldKeys, KVBlocks, ListHeld,
-    RequestFailed, Routed, Started,
+    Abort, Accepted, AddRequest, Command, EngineDied, EngineInfo, EngineSnapshot, Event, RequestFailed, Routed, Started,
 )
-from stratum.engine.request import short_key
 from stratum.engine.sampling_params import InvalidRequestError, SamplingParams
-
-log = logging.getLogger("stratum.engine")
 
 
 class QueueFull(RuntimeError):
@@ -52,175 +41,9 @@ class ReplicaView:
     name: str
     pid: int | None
     snapshot: EngineSnapshot
-    in_flight: int  # requests routed to it that have not completed
+    in_flight: int  # requests routed to it that had not completed, as the router counted at that report
     held_blocks: int  # cached block keys it reported
     reported_at: float  # wall-clock time of that report
-
-
-def count_kv_blocks(engine) -> KVBlocks:
-    bm = engine.block_manager
-    return KVBlocks(bm.num_blocks, bm.num_free_blocks, bm.num_cached_blocks, bm.num_used_blocks)
-
-
-def take_snapshot(engine, rss_mb: float, kv_blocks: KVBlocks) -> EngineSnapshot:
-    import torch
-
-    sched = engine.scheduler
-    steps = list(islice(reversed(engine.step_stats), 64))  # the latest, not a copy of all 1,024 (every step)
-    total = sum(s.step_s for s in steps)
-    gpu = round(torch.cuda.memory_allocated(engine.device) / 2**20, 1) if engine.device.type == "cuda" else None
-    return EngineSnapshot(
-        alive=True, mode=engine.mode, degraded_reason=engine.degraded_reason,
-        num_running=len(sched.running), num_waiting=len(sched.waiting),
-        kv_blocks=kv_blocks,
-        num_preemptions=sched.num_preemptions, num_steps=engine.num_steps,
-        overhead_ratio=(total - sum(s.forward_s for s in steps)) / total if total > 0 else 0.0,
-        mean_step_s=total / len(steps) if steps else 0.0, threads=torch.get_num_threads(), rss_mb=rss_mb,
-        gpu_memory_allocated_mb=gpu, step="native" if engine.model.packed is not None else "pytorch",
-        preparing=engine.upgrade.stage if engine.upgrade is not None else None,
-    )
-
-
-class EngineLoop:
-    """The step loop. `submit` is thread-safe; `run` blocks until `stop` or death.
-
-    Args:
-        engine: the LLMEngine it owns; only this loop touches it.
-        emit: receives one list of events (`stratum.engine.protocol`) per step, or per batch of
-            commands, in order: RequestOutput, RequestFailed, Accepted, Started, HeldKeys when asked,
-            then the EngineSnapshot after it; once, last, EngineDied.
-    """
-
-    RSS_EVERY_S = 0.5
-    # Counting cached and in-use blocks walks the pool (milliseconds for a large GPU pool): while
-    # requests run it is refreshed this often; the snapshot an idle engine leaves is always exact.
-    KV_COUNT_EVERY_S = 0.05
-    PREPARING_POLL_S = 0.5
-
-    def __init__(self, engine, emit: Callable[[list[Event]], None]):
-        self.engine = engine
-        self.emit = emit
-        self._commands: deque[Command] = deque()
-        self._wake = threading.Condition()
-        self._stopped = False
-        self.death: str | None = None  # why run() ended, if it was not stop()
-        self._rss = (0.0, 0.0)  # (when measured, MiB)
-        self._kv: tuple[float, KVBlocks | None] = (0.0, None)
-
-    def submit(self, command: Command) -> None:
-        with self._wake:
-            self._commands.append(command)
-            self._wake.notify()
-
-    def stop(self) -> None:
-        self._stopped = True
-        with self._wake:
-            self._wake.notify()
-
-    def run(self) -> None:
-        try:
-            self.emit([self._snapshot()])
-            while not self._stopped:
-                self._once()
-        except BaseException as e:  # the loop is gone: every request in it must hear so, now
-            self.death = f"{type(e).__name__}: {e}"
-            log.critical("engine loop died: %s", self.death, exc_info=not isinstance(e, KeyboardInterrupt))
-            self.emit([EngineDied(self.death)])
-            if not isinstance(e, Exception):
-                return  # the loop's own death (injected, or the interpreter stopping): nothing more to raise
-            raise
-
-    def _once(self) -> None:
-        with self._wake:
-            while not self._commands and not self.engine.has_unfinished() and not self._stopped:
-                # while a cold start's kernels are prepared, an idle loop looks in now and then: to
-                # switch to them (`LLMEngine.switch_kernels`), and to publish how far they are
-                if not self._wake.wait(self.PREPARING_POLL_S if self.engine.upgrade is not None else None):
-                    break
-            commands = list(self._commands)
-            self._commands.clear()
-        events: list[Event] = []
-        for command in commands:
-            self._apply(command, events)
-        if self.engine.upgrade is not None and self.engine.switch_kernels():
-            events.append(EngineInfo.of(self.engine))  # its configuration and kernel choices changed
-        if self.engine.has_unfinished() and not self._stopped:
-            self._step(events)
-        events.append(self._snapshot())
-        self.emit(events)
-
-    def _apply(self, command: Command, events: list[Event]) -> None:
-        match command:
-            case AddRequest(request_id=rid):
-                try:
-                    seq = self.engine.add_request(
-                        command.prompt_token_ids, command.sampling, request_id=rid, priority=command.priority,
-                        cache_salt=command.cache_salt, cache_policy=command.cache_policy,
-                        tool_marker=command.tool_marker, pin_prefixes=command.pin_prefixes,
-                        low_latency=command.low_latency, fork_of=command.fork_of)
-                except InvalidRequestError as e:
-                    events.append(RequestFailed(rid, str(e), "invalid_request"))
-                    return
-                except Exception as e:  # the admission hook's refusal, or a bug: this request fails, not the loop
-                    log.exception("add_request failed")
-                    events.append(RequestFailed(rid, f"{type(e).__name__}: {e}", "internal"))
-                    return
-                try:  # what its cache hit will be, for usage reported before prefill ends; a broken cache only loses it
-                    events.append(Accepted(rid, self.engine.expected_cached_tokens(seq)))
-                except Exception:
-                    log.debug("no expected cache hit for %s", rid, exc_info=True)
-            case Abort(request_id=rid):
-                out = self.engine.abort(rid)
-                if out is not None:  # its last output: whoever assembles deltas can forget the request
-                    events.append(out)
-            case ListHeld(max_keys=n):  # what the prefix cache holds, most recent first, for a router to follow
-                bm = self.engine.block_manager
-                keys = bm.cache.recent_keys(n) if bm.enable_prefix_cache else []
-                events.append(HeldKeys([short_key(k) for k in keys]))
-            case _:  # a bug on the serving side: said, and the loop goes on
-                log.error("not an engine-loop command: %r", command)
-
-    def _step(self, events: list[Event]) -> None:
-        engine = self.engine
-        try:
-            outputs = engine.step()
-        except StepError as e:  # fail the requests of that step, keep serving the rest
-            log.exception("model step failed")
-            self._fail(e.request_ids, e, events)
-            return
-        except OrchestrationError as e:
-            log.exception("orchestration failed")
-            if engine.mode == "normal":  # degrade, keep every request, and go on serving
-                engine.enter_basic_mode(str(e))
-            else:  # already basic: fail the requests in flight, never the process
-                self._fail(list(engine.requests), e, events)
-            return
-        started = engine.take_started()
-        if started:
-            events.append(Started(started))
-        events.extend(outputs)
-
-    def _fail(self, request_ids: list[str], error: Exception, events: list[Event]) -> None:
-        for rid in request_ids:
-            self.engine.abort(rid)
-            events.append(RequestFailed(rid, f"engine step failed: {error}", "internal"))
-
-    def _snapshot(self) -> EngineSnapshot:
-        now = time.monotonic()
-        if now - self._rss[0] > self.RSS_EVERY_S:
-            self._rss = (now, _rss_mb())
-        if self._kv[1] is None or now - self._kv[0] > self.KV_COUNT_EVERY_S or not self.engine.has_unfinished():
-            self._kv = (now, count_kv_blocks(self.engine))
-        return take_snapshot(self.engine, self._rss[1], self._kv[1])
-
-
-def _rss_mb() -> float:
-    try:
-        import psutil
-
-        return round(psutil.Process(os.getpid()).memory_info().rss / 2**20, 1)
-    except Exception:
-        return 0.0
 
 
 def _running_loop() -> asyncio.AbstractEventLoop | None:
@@ -348,9 +171,10 @@ class Transport:
     """How an `EngineClient` reaches its engine: commands go out through `send`; events come back
     through `client.deliver` (from any thread) or `client.receive` (on the client's event loop).
 
-    This base reaches one engine loop, which publishes its own snapshots. `ThreadTransport` (below)
-    and `EngineProcess` (`stratum.engine.process`) are one loop each; the cluster's transport
-    (`stratum.cluster.client`) reaches a set of replicas and overrides `snapshot` and `replicas`.
+    `ThreadTransport` (`stratum.engine.loop`) and `EngineProcess` (`stratum.engine.process`) reach one
+    engine loop, which publishes its own snapshots; the cluster's transport (`stratum.cluster.client`)
+    reaches a set of replicas, publishes their summed snapshot as they report, and lists them
+    (`replicas`).
     """
 
     client: "EngineClient"
@@ -369,38 +193,12 @@ class Transport:
         if self.client.is_alive:
             self.send([Abort(request_id)])
 
-    def snapshot(self, published: EngineSnapshot) -> EngineSnapshot:
-        """The engine's state as the client reports it: here what the loop published last."""
-        return published
-
     def replicas(self) -> list[ReplicaView]:
         """The replicas behind the client, when the engine is several; else none."""
         return []
 
     def shutdown(self) -> None:
         pass
-
-
-class ThreadTransport(Transport):
-    """The engine loop in a thread of this process: commands and events cross as the records themselves."""
-
-    def __init__(self, engine):
-        self.engine = engine
-        self.loop: EngineLoop | None = None
-        self.thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        self.loop = EngineLoop(self.engine, self.client.deliver)
-        self.thread = threading.Thread(target=self.loop.run, name="stratum-engine", daemon=True)
-        self.thread.start()
-
-    def send(self, commands: list[Command]) -> None:
-        for command in commands:
-            self.loop.submit(command)
-
-    def shutdown(self) -> None:
-        self.loop.stop()
-        self.thread.join(timeout=10)
 
 
 class EngineClient:
@@ -421,7 +219,7 @@ class EngineClient:
         self.tokenizer = tokenizer
         self.chat_template = chat_template
         self.transport = transport
-        self._published = EngineSnapshot(alive=True)  # the loop's last snapshot
+        self._published = EngineSnapshot(alive=True)  # the engine's last snapshot (a replica set's sum)
         self._streams: dict[str, RequestStream] = {}
         self._queued: set[str] = set()  # admitted, not yet scheduled: what --max-waiting counts
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -489,16 +287,16 @@ class EngineClient:
     @property
     def snapshot(self) -> EngineSnapshot:
         """What the engine looked like after its last step (the replicas' sum, for a replica set)."""
-        return self.transport.snapshot(self._published)
+        return self._published
 
     @property
     def is_alive(self) -> bool:
-        return self.snapshot.alive
+        return self._published.alive
 
     @property
     def width(self) -> int:
         """Engines behind this client (their queues and batches add up): the live replicas, or 1."""
-        return max(1, sum(v.snapshot.alive for v in self.replicas()))
+        return max(1, self._published.num_engines)
 
     def replicas(self) -> list[ReplicaView]:
         """The replicas behind this client, when the engine is several (`stratum.cluster`); else none."""
@@ -516,11 +314,13 @@ class EngineClient:
             EngineDeadError: the engine loop is gone.
             QueueFull: --max-waiting requests are admitted and waiting already.
         """
-        if not self.is_alive:
-            raise EngineDeadError(f"the engine is not running ({self.snapshot.error or 'stopped'})")
-        limit = self.config.scheduler.max_waiting * self.width
+        snapshot = self._published
+        if not snapshot.alive:
+            raise EngineDeadError(f"the engine is not running ({snapshot.error or 'stopped'})")
+        width = max(1, snapshot.num_engines)
+        limit = self.config.scheduler.max_waiting * width
         if len(self._queued) >= limit:
-            raise QueueFull(limit, self._retry_after_s())
+            raise QueueFull(limit, self._retry_after_s(snapshot.num_running, width))
         self._queued.add(request_id)
 
     def release(self, request_id: str) -> None:
@@ -561,8 +361,8 @@ class EngineClient:
         return RequestGroup(members)
 
     def _open(self, request_id: str) -> RequestStream:
-        if not self.is_alive:
-            raise EngineDeadError(f"the engine is not running ({self.snapshot.error or 'stopped'})")
+        if not self._published.alive:
+            raise EngineDeadError(f"the engine is not running ({self._published.error or 'stopped'})")
         self._loop = asyncio.get_running_loop()
         if request_id in self._streams:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
@@ -580,17 +380,9 @@ class EngineClient:
         self._queued.discard(request_id)
         return self._streams.pop(request_id, None) is not None
 
-    def _retry_after_s(self) -> int:
+    def _retry_after_s(self, num_running: int, width: int) -> int:
         """Seconds until a queue slot is likely free: recent request time x queued / batch size, with
         jitter so that rejected clients do not all come back at once."""
         typical = sum(self._recent_e2e) / len(self._recent_e2e) if self._recent_e2e else 1.0
-        batches = (len(self._queued) + self.snapshot.num_running) / max(1, self.config.scheduler.max_num_seqs * self.width)
+        batches = (len(self._queued) + num_running) / max(1, self.config.scheduler.max_num_seqs * width)
         return max(1, math.ceil(typical * max(1.0, batches) * random.uniform(0.5, 1.5)))
-
-
-def start_thread_engine(engine) -> EngineClient:
-    """Run engine's loop in a thread of this process, behind an EngineClient."""
-    transport = ThreadTransport(engine)
-    client = EngineClient(EngineInfo.of(engine), engine.tokenizer, engine.chat_template, transport)
-    transport.start()
-    return client

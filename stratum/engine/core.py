@@ -15,6 +15,7 @@ import time
 import uuid
 from collections import deque
 from dataclasses import dataclass
+from itertools import islice
 
 import torch
 
@@ -26,6 +27,7 @@ from stratum.engine.grammar import GrammarCompiler
 from stratum.engine.model_runner import ModelRunner
 from stratum.engine.outputs import OrchestrationError, RequestOutput, RequestStats, StepError, StepStats
 from stratum.engine.prepare import KernelUpgrade
+from stratum.engine.protocol import EngineSnapshot, KVBlocks
 from stratum.engine.request import CachePolicy, Sequence, SequenceStatus
 from stratum.engine.sampling_params import InvalidRequestError, SamplingParams
 from stratum.engine.scheduler import Scheduler, SchedulerOutput
@@ -94,7 +96,6 @@ class LLMEngine:
         self._threads = config.num_threads
         torch.manual_seed(config.seed)
         self.model_config = checkpoint.config
-        self.model_name = config.model
         self.tokenizer = checkpoint.tokenizer
         self.grammars = GrammarCompiler(checkpoint.tokenizer, checkpoint.config.vocab_size)
         self._chat_template_source = checkpoint.chat_template
@@ -216,9 +217,48 @@ class LLMEngine:
         started, self._started = self._started, []
         return started
 
+    # ---- what its loop reads (`stratum.engine.loop`) ----------------------------------------------
+    def snapshot(self, rss_mb: float = 0.0, kv_blocks: KVBlocks | None = None) -> EngineSnapshot:
+        """The engine's state now, as its loop publishes it after a step.
+
+        Args:
+            rss_mb: the process's resident memory, as the caller last measured it.
+            kv_blocks: a recent count of the KV pool to report again; None: counted now (counting
+                cached and in-use blocks walks the pool: milliseconds for a large GPU pool).
+        """
+        sched, bm = self.scheduler, self.block_manager
+        if kv_blocks is None:
+            kv_blocks = KVBlocks(bm.num_blocks, bm.num_free_blocks, bm.num_cached_blocks, bm.num_used_blocks)
+        steps = list(islice(reversed(self.step_stats), 64))  # the latest, not a copy of all 1,024 (every step)
+        total = sum(s.step_s for s in steps)
+        gpu = round(torch.cuda.memory_allocated(self.device) / 2**20, 1) if self.device.type == "cuda" else None
+        return EngineSnapshot(
+            alive=True, mode=self.mode, degraded_reason=self.degraded_reason,
+            num_running=len(sched.running), num_waiting=len(sched.waiting), kv_blocks=kv_blocks,
+            num_preemptions=sched.num_preemptions, num_steps=self.num_steps,
+            overhead_ratio=(total - sum(s.forward_s for s in steps)) / total if total > 0 else 0.0,
+            mean_step_s=total / len(steps) if steps else 0.0, threads=torch.get_num_threads(), rss_mb=rss_mb,
+            gpu_memory_allocated_mb=gpu, step="native" if self.model.packed is not None else "pytorch",
+            preparing=self.upgrade.stage if self.upgrade is not None else None,
+        )
+
+    def request_ids(self) -> list[str]:
+        """Every request the engine holds, queued or running."""
+        return list(self.requests)
+
+    def recent_cache_keys(self, max_keys: int) -> list[bytes]:
+        """The prefix cache's block keys, most recently used first (none without a prefix cache)."""
+        bm = self.block_manager
+        return bm.cache.recent_keys(max_keys) if bm.enable_prefix_cache else []
+
+    @property
+    def is_preparing(self) -> bool:
+        """A cold start's kernels are being prepared: `switch_kernels` adopts them once ready."""
+        return self.upgrade is not None
+
     # ---- the step --------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """schedule -> run -> postprocess.
+        """schedule -> run -> commit -> postprocess.
 
         Raises:
             OrchestrationError: scheduling or prefix-cache logic failed (the caller may degrade).

@@ -28,8 +28,7 @@ class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)  # request_id -> new token, for sequences that sampled
     logprobs: dict[str, Logprobs] = field(default_factory=dict)  # request_id -> its token's logprobs, where asked for
     forward_s: float = 0.0  # wall time inside the model forward and logits
-    sample_s: float = 0.0  # masks and sampling
-    mask_s: float = 0.0  # grammar masks alone
+    mask_s: float = 0.0  # grammar masks
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -53,7 +52,8 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.device = device
         num_slots = num_blocks * block_size
-        # kv_caches[layer] = (k, v), each [num_slots, num_kv_heads, head_dim]
+        # kv_caches[layer] = (k, v), each [num_slots, num_kv_heads, head_dim]; the native step keeps
+        # each block of k transposed, [num_kv_heads, head_dim, block_size] (`PackedStack.keys` reads it)
         shape = (num_slots, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [(_zeros(shape, dtype, device), _zeros(shape, dtype, device)) for _ in range(cfg.num_layers)]
         self._offsets = torch.arange(block_size, device=device)
@@ -121,7 +121,6 @@ class ModelRunner:
             result = sample(rows, [s.sampling for s in seqs], [s.generator for s in seqs], allowed)
             out.sampled = {s.request_id: t for s, t in zip(seqs, result.tokens)}
             out.logprobs = {s.request_id: lp for s, lp in zip(seqs, result.logprobs) if lp is not None}
-        out.sample_s = time.perf_counter() - t1
         return out
 
     @staticmethod

@@ -90,7 +90,3 @@ class StepStats:
     step_s: float
     forward_s: float
     mask_s: float = 0.0  # grammar masks (constrained requests)
-
-    @property
-    def overhead_s(self) -> float:
-        return self.step_s - self.forward_s

@@ -2,11 +2,12 @@
 
 The serving process starts `python -m stratum.engine.process` with two pipes: commands go down one,
 events come up the other, as msgpack frames (plain lists, no pickle). The engine process loads the
-model, sending the stage it is in, its tokenizer and chat template as soon as the checkpoint is read
-(the serving side builds its copy while the model is built), then one "ready" message (its resolved
-configuration and kernel choices; the serving side never loads the weights), then one frame per
-step holding every event of that step: tokens stream back without a round trip per token. Commands and events are
-`stratum.engine.protocol`'s records in its codec; `EngineProcess` is the client's transport.
+model, sending the stage it is in (`Starting`), its tokenizer and chat template as soon as the
+checkpoint is read (`TokenizerData`: the serving side builds its copy while the model is built), then
+`EngineInfo` once it is ready (its resolved configuration and kernel choices; the serving side never
+loads the weights) or `StartFailed`, then one frame per step holding every event of that step:
+tokens stream back without a round trip per token. Every message is a record of
+`stratum.engine.protocol` in its codec; `EngineProcess` is the client's transport.
 
 Either side notices the other's death: the engine process stops when its command pipe closes; the
 serving side reads end-of-file when the engine process exits, for whatever reason, and ends every
@@ -27,11 +28,11 @@ from typing import Callable
 
 import msgpack
 
-from stratum.engine.client import EngineClient, EngineLoop, Transport
+from stratum.engine.client import EngineClient, Transport
 from stratum.engine.config import EngineConfig
+from stratum.engine.loop import EngineLoop
 from stratum.engine.protocol import (
-    Command, EngineDied, EngineInfo, Stop, StreamDecoder, decode, decode_info, decode_tokenizer, encode, encode_info,
-    encode_tokenizer,
+    Command, EngineDied, EngineInfo, StartFailed, Starting, Stop, StreamDecoder, TokenizerData, decode, encode,
 )
 
 log = logging.getLogger("stratum.engine")
@@ -102,21 +103,21 @@ class EngineProcess(Transport):
             EngineStartError: the engine process failed to load (bad model, missing file, ...).
         """
         unpacker = _unpacker()
-        messages = _messages(self._ev_r, unpacker)
-        ready = next(messages, None)
-        while ready is not None and ready[0] in ("stage", "tokenizer"):
-            if ready[0] == "stage":
-                on_stage(ready[1])
-            else:  # built here while the engine builds its model
-                tokenizer, template = decode_tokenizer(ready[1])
-            ready = next(messages, None)
-        if ready is None:
-            ready = ["failed", f"the engine process exited with code {self.proc.wait()} before it was ready"]
-        if ready[0] != "ready":
-            self.proc.wait(timeout=30)
-            raise EngineStartError(ready[1] if len(ready) > 1 else "the engine process failed to start")
-        info = ready[1]
-        client = EngineClient(decode_info(info), tokenizer, template, self, engine_pid=self.proc.pid)
+        tokenizer = template = None
+        for data in _messages(self._ev_r, unpacker):
+            match decode(data):
+                case Starting(stage=stage):
+                    on_stage(stage)
+                case TokenizerData() as sent:  # built here while the engine builds its model
+                    tokenizer, template = sent.build()
+                case EngineInfo() as info:
+                    break
+                case StartFailed(reason=reason):
+                    self.proc.wait(timeout=30)
+                    raise EngineStartError(reason)
+        else:
+            raise EngineStartError(f"the engine process exited with code {self.proc.wait()} before it was ready")
+        client = EngineClient(info, tokenizer, template, self, engine_pid=self.proc.pid)
         reader = _EventReader(self._ev_r, unpacker, client, self.proc)
         if loop is None:
             threading.Thread(target=reader.run, name="stratum-engine-events", daemon=True).start()
@@ -238,17 +239,19 @@ def main(argv: list[str] | None = None) -> int:
     from stratum.engine import builder
     from stratum.engine.core import LLMEngine
 
-    _write_all(ev_fd, _pack(["stage", "loading model"]))
+    def send(message) -> None:
+        _write_all(ev_fd, _pack(encode(message)))
+
+    send(Starting("loading model"))
     try:
         config = EngineConfig.from_json(args.config)
         checkpoint = builder.load(config)
-        # the tokenizer first: the serving side builds its copy while the model is built here
-        _write_all(ev_fd, _pack(["tokenizer", encode_tokenizer(checkpoint.tokenizer, checkpoint.chat_template)]))
+        send(TokenizerData.of(checkpoint.tokenizer, checkpoint.chat_template))
         engine = LLMEngine(config, checkpoint)
     except Exception as e:  # the serving side prints this and exits
-        _write_all(ev_fd, _pack(["failed", f"{type(e).__name__}: {e}"]))
+        send(StartFailed(f"{type(e).__name__}: {e}"))
         return 1
-    _write_all(ev_fd, _pack(["ready", encode_info(EngineInfo.of(engine))]))
+    send(EngineInfo.of(engine))
     loop = EngineLoop(engine, emit)
 
     def read_commands() -> None:

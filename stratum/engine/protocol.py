@@ -1,5 +1,6 @@
-"""The engine boundary's language: every command the serving side sends an engine loop and every event
-the loop sends back, as typed records, and the one codec that turns them into plain lists and back.
+"""The engine boundary's language: every command the serving side sends an engine loop, every event the
+loop sends back and every message of an engine's start-up, as typed records, and the one codec that
+turns them into plain lists and back.
 
 The thread transport hands the records over as they are; the process transport (msgpack frames,
 `stratum.engine.process`) and the Ray transport (`stratum.cluster`) send `encode(message)` and read
@@ -8,8 +9,7 @@ The thread transport hands the records over as they are; the process transport (
 
 from __future__ import annotations
 
-import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any, Callable, Literal, Union
 
 from stratum.engine.config import ResolvedConfig, SchedulerConfig
@@ -29,7 +29,10 @@ class KVBlocks:
 
 @dataclass(frozen=True, slots=True)
 class EngineSnapshot:
-    """What the engine looked like after its last step, published by the engine, read by anyone."""
+    """What the engine looked like after its last step, published by the engine, read by anyone.
+
+    A field added here is filled in by `LLMEngine.snapshot`; a replica set's snapshot (`summed`)
+    adds it up across the replicas (numbers, records of numbers) or names it per replica (text)."""
 
     alive: bool
     mode: str = "normal"
@@ -47,18 +50,53 @@ class EngineSnapshot:
     gpu_memory_allocated_mb: float | None = None
     step: str = ""  # "native" or "pytorch": what runs the model now
     preparing: str | None = None  # a cold start's kernels being prepared in the background: the stage
-    published_at: float = field(default_factory=time.time)
+    num_engines: int = 1  # engine loops behind it: 1, or a replica set's live replicas
 
     @property
     def kv_usage(self) -> float:
         return self.kv_blocks.in_use / self.kv_blocks.total if self.kv_blocks.total else 0.0
 
+    @classmethod
+    def summed(cls, named: dict[str, "EngineSnapshot"]) -> "EngineSnapshot":
+        """Several engines' snapshots (by replica name, at least one) as one: alive while any engine
+        is, the step figures weighted by steps (the mean step the slowest's), text said per replica
+        ("name: reason; ..."), and the rest, counts and sizes, added up."""
+        snaps = list(named.values())
+        alive = [s for s in snaps if s.alive]
+        steps = sum(s.num_steps for s in snaps)
+        rules = {
+            "alive": bool(alive), "mode": "normal" if all(s.mode == "normal" for s in alive) else "basic",
+            "error": None if alive else "; ".join(f"{n}: {s.error}" for n, s in named.items()),
+            "overhead_ratio": sum(s.overhead_ratio * s.num_steps for s in snaps) / steps if steps else 0.0,
+            "mean_step_s": max(s.mean_step_s for s in snaps),
+            "step": "+".join(sorted({s.step for s in alive if s.step})),
+            "num_engines": len(alive),
+        }
+        values = {}
+        for f in fields(cls):
+            each = [getattr(s, f.name) for s in snaps]
+            if f.name in rules:
+                values[f.name] = rules[f.name]
+            elif any(isinstance(v, str) for v in each):
+                values[f.name] = "; ".join(f"{n}: {v}" for n, v in zip(named, each) if v) or None
+            else:
+                values[f.name] = _total(each)
+        return cls(**values)
+
+
+def _total(values: list):
+    """Numbers added up (None where every one is None); records of numbers, field by field."""
+    if is_dataclass(values[0]):
+        return type(values[0])(*(_total([getattr(v, f.name) for v in values]) for f in fields(values[0])))
+    present = [v for v in values if v is not None]
+    return sum(present) if present else None
+
 
 @dataclass(frozen=True)
 class EngineInfo:
-    """The engine's resolved configuration and kernel choices: sent once it is ready, and again as an
-    event when a cold start switches to its prepared kernels (`LLMEngine.switch_kernels`), the one
-    time they change."""
+    """The engine's resolved configuration and kernel choices: its start-up's last message (it is
+    ready), and an event when a cold start switches to its prepared kernels (`LLMEngine.switch_kernels`),
+    the one time they change."""
 
     config: ResolvedConfig
     model_name: str  # the checkpoint's own name
@@ -68,6 +106,51 @@ class EngineInfo:
     @classmethod
     def of(cls, engine) -> "EngineInfo":
         return cls(engine.config, engine.model_config.name, engine.model_config.vocab_size, engine.kernel_choices)
+
+
+# ---- start-up: an engine process or replica -> serving side, before EngineInfo -------------------------
+@dataclass(frozen=True, slots=True)
+class Starting:
+    """The engine's start-up began a stage ("loading model")."""
+
+    stage: str
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizerData:
+    """A model's tokenizer (`TextTokenizer`) and chat template source as plain data, sent as soon as
+    the checkpoint is read: the serving side builds its own copy while the engine builds the model."""
+
+    json: str
+    bos_token: str | None
+    eos_token: str | None
+    bos_token_id: int | None
+    eos_token_ids: list[int]
+    add_bos: bool
+    chat_template: str | None
+
+    @classmethod
+    def of(cls, tok, chat_template: str | None) -> "TokenizerData":
+        return cls(tok.backend.to_str(), tok.bos_token, tok.eos_token, tok.bos_token_id, list(tok.eos_token_ids),
+                   tok.add_bos, chat_template)
+
+    def build(self):
+        """(TextTokenizer, ChatTemplate)."""
+        from tokenizers import Tokenizer
+
+        from stratum.models.chat_template import ChatTemplate
+        from stratum.models.tokenizer import TextTokenizer
+
+        tokenizer = TextTokenizer(Tokenizer.from_str(self.json), self.bos_token, self.eos_token, self.bos_token_id,
+                                  tuple(self.eos_token_ids), self.add_bos)
+        return tokenizer, ChatTemplate(self.chat_template, tokenizer)
+
+
+@dataclass(frozen=True, slots=True)
+class StartFailed:
+    """The engine could not start (a bad model, a missing file); the engine process exits after it."""
+
+    reason: str
 
 
 # ---- commands: serving side -> engine loop -----------------------------------------------------------
@@ -161,6 +244,7 @@ class Routed:
 
 Command = Union[AddRequest, Abort, ListHeld, Stop]
 Event = Union[RequestOutput, EngineSnapshot, Accepted, Started, RequestFailed, HeldKeys, EngineDied, Routed, EngineInfo]
+StartupMessage = Union[Starting, TokenizerData, StartFailed, EngineInfo]
 
 
 # ---- the codec: [tag, field, field, ...], nested records as lists of their fields ----------------------
@@ -188,6 +272,7 @@ _MESSAGES: dict[type, dict[str, Callable]] = {
     AddRequest: {"sampling": _record(SamplingParams), "cache_policy": _record(CachePolicy),
                  "pin_prefixes": lambda prefixes: [tuple(p) for p in prefixes]},
     Abort: {}, ListHeld: {}, Stop: {},
+    Starting: {}, TokenizerData: {}, StartFailed: {},
 }
 _TAGS = {cls: tag for tag, cls in enumerate(_MESSAGES)}
 _FIELDS = {cls: tuple(f.name for f in fields(cls)) for cls in _MESSAGES}
@@ -198,7 +283,7 @@ _DECODERS = [(cls, [(_FIELDS[cls].index(name), rebuild) for name, rebuild in nes
 _SENT_TEXT = [1 + _FIELDS[RequestOutput].index(name) for name in ("text", "token_ids")]  # positions in a message
 
 
-def encode(message: Command | Event) -> list:
+def encode(message: Command | Event | StartupMessage) -> list:
     """[tag, field values...] with nested records as lists of their field values (msgpack-ready).
 
     A running RequestOutput carries only its deltas (`text` and `token_ids` are None): the reader
@@ -220,7 +305,7 @@ def encode(message: Command | Event) -> list:
     return values
 
 
-def decode(data: list) -> Command | Event:
+def decode(data: list) -> Command | Event | StartupMessage:
     """The message `encode` made (a running output as it was sent: deltas only)."""
     cls, nested = _DECODERS[data[0]]
     values = data[1:]
@@ -248,31 +333,3 @@ class StreamDecoder:
             case RequestFailed(request_id=rid):
                 self._partial.pop(rid, None)
         return event
-
-
-# ---- what the serving side needs before the first request ------------------------------------------
-def encode_info(info: EngineInfo) -> dict:
-    return asdict(info)
-
-
-def decode_info(d: dict) -> EngineInfo:
-    return EngineInfo(_config(d["config"]), d["model_name"], d["vocab_size"], d["kernel_choices"])
-
-
-def encode_tokenizer(tok, chat_template: str | None) -> dict:
-    """A model's tokenizer (TextTokenizer) and chat template source as plain data, for a serving side elsewhere."""
-    return {"json": tok.backend.to_str(), "bos_token": tok.bos_token, "eos_token": tok.eos_token,
-            "bos_token_id": tok.bos_token_id, "eos_token_ids": list(tok.eos_token_ids), "add_bos": tok.add_bos,
-            "chat_template": chat_template}
-
-
-def decode_tokenizer(d: dict):
-    """(TextTokenizer, ChatTemplate) from `encode_tokenizer`'s data."""
-    from tokenizers import Tokenizer
-
-    from stratum.models.chat_template import ChatTemplate
-    from stratum.models.tokenizer import TextTokenizer
-
-    tokenizer = TextTokenizer(Tokenizer.from_str(d["json"]), d["bos_token"], d["eos_token"], d["bos_token_id"],
-                              tuple(d["eos_token_ids"]), d["add_bos"])
-    return tokenizer, ChatTemplate(d["chat_template"], tokenizer)
