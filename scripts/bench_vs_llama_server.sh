@@ -15,6 +15,8 @@
 # with that name (the "+cpu" is how vLLM recognises its CPU platform).
 # Another GGUF of the same model (GGUF=/path/to/file.gguf, e.g. a Q4_K_M written by
 # scripts/requantize_gguf.py) is served by both; WORKLOADS="single-stream unique-c16" runs only those.
+# On a busy machine SS_NUM (one stream's requests, 8), C16_NUM and C16_TOKENS (c16's requests and
+# tokens each, 48 and 128) shorten the first two workloads; a run so shortened says it in its report.
 # Usage: LLAMA_SERVER=/path/to/llama-server [VLLM=/path/to/vllm VLLM_MODEL=/path/to/hf-bf16] \
 #        [GGUF=/path/to/file.gguf] [WORKLOADS="name ..."] scripts/bench_vs_llama_server.sh [OUT_DIR]
 set -euo pipefail
@@ -84,8 +86,8 @@ run() {
 }
 
 # a seed per run: no run finds another run's prompts in Stratum's prefix cache
-run single-stream unique 1 128 8 --seed 1
-run unique-c16 unique 16 128 48 --seed 6
+run single-stream unique 1 128 ${SS_NUM:-8} --seed 1
+run unique-c16 unique 16 ${C16_TOKENS:-128} ${C16_NUM:-48} --seed 6
 run shared-prefix-c32 shared-prefix 32 64 64 --seed 2
 run multiturn-8x4 multiturn 8 64 32 --num-turns 4 --seed 4
 run mixed-long-c8 mixed-long 8 64 32 --seed 5
