@@ -36,6 +36,7 @@ from stratum.engine.sampling_params import InvalidRequestError, SamplingParams
 from stratum.engine.scheduler import Scheduler, SchedulerOutput
 from stratum.engine.spec_decode import SpecConfig, Speculator
 from stratum.kernels import native
+from stratum.kernels.governor import ThreadGovernor
 from stratum.models.loader import Checkpoint
 
 log = logging.getLogger("stratum.engine")
@@ -100,6 +101,7 @@ class LLMEngine:
         self.config = config = resolved
         torch.set_num_threads(config.num_threads)
         self._threads = config.num_threads
+        self.governor = ThreadGovernor(max(config.num_threads, config.prefill_threads))
         torch.manual_seed(config.seed)
         self.model_config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
@@ -336,8 +338,12 @@ class LLMEngine:
         return outputs
 
     def _set_threads(self, num_tokens: int) -> None:
-        """Compute-bound prefill steps use every core; decode-bound steps leave the configured ones free."""
+        """Compute-bound prefill steps use every core; decode-bound steps leave the configured ones free.
+        The native step, whose bits no thread count changes, uses no more than the cores other processes
+        leave free (`ThreadGovernor`): its barriers would otherwise wait on descheduled threads."""
         threads = self.config.prefill_threads if num_tokens >= PREFILL_STEP_TOKENS else self.config.num_threads
+        if self.model.packed is not None:
+            threads = min(threads, self.governor.threads())
         if threads != self._threads:
             torch.set_num_threads(threads)
             self._threads = threads
@@ -558,6 +564,7 @@ class LLMEngine:
         self.kv_bytes_per_block = self._kv_cache_bytes() // self.config.num_kv_blocks
         self._threads = self.config.num_threads
         torch.set_num_threads(self._threads)
+        self.governor = ThreadGovernor(max(self.config.num_threads, self.config.prefill_threads))
         self._renew_pool()
         self.scheduler.num_preemptions += len(recomputed)
         log.warning("switched to the prepared kernels: %s, numerics %s", self.kernel_choices["step"],
