@@ -244,8 +244,8 @@ def test_unsupported_tensor_type_and_architecture_are_errors_naming_them(qwen_di
     (folder / "config.json").write_text(json.dumps({**cfg, "model_type": "falcon"}))
     with pytest.raises(ModelLoadError, match="model_type 'falcon' is not supported"):
         load_checkpoint(folder)
-    (folder / "config.json").write_text(json.dumps({**cfg, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}}))
-    with pytest.raises(ModelLoadError, match="RoPE scaling 'yarn' is not supported"):
+    (folder / "config.json").write_text(json.dumps({**cfg, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}}))
+    with pytest.raises(ModelLoadError, match="RoPE scaling 'longrope' is not supported"):
         load_checkpoint(folder)
 
 
