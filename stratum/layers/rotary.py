@@ -20,7 +20,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     beta_slow (1) times is divided by `factor`, and the dimensions between are blended linearly.
     """
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    kind = (scaling or {}).get("rope_type") or (scaling or {}).get("type")
+    kind = _kind(scaling)
     if kind == "freq_factors":  # per-frequency divisors stored in the checkpoint (GGUF rope_freqs)
         inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float64)
     elif kind == "linear":
@@ -57,10 +57,15 @@ def _yarn(inv_freq: torch.Tensor, head_dim: int, theta: float, scaling: dict[str
     return inv_freq / factor * ramp + inv_freq * (1 - ramp)
 
 
+def _kind(scaling: dict[str, Any] | None) -> str | None:
+    """The scaling's name: transformers' `rope_type`, or the older `type` key."""
+    return (scaling or {}).get("rope_type") or (scaling or {}).get("type")
+
+
 def attention_factor(scaling: dict[str, Any] | None) -> float:
     """YaRN's scale of q and k (so of the attention logits, squared): 0.1 ln(factor) + 1 (the paper's
     eq. 22, for sqrt(1/t)), unless the checkpoint gives its own; 1 for every other scaling."""
-    if (scaling or {}).get("rope_type") != "yarn":
+    if _kind(scaling) != "yarn":
         return 1.0
     return float(scaling.get("attention_factor") or 0.1 * math.log(float(scaling["factor"])) + 1.0)
 
