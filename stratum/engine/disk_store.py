@@ -340,11 +340,16 @@ def _pwrite_all(fd: int, buffers: list) -> None:
         if n <= 0:
             raise OSError(errno.EIO, "pwritev wrote nothing")
         offset += n
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if n:
-            views[0] = views[0][n:]
+        _advance(views, n)
+
+
+def _advance(views: list[memoryview], n: int) -> None:
+    """Drop the first n bytes of views (what one vectored call moved), in place."""
+    while views and n >= views[0].nbytes:
+        n -= views[0].nbytes
+        views.pop(0)
+    if n:
+        views[0] = views[0][n:]
 
 
 def _pread_all(fd: int, views: list[memoryview], offset: int) -> int:
@@ -354,9 +359,5 @@ def _pread_all(fd: int, views: list[memoryview], offset: int) -> int:
         if n <= 0:
             break
         total += n
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if n:
-            views[0] = views[0][n:]
+        _advance(views, n)
     return total
