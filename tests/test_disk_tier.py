@@ -128,8 +128,9 @@ def test_blocks_written_under_other_numerics_are_never_read(tiny_gguf, tmp_path)
     if not native.available():
         pytest.skip("no native kernels")
     p, kv = prompt(6), tmp_path / "kv"
-    torch_step = settled(tiny_llm(tiny_gguf, kv, native_step=False))
+    torch_step = tiny_llm(tiny_gguf, kv, native_step=False)
     run(torch_step, [p])
+    settled(torch_step)
     native_step = tiny_llm(tiny_gguf, kv, native_step=True)
     config = native_step.engine.config
     assert native_step.engine.tier.binding == kv_binding(config, native_step.engine.model)  # what the tier uses
@@ -205,7 +206,15 @@ def test_kill_9_while_writing_leaves_a_tier_that_loads_and_serves_correct_text(t
     for seed in range(3):  # three kills, at whatever each write had reached
         child = subprocess.Popen([sys.executable, "-c", CHILD, str(tiny_model_dir), str(kv), str(seed)],
                                  stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
-        for _ in range(3 + seed):
+        written = 0
+        for _ in range(200):  # until its writer is under way (it is paced while the child decodes)
+            line = child.stdout.readline()
+            assert line, "the writer died on its own"
+            written = int(line)
+            if written:
+                break
+        assert written, "the child's tier wrote nothing"
+        for _ in range(seed):
             assert child.stdout.readline(), "the writer died on its own"
         child.send_signal(signal.SIGKILL)
         child.wait()
@@ -392,3 +401,27 @@ def test_engines_sharing_a_folder_read_each_others_blocks(tiny_model_dir, tmp_pa
         time.sleep(0.1)
     served = run(b, [p])[0]
     assert served.num_disk_cached_tokens == 192 and served.output_token_ids == reference.output_token_ids
+
+
+def test_processes_opening_a_new_tier_together_all_get_its_index(tmp_path):
+    """The first connections to a fresh index race to switch it to WAL, which SQLite answers 'database is
+    locked' at once, without its busy timeout: each must still open it (engine processes and a tier's
+    threads start together)."""
+    import threading
+
+    for round_ in range(50):
+        store, errors, start = DiskStore(tmp_path / f"kv{round_}", 1 << 30), [], threading.Barrier(4)
+
+        def open_index():
+            start.wait()
+            try:
+                store.connect().close()
+            except Exception as e:  # noqa: BLE001 -- what the test counts
+                errors.append(e)
+
+        threads = [threading.Thread(target=open_index) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors

@@ -62,24 +62,28 @@ class PeakMemory:
         self._thread.start()
 
     def _run(self) -> None:
+        while not self._stop.is_set() and self._sample():
+            self._stop.wait(self._every_s)
+
+    def _sample(self) -> bool:
+        """Read each living process's mark; False once the root is gone."""
         import psutil
 
-        while not self._stop.is_set():
+        try:
+            procs = [self._root, *self._root.children(recursive=True)]
+        except psutil.Error:
+            return False
+        for p in procs:
             try:
-                procs = [self._root, *self._root.children(recursive=True)]
-            except psutil.Error:
-                return
-            for p in procs:
-                try:
-                    hwm = _vm_hwm(p.pid)
-                    role = _role(p.cmdline())
-                    times = p.cpu_times()
-                except (psutil.Error, OSError):
-                    continue
-                self.cpu[p.pid] = (role, times.user + times.system)
-                if hwm:
-                    self.peaks[p.pid] = (role, max(hwm, self.peaks.get(p.pid, (role, 0))[1]))
-            self._stop.wait(self._every_s)
+                hwm = _vm_hwm(p.pid)
+                role = _role(p.cmdline())
+                times = p.cpu_times()
+            except (psutil.Error, OSError):
+                continue
+            self.cpu[p.pid] = (role, times.user + times.system)
+            if hwm:
+                self.peaks[p.pid] = (role, max(hwm, self.peaks.get(p.pid, (role, 0))[1]))
+        return True
 
     def cpu_s(self) -> dict:
         """CPU seconds each role has used so far (as last sampled): what a start costs, load or not."""
@@ -91,6 +95,7 @@ class PeakMemory:
     def stop(self) -> dict:
         self._stop.set()
         self._thread.join(timeout=5)
+        self._sample()  # what happened since the last sample (the request just served) counts too
         roles: dict[str, int] = {}
         for role, hwm in self.peaks.values():
             roles[role] = max(roles.get(role, 0), hwm)

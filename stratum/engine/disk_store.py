@@ -84,7 +84,7 @@ class DiskStore:
         """A connection for this thread: WAL, so readers never wait on the writers of other processes."""
         conn = sqlite3.connect(self.db_path, timeout=10.0, isolation_level=None, check_same_thread=True)
         os.chmod(self.db_path, 0o600)
-        conn.execute("PRAGMA journal_mode=WAL")
+        _set_wal(conn)
         # a killed process loses nothing committed; what a power cut might lose, the checksums catch
         conn.execute("PRAGMA synchronous=NORMAL")
         with _transaction(conn):
@@ -286,6 +286,21 @@ def _checked_store(root: Path) -> DiskStore:
         store = DiskStore(root, 0)
         store.connect().close()
     return store
+
+
+def _set_wal(conn: sqlite3.Connection, timeout_s: float = 10.0) -> None:
+    """Put the index in WAL mode. Switching a new database's journal needs its exclusive lock, and SQLite
+    answers a connection that races another for it "database is locked" at once, without the busy
+    timeout (two engine processes or threads opening a fresh tier together): retry until timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            conn.execute("PRAGMA journal_mode=WAL").fetchall()
+            return
+        except sqlite3.OperationalError as e:
+            if "locked" not in str(e) or time.monotonic() > deadline:
+                raise
+            time.sleep(0.005)
 
 
 class _transaction:
