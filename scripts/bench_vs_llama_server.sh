@@ -57,7 +57,10 @@ json.dump({"start_to_first_200_s": round(first, 3), "rss_mib_after_traffic": rou
 print(open(sys.argv[1]).read())
 PY
 
-$STRATUM serve --model "$GGUF" --served-model-name smollm2-135m --port 8301 >"$OUT/stratum.log" 2>&1 & pids+=($!)
+# the disk tier in a folder of this run's own: no run reads another run's (or a user's) cached prefixes
+rm -rf "$OUT/kv"
+$STRATUM serve --model "$GGUF" --served-model-name smollm2-135m --port 8301 --kv-disk-dir "$OUT/kv" \
+  >"$OUT/stratum.log" 2>&1 & pids+=($!)
 wait_up http://127.0.0.1:8301
 
 peers=()

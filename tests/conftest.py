@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -34,11 +35,27 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def home_with_kernels(home: Path) -> Path:
+    """A fresh $STRATUM_HOME holding this machine's compiled native kernels (linked, compiled first
+    where they are not yet): a new file's first start, without compiling them again."""
+    from stratum.home import stratum_home
+    from stratum.kernels import native
+
+    native.available()
+    (home / "kernels").mkdir(parents=True, exist_ok=True)
+    for lib in native.LIBRARIES:
+        source = native.build_dir(stratum_home(), lib)
+        if source.exists():
+            (home / "kernels" / source.name).symlink_to(source)
+    return home
+
+
 @pytest.fixture(scope="module")
 def module_stratum_home(tmp_path_factory):
-    """A $STRATUM_HOME of the module's own (its converted-checkpoint caches and plans), for modules
-    that ask for it with `pytestmark = pytest.mark.usefixtures("module_stratum_home")`."""
-    home = tmp_path_factory.mktemp("stratum-home")
+    """A $STRATUM_HOME of the module's own (its converted-checkpoint caches and plans; the session's
+    compiled kernels), for modules that ask for it with
+    `pytestmark = pytest.mark.usefixtures("module_stratum_home")`."""
+    home = home_with_kernels(tmp_path_factory.mktemp("stratum-home"))
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("STRATUM_HOME", str(home))
         yield home
