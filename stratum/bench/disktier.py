@@ -228,8 +228,10 @@ def decode_while_writing(args, work: Path) -> dict:
     from stratum.engine import LLM
     from stratum.engine.sampling_params import SamplingParams
 
+    # plain decoding: speculation would finish the streams early (each step a varying number of tokens)
+    # and say nothing of the writer
     engines = {label: LLM(args.model, kv_cache_memory_mb=args.kv_cache_mb, kv_disk_gb=gb, kv_disk_dir=str(work / label),
-                          serving=True).engine
+                          serving=True, speculative="off").engine
                for label, gb in (("tier_off", 0), ("tier_on", args.kv_disk_gb))}
     rng = random.Random(args.seed)
     tok = engines["tier_on"].tokenizer
