@@ -36,17 +36,19 @@ def pytest_collection_modifyitems(config, items):
 
 
 def home_with_kernels(home: Path) -> Path:
-    """A fresh $STRATUM_HOME holding this machine's compiled native kernels (linked, compiled first
-    where they are not yet): a new file's first start, without compiling them again."""
+    """A $STRATUM_HOME holding this machine's compiled native kernels (linked from the session's home,
+    compiled there first where they are not yet): a new file's first start, without compiling them again."""
     from stratum.home import stratum_home
     from stratum.kernels import native
 
     native.available()
     (home / "kernels").mkdir(parents=True, exist_ok=True)
     for lib in native.LIBRARIES:
-        source = native.build_dir(stratum_home(), lib)
-        if source.exists():
-            (home / "kernels" / source.name).symlink_to(source)
+        source, target = native.build_dir(stratum_home(), lib), native.build_dir(home, lib)
+        if source.exists() and not target.exists():
+            if os.path.lexists(target):  # a link to a build that is gone (a kept home)
+                target.unlink()
+            target.symlink_to(source)
     return home
 
 

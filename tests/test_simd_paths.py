@@ -25,6 +25,7 @@ import pytest
 import torch
 
 from stratum.kernels.cpu import cpu_flags
+from tests.conftest import home_with_kernels
 from tests.factories import PACKED_MIXES, make_family_dir, make_tiny_gguf, write_family_gguf
 
 # -march, the path its build must choose, and the CPU flags it needs
@@ -93,22 +94,6 @@ def _variants() -> list[tuple[str, str | None]]:
     return ok + [("native", None)]
 
 
-def _share_native_build(home: Path) -> None:
-    """The native variant is the library the rest of the suite uses: link the session's build (compiled
-    first where it is not yet) rather than compile it a second time."""
-    from stratum.kernels import native
-
-    if not native.available():
-        return
-    source = native.build_dir(native.stratum_home(), native.STEP)
-    target = native.build_dir(home, native.STEP)  # the same name: the same sources, flags and CPU
-    if source.exists() and not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if os.path.lexists(target):  # a link to a build that is gone
-            target.unlink()
-        target.symlink_to(source)
-
-
 def _run_variant(march: str, home: Path, models: list[Path], out: Path) -> dict:
     env = {**os.environ, "STRATUM_HOME": str(home), "STRATUM_MARCH": march, "OMP_NUM_THREADS": "1",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])}
@@ -123,7 +108,7 @@ def _run_variant(march: str, home: Path, models: list[Path], out: Path) -> dict:
 def test_every_simd_path_gives_the_same_tokens_and_logits(tmp_path, request):
     cache = getattr(request.config, "cache", None)  # kept between runs, so only the first compiles
     home = Path(cache.mkdir("simd-path-builds")) if cache is not None else tmp_path / "builds"
-    _share_native_build(home)
+    home_with_kernels(home)  # the native variant is the suite's own build: linked, not compiled again
     models = [make_tiny_gguf(tmp_path / "tiny.gguf", hidden=256)]  # Q4_1; head size 64, two query heads per KV head
     # every other format the step takes (tests/factories.py PACKED_MIXES), on a Llama 3 model whose
     # inputs are multiples of 256
