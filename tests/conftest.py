@@ -170,6 +170,22 @@ def tiny_server(tiny_model_dir):
     server.stop()
 
 
+@pytest.fixture(scope="module")
+def client(tiny_server):
+    """The official anthropic SDK on `tiny_server` (a module may name its own `client`)."""
+    import anthropic
+
+    return anthropic.Anthropic(base_url=tiny_server.url, api_key="test", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def oai(tiny_server):
+    """The official openai SDK on `tiny_server`."""
+    import openai
+
+    return openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="test", max_retries=0)
+
+
 @pytest.fixture(scope="session")
 def real_server(real_model_path):
     """`stratum serve` on the default model."""

@@ -55,16 +55,6 @@ def claude_code_body(question: str, model: str = "claude-opus-4-8") -> dict:
     }
 
 
-@pytest.fixture(scope="module")
-def client(tiny_server):
-    return anthropic.Anthropic(base_url=tiny_server.url, api_key="test", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def oai(tiny_server):
-    return openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="test", max_retries=0)
-
-
 def count(client, messages, **kwargs) -> int:
     return client.messages.count_tokens(model="tiny", messages=messages, **kwargs).input_tokens
 

@@ -21,11 +21,6 @@ WEATHER_TOOL = {
 }
 
 
-@pytest.fixture(scope="module")
-def client(tiny_server):
-    return anthropic.Anthropic(base_url=tiny_server.url, api_key="test", max_retries=0)
-
-
 @pytest.fixture
 async def aclient(tiny_server):
     """Per test: an async client's connections belong to the event loop that made them."""

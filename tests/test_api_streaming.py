@@ -83,11 +83,6 @@ def _body(prompt: str, max_tokens: int = 48, **extra) -> dict:
     return {"model": "tiny", "max_tokens": max_tokens, "messages": [{"role": "user", "content": prompt}], **extra}
 
 
-@pytest.fixture(scope="module")
-def client(tiny_server):
-    return anthropic.Anthropic(base_url=tiny_server.url, api_key="test", max_retries=0)
-
-
 # ---- raw SSE ---------------------------------------------------------------------------------------
 @pytest.mark.parametrize("prompt", UNICODE_PROMPTS)
 def test_raw_sse_order_and_text_equal_non_streaming(tiny_server, prompt):

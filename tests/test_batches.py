@@ -31,11 +31,6 @@ def wait_ended(client, batch_id: str, timeout: float = 120.0):
     raise TimeoutError(f"batch {batch_id} did not end: {batch}")
 
 
-@pytest.fixture(scope="module")
-def client(tiny_server):
-    return anthropic.Anthropic(base_url=tiny_server.url, api_key="test", max_retries=0)
-
-
 def test_a_batch_runs_and_its_results_match_interactive_requests(client):
     batch = client.messages.batches.create(requests=[{"custom_id": f"r{i}", "params": params(i)} for i in range(6)] + [
         {"custom_id": "bad", "params": {"model": "tiny", "max_tokens": -1, "messages": []}}])

@@ -23,11 +23,6 @@ COMPRESS_THRESHOLD = 1024  # CompressionSettings.threshold_tokens
 COMPRESS_CHUNK = 384  # CompressionSettings.chunk_tokens
 
 
-@pytest.fixture(scope="module")
-def client(tiny_server):
-    return anthropic.Anthropic(base_url=tiny_server.url, api_key="test", max_retries=0)
-
-
 def create(client, system: str | list, text: str, max_tokens: int = 2, headers: dict | None = None, **extra):
     raw = client.messages.with_raw_response.create(model="tiny", max_tokens=max_tokens, system=system,
                                                    messages=[{"role": "user", "content": text}],

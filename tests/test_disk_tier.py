@@ -58,6 +58,14 @@ def settled(llm: LLM) -> LLM:
     return llm
 
 
+def written(model, kv_dir, p: list[int]):
+    """p served once by an engine with its tier under kv_dir, every block of it written: its output."""
+    writer = tiny_llm(model, kv_dir)
+    out = run(writer, [p])[0]
+    settled(writer)
+    return out
+
+
 @pytest.fixture(autouse=True)
 def close_tiers():
     """Each test's tiers stop their threads when it ends."""
@@ -158,9 +166,7 @@ def _block_files(kv: Path) -> list[Path]:
 @pytest.mark.parametrize("damage", ["flip a payload byte", "truncate", "another block's file", "remove"])
 def test_a_damaged_block_is_dropped_and_recomputed_never_served(damage, tiny_model_dir, tmp_path):
     p, kv = prompt(7), tmp_path / "kv"
-    writer = tiny_llm(tiny_model_dir, kv)
-    reference = run(writer, [p])[0]
-    settled(writer)
+    reference = written(tiny_model_dir, kv, p)
     settled_llm = tiny_llm(tiny_model_dir, kv)
     keys, parent = [], root_hash(None)
     for i in range(len(p) // BS):
@@ -337,9 +343,7 @@ def test_a_block_evicted_before_its_write_is_written_as_it_was_or_not_at_all(sta
 
 def test_requests_waiting_on_a_read_share_it_and_an_abort_mid_read_leaks_no_block(tiny_model_dir, tmp_path):
     p, kv = prompt(30), tmp_path / "kv"
-    writer = tiny_llm(tiny_model_dir, kv)
-    reference = run(writer, [p])[0]
-    settled(writer)
+    reference = written(tiny_model_dir, kv, p)
     llm = tiny_llm(tiny_model_dir, kv)
     engine, tier = llm.engine, llm.engine.tier
     a = engine.add_request(p, GREEDY)
@@ -374,9 +378,7 @@ def test_a_new_pool_over_the_same_memory_never_gets_the_old_pools_pending_writes
 
 def test_basic_mode_lets_a_read_in_flight_go_and_serves_the_same_text(tiny_model_dir, tmp_path):
     p, kv = prompt(40), tmp_path / "kv"
-    writer = tiny_llm(tiny_model_dir, kv)
-    reference = run(writer, [p])[0]
-    settled(writer)
+    reference = written(tiny_model_dir, kv, p)
     engine = tiny_llm(tiny_model_dir, kv).engine
     seq = engine.add_request(p, GREEDY)
     engine.step()  # its read from disk starts

@@ -26,11 +26,6 @@ DIGITS = {"type": "custom", "name": "add", "description": "Add numbers: 1+2",
           "format": {"type": "grammar", "syntax": "lark", "definition": 'start: NUM ("+" NUM)*\nNUM: /[0-9]{1,3}/'}}
 
 
-@pytest.fixture(scope="module")
-def oai(tiny_server):
-    return openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="test", max_retries=0)
-
-
 def create(oai, **kwargs):
     return oai.responses.create(**{"model": "tiny", "temperature": 0, **kwargs})
 

@@ -143,16 +143,6 @@ ANTHROPIC_BLOCKS = dumps(anthropic.types.ContentBlock) + dumps(anthropic.types.b
 OPENAI_ITEMS = dumps(openai.types.responses.ResponseOutputItem) + dumps(openai.types.responses.ResponseInputItem)
 
 
-@pytest.fixture(scope="module")
-def client(tiny_server):
-    return anthropic.Anthropic(base_url=tiny_server.url, api_key="test", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def oai(tiny_server):
-    return openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="test", max_retries=0)
-
-
 def test_the_sdks_define_what_is_walked():
     """The walk finds the SDKs' types (a change in how they declare their unions would find none)."""
     assert len({name for name, _ in ANTHROPIC_BLOCKS}) >= 2 * 16

@@ -39,16 +39,6 @@ NESTED = {"type": "object", "additionalProperties": False, "required": ["id", "k
 }}
 
 
-@pytest.fixture(scope="module")
-def claude(tiny_server):
-    return anthropic.Anthropic(base_url=tiny_server.url, api_key="test", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def oai(tiny_server):
-    return openai.OpenAI(base_url=tiny_server.url + "/v1", api_key="test", max_retries=0)
-
-
 def user(text: str) -> dict:
     return {"role": "user", "content": text}
 
@@ -60,23 +50,23 @@ def check_call(block) -> None:
 
 # ---- tool calls --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("seed", range(4))
-def test_tool_choice_any_is_a_valid_call(claude, seed):
-    msg = claude.messages.create(model="tiny", max_tokens=120, messages=[user("use a tool")], tools=TOOLS,
+def test_tool_choice_any_is_a_valid_call(client, seed):
+    msg = client.messages.create(model="tiny", max_tokens=120, messages=[user("use a tool")], tools=TOOLS,
                                  tool_choice={"type": "any"}, extra_body={"seed": seed})
     assert msg.stop_reason == "tool_use"
     assert [b.type for b in msg.content] == ["tool_use"]
     check_call(msg.content[0])
 
 
-def test_named_tool_is_that_tool(claude):
-    msg = claude.messages.create(model="tiny", max_tokens=120, messages=[user("add")], tools=TOOLS,
+def test_named_tool_is_that_tool(client):
+    msg = client.messages.create(model="tiny", max_tokens=120, messages=[user("add")], tools=TOOLS,
                                  tool_choice={"type": "tool", "name": "add"}, extra_body={"seed": 1})
     assert msg.content[0].name == "add"
     check_call(msg.content[0])
 
 
-def test_streamed_tool_arguments_arrive_incrementally(claude):
-    with claude.messages.stream(model="tiny", max_tokens=120, messages=[user("tag it")], tools=TOOLS,
+def test_streamed_tool_arguments_arrive_incrementally(client):
+    with client.messages.stream(model="tiny", max_tokens=120, messages=[user("tag it")], tools=TOOLS,
                                 tool_choice={"type": "tool", "name": "tag"}, extra_body={"seed": 2}) as stream:
         events = list(stream)
         final = stream.get_final_message()
@@ -106,10 +96,10 @@ def test_openai_required_tool_call_streams_argument_deltas(oai, seed):
     jsonschema.validate(json.loads(args), SCHEMAS[name])
 
 
-def test_unsupported_schema_keyword_is_a_400(claude, oai):
+def test_unsupported_schema_keyword_is_a_400(client, oai):
     bad = {"type": "object", "propertyNames": {"pattern": "^a"}}
     with pytest.raises(anthropic.BadRequestError, match="propertyNames"):
-        claude.messages.create(model="tiny", max_tokens=8, messages=[user("x")],
+        client.messages.create(model="tiny", max_tokens=8, messages=[user("x")],
                                tools=[{"name": "t", "input_schema": bad, "strict": True}])
     with pytest.raises(openai.BadRequestError, match="propertyNames"):
         oai.chat.completions.create(model="tiny", messages=[user("x")], max_tokens=8, response_format={
@@ -118,15 +108,15 @@ def test_unsupported_schema_keyword_is_a_400(claude, oai):
 
 # ---- structured outputs ------------------------------------------------------------------------------
 @pytest.mark.parametrize("seed", range(3))
-def test_anthropic_output_format_matches_schema(claude, seed):
-    msg = claude.messages.create(model="tiny", max_tokens=160, messages=[user("json")], extra_body={
+def test_anthropic_output_format_matches_schema(client, seed):
+    msg = client.messages.create(model="tiny", max_tokens=160, messages=[user("json")], extra_body={
         "seed": seed, "output_config": {"format": {"type": "json_schema", "schema": NESTED}}})
     assert msg.stop_reason == "end_turn"
     jsonschema.validate(json.loads(msg.content[0].text), NESTED)
 
 
-def test_beta_output_format_matches_schema(claude):
-    msg = claude.messages.create(model="tiny", max_tokens=160, messages=[user("json")], extra_body={
+def test_beta_output_format_matches_schema(client):
+    msg = client.messages.create(model="tiny", max_tokens=160, messages=[user("json")], extra_body={
         "seed": 5, "output_format": {"type": "json_schema", "schema": NESTED}},
         extra_headers={"anthropic-beta": "structured-outputs-2025-11-13"})
     jsonschema.validate(json.loads(msg.content[0].text), NESTED)
@@ -249,22 +239,22 @@ def test_completions_several_prompts_and_samples(oai):
 
 
 # ---- content blocks, CORS ----------------------------------------------------------------------------
-def test_thinking_blocks_are_accepted_and_left_out(claude):
+def test_thinking_blocks_are_accepted_and_left_out(client):
     history = [user("hi"), {"role": "assistant", "content": [
         {"type": "thinking", "thinking": "secret reasoning", "signature": "sig"},
         {"type": "redacted_thinking", "data": "opaque"}, {"type": "text", "text": "hello"}]}, user("again")]
     plain = [user("hi"), {"role": "assistant", "content": "hello"}, user("again")]
-    assert claude.messages.count_tokens(model="tiny", messages=history).input_tokens == \
-        claude.messages.count_tokens(model="tiny", messages=plain).input_tokens
-    assert claude.messages.create(model="tiny", max_tokens=2, messages=history).content is not None
+    assert client.messages.count_tokens(model="tiny", messages=history).input_tokens == \
+        client.messages.count_tokens(model="tiny", messages=plain).input_tokens
+    assert client.messages.create(model="tiny", max_tokens=2, messages=history).content is not None
 
 
 @pytest.mark.parametrize("block", [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}},
                                    {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "AA=="}},
                                    {"type": "hologram"}])
-def test_media_blocks_name_the_block(claude, block):
+def test_media_blocks_name_the_block(client, block):
     with pytest.raises(anthropic.BadRequestError) as e:
-        claude.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": [block]}])
+        client.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": [block]}])
     named = block["source"]["type"] if block["type"] == "document" else block["type"]  # a text document is read
     assert f"'{named}'" in str(e.value) and "text-only" in str(e.value)
 

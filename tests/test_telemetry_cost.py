@@ -92,11 +92,6 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-@pytest.fixture(scope="module")
-def client(tiny_server):
-    return anthropic.Anthropic(base_url=tiny_server.url, api_key="test", max_retries=0)
-
-
 def unique_system(tag: str) -> str:
     # the nonce sits right after "<|im_start|>system\n", so no other request shares even the first block
     return f"{uuid.uuid4().hex[:12]} {tag}"
