@@ -11,8 +11,8 @@ paths, which compute the same thing.
 
 Flags: the PyTorch path's kernels use -ffast-math (a vector exp; each row's arithmetic is still the
 same whatever the batch, since a row's code path never depends on the rows beside it). The native
-step is compiled without it and with -ffp-contract=off, so its results do not depend on the
-instruction set either: see csrc/step/numerics.h and docs/kernels.md.
+step is compiled without it and with -ffp-contract=off (and -fno-trapping-math, which changes no
+result), so its results do not depend on the instruction set either: see csrc/step/numerics.h and docs/kernels.md.
 """
 
 from __future__ import annotations

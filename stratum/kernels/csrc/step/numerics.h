@@ -3,7 +3,8 @@
 //
 // Why every family gives the same bits (tests/test_simd_paths.py, tests/test_step_driver.py): the step
 // is compiled without -ffast-math and with -ffp-contract=off (kernels/native.py), so the compiler never
-// reorders a sum or fuses a multiply-add on its own. A reduction's order is the one written here (fixed
+// reorders a sum or fuses a multiply-add on its own (-fno-trapping-math only lets it vectorize exp's
+// clamps as selects). A reduction's order is the one written here (fixed
 // lane partial sums; `omp simd` only where order cannot matter: a max, elementwise work); fused
 // multiply-adds are written out (std::fma, the intrinsics); exp is the polynomial below, not a vector
 // math library's, whose results differ by instruction set; integer sums are exact in any order. What
