@@ -220,7 +220,9 @@ def test_quality_guard_int4_agrees_with_fp32_reference(real_model_path):
 
     The native step (int16 activations on the Q4_1 blocks, the Q8_0 head, bf16 KV): 325 of 325 on
     the Intel machine; with int8 activations, as llama.cpp quantizes them, it was 97.5%. The rule's
-    default (the native step, fp32 KV) is held to the same bound.
+    default (the native step, fp32 KV) is held to the same bound. `--activations int8`, the user's
+    trade of that agreement for speed, is held to 95%: measured 316 of 325 (97.2%) on a Zen 3 (AVX2,
+    vpmaddubsw), which every SIMD family computes to the same bits (tests/test_step_driver.py).
     """
     from stratum.engine import LLM
     from stratum.engine.sampling_params import SamplingParams
@@ -243,6 +245,9 @@ def test_quality_guard_int4_agrees_with_fp32_reference(real_model_path):
         assert len(reference) == len(packed) >= 300
         agreement = sum(a == b for a, b in zip(reference, packed)) / len(reference)
         assert agreement >= 0.99, f"{config}: top-1 agreement {agreement:.4f} < 0.99 over {len(reference)} positions"
+    int8 = top1(activations="int8")
+    agreement = sum(a == b for a, b in zip(reference, int8)) / len(reference)
+    assert len(int8) == len(reference) and agreement >= 0.95, f"int8 activations: top-1 agreement {agreement:.4f} < 0.95"
 
 
 def test_low_latency_requests_sample_from_the_int8_output_projection(tiny_model_dir):

@@ -39,9 +39,26 @@ def test_the_rule_never_depends_on_anything_timed():
     a, b = rule.decide(INPUTS, "file"), rule.decide(INPUTS, "file")
     assert a == b and a.key() == b.key() and len(a.key()) == 32
     for change in (dict(model="other"), dict(kv_dtype="bfloat16"), dict(step="pytorch"), dict(platform="torch x"),
+                   dict(activations="int8"),
                    dict(version=a.version + 1), dict(weights=(("Q4_K", rule.INT4),))):
         assert replace(a, **change).key() != a.key(), change
     assert rule.Numerics.from_dict(a.describe()) == a
+
+
+def test_int8_activations_are_the_users_choice_and_only_the_native_steps():
+    """--activations int8 quantizes the native step's activation blocks as llama.cpp does: never the
+    rule's default, a numerics of its own (its own key: KV saved under int16 is never read under int8),
+    and refused with the reason where the start would run the PyTorch step."""
+    default, asked = rule.decide(INPUTS, "file"), rule.decide(replace(INPUTS, activations="int8"), "file")
+    assert default.activations == "int16" and asked.activations == "int8" and asked.step == "native"
+    assert asked.key() != default.key() and rule.Numerics.from_dict(asked.describe()) == asked
+    for inputs, why in ((replace(INPUTS, device="cuda"), "on cuda"), (replace(INPUTS, native_step=False), "turned off"),
+                        (replace(INPUTS, native_refusal="sliding-window attention"), "sliding-window attention"),
+                        (replace(INPUTS, native_kernels=False), "not built")):
+        with pytest.raises(ValueError, match=why):
+            rule.decide(replace(inputs, activations="int8"), "file")
+    with pytest.raises(ValueError, match="int16, int8"):
+        rule.decide(replace(INPUTS, activations="int4"), "file")
 
 
 def test_dense_files_cuda_and_the_provisional_step():

@@ -22,12 +22,14 @@ def _raw(qtype: str, rng: np.random.Generator, n: int, k: int) -> np.ndarray:
     return quantize(values, qtype)
 
 
+@pytest.mark.parametrize("bits", [16, 8])
 @pytest.mark.parametrize("qtype", PACKED_QTYPES)
-def test_packed_linear_matches_the_reference_arithmetic_and_the_dequantized_weights(qtype):
+def test_packed_linear_matches_the_reference_arithmetic_and_the_dequantized_weights(qtype, bits):
     """Each format against (1) its own arithmetic in float64 (reference_matmul) and (2) gguf-py's
-    dequantized weights times the fp32 activations, within the error the int16 activations allow:
-    each input is off by at most half its block's step dx = max|x| / 32767, so an output by at most
-    sum_j |w_j| dx_j / 2; both bounds add 1e-6 of sum_j |w_j x_j| for the fp32 rounding."""
+    dequantized weights times the fp32 activations, within the error the int16 (or int8) activations
+    allow: each input is off by at most half its block's step dx = max|x| / 32767 (127), so an output by
+    at most sum_j |w_j| dx_j / 2; both bounds add 1e-6 of sum_j |w_j x_j| for the fp32 rounding. At
+    int8 this runs the CPU's int8 kernels where it has them (vpmaddubsw on AVX2), from one row up."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -35,14 +37,15 @@ def test_packed_linear_matches_the_reference_arithmetic_and_the_dequantized_weig
     n, k = 50, 512  # 50 rows: the last tile is padded; 512 inputs: two K-quant super-blocks
     raw = _raw(qtype, rng, n, k)
     w = pack(qtype, raw, (n, k))
+    w.activation_bits = bits
     x = torch.from_numpy(rng.standard_normal((7, k)).astype(np.float32))
     x[2] = 0.0  # an all-zero row: zero activation scales
     y = w.matmul(x).double()
     assert y.shape == (7, n)
     dense = torch.from_numpy(np.asarray(dequantize(raw, GGMLQuantizationType[qtype]), dtype=np.float64).reshape(n, k))
     rounding = 1e-6 * (x.double().abs() @ dense.abs().T)
-    assert ((y - reference_matmul(qtype, raw, (n, k), x)).abs() <= rounding).all()
-    step = x.double().view(7, -1, 32).abs().amax(-1).float().double() / 32767  # dx per row and block
+    assert ((y - reference_matmul(qtype, raw, (n, k), x, bits)).abs() <= rounding).all()
+    step = x.double().view(7, -1, 32).abs().amax(-1).float().double() / (32767 if bits == 16 else 127)  # dx per row and block
     quantization = 0.0 if qtype in ("F16", "BF16") else (step.repeat_interleave(32, -1) / 2) @ dense.abs().T
     assert ((y - x.double() @ dense.T).abs() <= quantization + rounding).all()
 
@@ -65,11 +68,13 @@ def test_packed_tiles_are_about_as_small_as_the_file(qtype):
     assert pack(qtype, raw, (n, k)).nbytes * 8 / (n * k) == tiles
 
 
+@pytest.mark.parametrize("bits", [16, 8])
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q5_0", "Q4_K", "Q6_K"])  # 4-bit, 5-bit, integer sub-scales, 6-bit
-def test_packed_linear_rows_do_not_depend_on_the_batch_or_the_threads(qtype):
+def test_packed_linear_rows_do_not_depend_on_the_batch_or_the_threads(qtype, bits):
     rng = np.random.default_rng(1)
     n, k = 64, 256
     w = pack(qtype, _raw(qtype, rng, n, k), (n, k))
+    w.activation_bits = bits
     x = torch.from_numpy(rng.standard_normal((64, k)).astype(np.float32))
     alone = torch.cat([w.matmul(x[i : i + 1]) for i in range(64)])
     threads = torch.get_num_threads()
@@ -132,10 +137,11 @@ def test_the_native_step_computes_what_the_pytorch_model_computes(model, request
     assert native_engine.block_manager.num_used_blocks == 0  # nothing leaked
 
 
-def test_greedy_outputs_are_identical_solo_batched_and_after_a_cache_hit(tiny_gguf):
-    solo = [_run(_engine(tiny_gguf, True), [p], return_logits=True)[0] for p in PROMPTS]
-    batched = _run(_engine(tiny_gguf, True), PROMPTS, return_logits=True)
-    cached_engine = _engine(tiny_gguf, True, enable_prefix_cache=True)
+@pytest.mark.parametrize("activations", ["int16", "int8"])
+def test_greedy_outputs_are_identical_solo_batched_and_after_a_cache_hit(tiny_gguf, activations):
+    solo = [_run(_engine(tiny_gguf, True, activations=activations), [p], return_logits=True)[0] for p in PROMPTS]
+    batched = _run(_engine(tiny_gguf, True, activations=activations), PROMPTS, return_logits=True)
+    cached_engine = _engine(tiny_gguf, True, enable_prefix_cache=True, activations=activations)
     _run(cached_engine, PROMPTS)
     again = _run(cached_engine, PROMPTS, return_logits=True)
     assert all(s.num_cached_tokens > 0 for s in again if s.num_prompt_tokens > 4)  # a one-block prompt keeps its last token

@@ -1,6 +1,8 @@
 // One core: linear() on 1B-shaped segments at several row counts; GMAC/s and weight GB/s.
 #include <chrono>
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 #include "forward.h"
 using namespace stratum_step;
@@ -22,7 +24,7 @@ int main(int argc, char** argv) {
   Rng rng{1};
   struct Case { const char* name; Format f; int64_t n, k; };
   Case cases[] = {{"qkv q4k", kQ4K, 3072, 2048}, {"gate_up q4k", kQ4K, 16384, 2048}, {"down q4k", kQ4K, 2048, 8192},
-                  {"down q6k", kQ6K, 2048, 8192}, {"head q6k", kQ6K, 49152, 2048}};
+                  {"down q6k", kQ6K, 2048, 8192}, {"down q5k", kQ5K, 2048, 8192}, {"o q4_0", kQ4, 2048, 2048}, {"o q5_1", kQ5M, 2048, 2048}, {"head q6k", kQ6K, 49152, 2048}};
   std::vector<int64_t> rowsv = {1, 2, 4, 8, 64};
   if (argc > 1) { rowsv.clear(); for (int i = 1; i < argc; ++i) rowsv.push_back(std::atoll(argv[i])); }
   std::printf("[\n");
@@ -32,8 +34,13 @@ int main(int argc, char** argv) {
     for (int64_t rows : rowsv) {
       std::vector<float> x(rows * c.k); for (auto& v : x) v = (rng.next() >> 40) * (1.f / 16777216.f) - 0.5f;
       std::vector<float> out(rows * c.n);
-      QuantRows xq; xq.quantize(x.data(), rows, c.k);
+      QuantRows xq(std::getenv("BITS") ? std::atoi(std::getenv("BITS")) : 16); xq.quantize(x.data(), rows, c.k);
       linear(Projection{seg.packed}, xq, rows, out.data());
+      if (xq.int8()) {  // the int16 kernels on the same int8 values: the same bits
+        QuantRows wide = xq; wide.qmax = 32767; std::vector<float> ref(rows * c.n);
+        linear(Projection{seg.packed}, wide, rows, ref.data());
+        if (std::memcmp(ref.data(), out.data(), ref.size() * 4) != 0) { std::fprintf(stderr, "MISMATCH %s rows %lld\n", c.name, (long long)rows); return 1; }
+      }
       double best = 1e9; int reps = std::max<int64_t>(3, 64 / rows);
       for (int r = 0; r < reps; ++r) { auto t = std::chrono::steady_clock::now(); linear(Projection{seg.packed}, xq, rows, out.data());
         best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t).count()); }

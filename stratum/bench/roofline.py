@@ -72,11 +72,11 @@ def measure_decode_step(engine, num_steps: int = 64) -> float:
     return statistics.median(times)
 
 
-def run(model: str, dtype: str = "auto") -> dict:
+def run(model: str, dtype: str = "auto", activations: str = "int16") -> dict:
     from stratum.engine.config import EngineConfig
     from stratum.engine import LLMEngine
 
-    engine = LLMEngine(EngineConfig(model=model, dtype=dtype))
+    engine = LLMEngine(EngineConfig(model=model, dtype=dtype, activations=activations, kv_disk_gb=0))
     bw = measure_bandwidth()
     weight_bytes = decode_bytes(engine)
     step_s = measure_decode_step(engine)
@@ -93,9 +93,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="stratum bench roofline", description=__doc__)
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"])
+    p.add_argument("--activations", default="int16", choices=["int16", "int8"], help="as `stratum serve --activations`")
     p.add_argument("--output", default=None)
     args = p.parse_args(argv)
-    result = run(args.model, args.dtype)
+    result = run(args.model, args.dtype, args.activations)
     text = json.dumps(result, indent=2)
     print(text)
     if args.output:

@@ -19,7 +19,7 @@ from stratum.home import stratum_home
 from stratum.kernels import KernelPlan, native
 from stratum.kernels import numerics as rule
 from stratum.kernels.cpu import cpu_flags, cpu_name
-from stratum.kernels.numerics import INT4, NATIVE, PACKED, Numerics, RuleInputs
+from stratum.kernels.numerics import ACTIVATION_BITS, INT4, NATIVE, PACKED, Numerics, RuleInputs
 from stratum.kernels.packed import FUSED, PACKED_QTYPES, PackedStack, PackedWeight, native_form, native_step_refusal, pack_fused
 from stratum.kernels.packed import LAYOUT_VERSION as PACKED_LAYOUT
 from stratum.kernels.packed import pack as packed_weight
@@ -53,7 +53,8 @@ def rule_inputs(config: EngineConfig, checkpoint: Checkpoint, device: str, load_
     quantized = checkpoint.quantized
     return RuleInputs(device, config.dtype, config.native_step, config.int4_max_tokens,
                       tuple(sorted({t.qtype for t in quantized.values()})), native_step_refusal(checkpoint.config, quantized),
-                      device == "cpu" and load_native and native.available(), tuple(sorted(cpu_flags() & SIMD_FEATURES)))
+                      device == "cpu" and load_native and native.available(), tuple(sorted(cpu_flags() & SIMD_FEATURES)),
+                      config.activations)
 
 
 def resolve(config: EngineConfig, checkpoint: Checkpoint, measure: bool = True, defer: bool = False) -> ResolvedConfig | None:
@@ -147,6 +148,7 @@ def build_model(config: ResolvedConfig, checkpoint: Checkpoint) -> tuple[LlamaFo
         if not attach_packed(model, quantized, checkpoint.cache_dir):
             raise RuntimeError(f"{checkpoint.config.name}: the native step cannot hold these weights")
         quantized.clear()
+        quantize_activations(model, ACTIVATION_BITS[numerics.activations])
         return model.eval(), model.packed.nbytes
     held = attach_quantized(model, quantized, numerics, checkpoint.cache_dir, lookup_rows=numerics.device == "cpu")
     model = model.to(device=torch.device(numerics.device)).eval()
@@ -155,6 +157,14 @@ def build_model(config: ResolvedConfig, checkpoint: Checkpoint) -> tuple[LlamaFo
         model.lm_head_int8 = Int8Weight(head)
     quantized.clear()
     return model, held
+
+
+def quantize_activations(model, bits: int) -> None:
+    """The native step and its output projection quantize activation blocks to `bits` (16 or 8)."""
+    model.packed.activation_bits = bits
+    head = model.packed_head
+    for w in head.parts if isinstance(head, Parts) else [head] if head is not None else []:
+        w.activation_bits = bits
 
 
 def attach_packed(model, quantized: dict, cache_dir: Path | None = None) -> bool:

@@ -82,6 +82,9 @@ class EngineConfig:
     prefill_threads: int | None = None  # for steps with at least PREFILL_STEP_TOKENS tokens; None: every core
     int4_max_tokens: int | None = None  # None: the numerics rule; 0: no packed weights (dense); N > 0: int4 copies
     native_step: bool | None = None  # None: the numerics rule; True/False: the native step where the checkpoint allows / never
+    # the native step's activation blocks: "int16" (the rule) or "int8" (llama.cpp's precision, faster where the
+    # CPU's widest integer product is 8-bit; kernels/numerics.py)
+    activations: str = "int16"
     remeasure_plan: bool = False  # measure the kernel plan again, even if one is cached (`stratum info --remeasure`)
     serving: bool = False  # a server leaves one core to its HTTP side by default
     # a start on a machine whose native kernels are not compiled yet serves on the provisional step at

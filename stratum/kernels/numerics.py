@@ -23,6 +23,8 @@ DENSE = "dense"  # dequantized once, at load, one tensor at a time: "dense float
 # tensor types PyTorch's int4 kernel holds exactly (kernels/quant.py) and types the native kernels run
 # (kernels/packed.py PACKED_QTYPES): spelled out here so the rule imports no torch
 INT4_TYPES = ("Q4_0", "Q4_1", "Q4_K")
+# the native step's activation blocks (`--activations`): the bits their integers take
+ACTIVATION_BITS = {"int16": 16, "int8": 8}
 NATIVE_TYPES = ("Q4_0", "Q4_1", "Q8_0", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16", "BF16")
 
 
@@ -38,6 +40,7 @@ class RuleInputs:
     native_refusal: str | None  # why the native step cannot compute this model (kernels.packed), or None
     native_kernels: bool  # the native kernels are loaded in this process
     cpu_features: tuple[str, ...]  # the CPU's SIMD features that decide what the native kernels compile to
+    activations: str = "int16"  # the user's --activations: how the native step quantizes activation blocks
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class Numerics:
     low_latency_head: str | None  # "int8" where a request may ask for the lossy output projection
     platform: str = ""  # what else picks the step's kernels: torch and the instruction set (PyTorch step only)
     version: int = KERNEL_NUMERICS_VERSION
+    activations: str = "int16"  # the native step's activation blocks: "int16" (the rule) or "int8" (the user's choice)
 
     @property
     def is_batch_invariant(self) -> bool:
@@ -98,6 +102,11 @@ def decide(inputs: RuleInputs, model: str) -> Numerics:
       kernel as stored (the native step's own projection numerics), where the kernels are built; int4
       copies only where the user asked for them (`int4_max_tokens`); dense in the compute dtype only
       what no kernel here takes (or everything, with `int4_max_tokens=0`);
+    - with `--activations int8` (the user's choice, never the rule's) the native step quantizes its
+      activation blocks to int8, as llama.cpp does: a CPU whose widest integer product is 8-bit
+      (vpmaddubsw on AVX2) then runs about twice the multiply-adds per instruction; it costs top-1
+      agreement with the fp32 model (97.5% vs 100% on SmolLM2, below). Every SIMD family still gives
+      the same bits, since a block's integer sums are exact whichever instruction computes them;
     - the int8 output projection a request may ask for ("Prioritize low-latency over accuracy") exists
       only where the user chose bf16 on the PyTorch step: elsewhere no request is served lossier.
     On CUDA: the PyTorch step in bf16 (or `--dtype`), weights dense.
@@ -109,18 +118,41 @@ def decide(inputs: RuleInputs, model: str) -> Numerics:
     top-1 agreement 325/325 with fp32 on SmolLM2, 97.5% with int8 activations; tests/test_kernels.py).
     """
     types = inputs.tensor_types
+    if inputs.activations not in ACTIVATION_BITS:
+        raise ValueError(f"--activations is one of {', '.join(ACTIVATION_BITS)}, not {inputs.activations!r}")
     if inputs.device != "cpu":
+        if inputs.activations != "int16":
+            raise _pytorch_step_refusal(inputs)
         dtype = "bfloat16" if inputs.dtype == "auto" else inputs.dtype
         return Numerics(model, inputs.device, PYTORCH, dtype, dtype, tuple((t, dense(dtype)) for t in types), PYTORCH, None)
     native = (inputs.native_kernels and inputs.native_refusal is None and inputs.native_step is not False
               and bool(types) and inputs.int4_max_tokens in (None, 0))
     if native:
         kv = "bfloat16" if inputs.dtype == "bfloat16" else "float32"
-        return Numerics(model, "cpu", NATIVE, "float32", kv, tuple((t, AS_STORED) for t in types), "native step", None)
+        return Numerics(model, "cpu", NATIVE, "float32", kv, tuple((t, AS_STORED) for t in types), "native step", None,
+                        activations=inputs.activations)
+    if inputs.activations != "int16":
+        raise _pytorch_step_refusal(inputs)
     dtype = "float32" if inputs.dtype == "auto" else inputs.dtype
     forms = tuple((t, _held(t, inputs, dtype)) for t in types)
     attention = "native paged decode" if inputs.native_kernels else PYTORCH
     return Numerics(model, "cpu", PYTORCH, dtype, dtype, forms, attention, "int8" if dtype == "bfloat16" else None)
+
+
+def _pytorch_step_refusal(inputs: RuleInputs) -> ValueError:
+    """--activations other than int16 where the start runs the PyTorch step, naming why it does."""
+    if inputs.device != "cpu":
+        why = f"on {inputs.device}"
+    elif inputs.native_step is False:
+        why = "the native step was turned off (native_step=False)"
+    elif inputs.int4_max_tokens:
+        why = "int4 copies were asked for"
+    elif not inputs.native_kernels:
+        why = "the native kernels are not built"
+    else:
+        why = inputs.native_refusal or "the file has no quantized projections"
+    return ValueError(f"--activations {inputs.activations} quantizes the native step's activations, and this start runs "
+                      f"the PyTorch step ({why})")
 
 
 def dense(dtype: str) -> str:

@@ -183,11 +183,13 @@ class PackedWeight:
     out_features: int
     in_features: int
     format: int  # FORMATS
+    activation_bits: int = 16  # the numerics' activation blocks: int16, or int8 where the user asked (not saved)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x [M, K] -> [M, N] fp32, the activations quantized to int16 per block of 32 as the kernel does
-        (fp32 as they are for F16 / BF16 weights)."""
-        return torch.ops.stratum.packed_linear(x.float(), self.data, self.scales, self.format, self.out_features)
+        """x [M, K] -> [M, N] fp32, the activations quantized per block of 32 as the native step does
+        (to `activation_bits`; fp32 as they are for F16 / BF16 weights)."""
+        return torch.ops.stratum.packed_linear(x.float(), self.data, self.scales, self.format, self.out_features,
+                                               self.activation_bits)
 
     @property
     def nbytes(self) -> int:
@@ -245,9 +247,9 @@ def _repack_op():
         return None
 
 
-def reference_matmul(qtype: str, raw: np.ndarray, shape: tuple[int, int], x: torch.Tensor) -> torch.Tensor:
-    """What the native kernel computes, in float64 PyTorch: x quantized to int16 per block of 32
-    (scale max|x| / 32767, round half to even), exact integer block sums (half-block sums for Q6K),
+def reference_matmul(qtype: str, raw: np.ndarray, shape: tuple[int, int], x: torch.Tensor, activation_bits: int = 16) -> torch.Tensor:
+    """What the native kernel computes, in float64 PyTorch: x quantized to int16 (or int8) per block of
+    32 (scale max|x| / 32767 or 127, round half to even), exact integer block sums (half-block sums for Q6K),
     each scaled once; F16 / BF16 weights times x as it is. For tests of the kernel; the model's own
     reference is the dequantized fp32 path."""
     n, k = shape
@@ -259,8 +261,9 @@ def reference_matmul(qtype: str, raw: np.ndarray, shape: tuple[int, int], x: tor
         return x.double() @ w.double().T
     xb = x.double().view(x.shape[0], nb, GROUP_SIZE)
     amax = xb.abs().amax(-1, keepdim=True)
-    dx = (amax.float() / 32767).double()[..., 0]  # [M, b]
-    xq = torch.where(amax > 0, torch.round(xb.float() * torch.where(amax > 0, 32767 / amax.float(), 0)).double(), 0.0)
+    top = 32767 if activation_bits == 16 else 127
+    dx = (amax.float() / top).double()[..., 0]  # [M, b]
+    xq = torch.where(amax > 0, torch.round(xb.float() * torch.where(amax > 0, top / amax.float(), 0)).double(), 0.0)
     qd = torch.from_numpy(q.astype(np.float64) - (32 if fmt == Q6K else 0)).view(n, nb, GROUP_SIZE)
     s = [torch.from_numpy(v) for v in block_scales(fmt, scales)]  # [N, b] each
     if fmt == Q6K:
@@ -367,6 +370,7 @@ class PackedStack:
                     self.layout += [w.format, w.out_features]
                     self.weights += [w.data, w.scales]
         self.nbytes = sum(w.nbytes for projections in layers for segments in projections for w in segments)
+        self.activation_bits = 16  # the numerics' activation blocks (16 or 8 bits; engine builder)
 
     @staticmethod
     def keys(k_cache: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:
@@ -386,4 +390,4 @@ class PackedStack:
         return torch.ops.stratum.packed_forward(
             x, positions, cos, sin, meta.slot_mapping, meta.row_tables, meta.row_seq,
             [k for k, _ in kv_caches], [v for _, v in kv_caches], self.weights, self.layout,
-            cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, meta.block_size, layers, rows)
+            cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, meta.block_size, layers, rows, self.activation_bits)

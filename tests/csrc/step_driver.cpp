@@ -109,15 +109,16 @@ void projections(Rng& rng) {
   const int64_t n = 50, k = 512;  // the last tile padded; two super-blocks
   for (Format f : formats) {
     const Segment seg(rng, f, n, k);
-    for (int64_t rows : {1, 2, 3, 4, 5, 7, 9}) {
-      std::vector<float> x = floats(rng, rows * k, -2.f, 2.f);
-      std::fill(x.begin(), x.begin() + std::min<int64_t>(k, 40), 0.f);  // a zero block: zero activation scale
-      QuantRows xq;
-      xq.quantize(x.data(), rows, k);
-      std::vector<float> out(rows * n);
-      linear(Projection{seg.packed}, xq, rows, out.data());
-      print(std::string("linear ") + name_of(f) + " rows=" + std::to_string(rows), out);
-    }
+    for (int bits : {16, 8})  // int8: the families with an int8 kernel (kDot8) and those without agree
+      for (int64_t rows : {1, 2, 3, 4, 5, 7, 9}) {
+        std::vector<float> x = floats(rng, rows * k, -2.f, 2.f);
+        std::fill(x.begin(), x.begin() + std::min<int64_t>(k, 40), 0.f);  // a zero block: zero activation scale
+        QuantRows xq(bits);
+        xq.quantize(x.data(), rows, k);
+        std::vector<float> out(rows * n);
+        linear(Projection{seg.packed}, xq, rows, out.data());
+        print(std::string("linear ") + name_of(f) + " int" + std::to_string(bits) + " rows=" + std::to_string(rows), out);
+      }
   }
   const Segment a(rng, kQ4K, 40, k), b(rng, kQ6K, 24, k);  // a fused projection of two formats, side by side
   for (int64_t rows : {1, 6}) {
@@ -187,7 +188,7 @@ void attention(Rng& rng) {
 
 // A two-layer model whose projections take every format, some as fused segments of two.
 template <typename T>
-void forward_case(Rng& rng, bool qwen, const char* type) {
+void forward_case(Rng& rng, bool qwen, const char* type, int bits) {
   const int64_t hidden = 256, heads = 4, kv_heads = 2, d = 64, inter = 512, bs = 16, qkv = (heads + 2 * kv_heads) * d;
   const Format layout[2][4][2] = {{{kQ4, kQ4}, {kQ8, kQ8}, {kQ4K, kQ5K}, {kQ6K, kQ6K}},
                                   {{kQ5K, kQ6K}, {qwen ? kBF16 : kQ5, kQ5}, {kQ5M, kQ5M}, {qwen ? kF16 : kBF16, kBF16}}};
@@ -218,8 +219,9 @@ void forward_case(Rng& rng, bool qwen, const char* type) {
   T* v[2] = {v0.data(), v1.data()};
   std::vector<float> x = floats(rng, s.tokens * hidden, -1.f, 1.f), out(s.tokens * hidden), probe(2 * heads * d);
   const int64_t probe_layers[] = {1}, probe_rows[] = {0, s.tokens - 1};
-  forward<T>(s, layers, norms.data() + 4 * hidden, k, v, Probes{probe_layers, 1, probe_rows, 2, probe.data()}, x.data(), out.data());
-  const std::string name = std::string("forward ") + type + (qwen ? " bias, q/k norms" : "");
+  forward<T>(s, layers, norms.data() + 4 * hidden, k, v, Probes{probe_layers, 1, probe_rows, 2, probe.data()}, bits, x.data(),
+             out.data());
+  const std::string name = std::string("forward ") + type + " int" + std::to_string(bits) + (qwen ? " bias, q/k norms" : "");
   print(name, out);
   print(name + " probes", probe);
   print(name + " pool", v1.data(), v1.size() * sizeof(T));
@@ -239,7 +241,9 @@ int main() {
   exp_sweep();
   projections(rng);
   attention(rng);
-  forward_case<float>(rng, false, "fp32");
-  forward_case<BF16>(rng, true, "bf16");
+  for (int bits : {16, 8}) {
+    forward_case<float>(rng, false, "fp32", bits);
+    forward_case<BF16>(rng, true, "bf16", bits);
+  }
   return 0;
 }

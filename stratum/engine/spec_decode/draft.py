@@ -59,6 +59,7 @@ class DraftModel:
         self.name = path
         self.settings = EngineConfig(model=path, device=settings.device, dtype=settings.dtype, num_threads=threads,
                                      int4_max_tokens=settings.int4_max_tokens, native_step=settings.native_step,
+                                     activations=settings.activations,
                                      num_kv_blocks=16)
         checkpoint = builder.load(self.settings)
         check_same_tokenizer(tokenizer, checkpoint.tokenizer, path)

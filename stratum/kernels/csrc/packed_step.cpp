@@ -157,6 +157,10 @@ std::vector<T*> pools_of(at::TensorList caches) {
   return pools;
 }
 
+void check_bits(int64_t bits, const char* op) {
+  TORCH_CHECK(bits == 16 || bits == 8, op, ": activations are quantized to 16 or 8 bits, not ", bits);
+}
+
 // x [T, hidden] fp32 (the embedded tokens), returned as the final-normed hidden states.
 // weights: as layers_of reads them. tables [S, max_blocks] int64, row_seq [T]: each row's sequence.
 // probe_layers / probe_rows: the rotated queries of these rows at these layers are returned too
@@ -166,7 +170,9 @@ std::tuple<at::Tensor, at::Tensor> packed_forward(const at::Tensor& x_in, const 
                                                   const at::Tensor& row_seq, at::TensorList k_caches, at::TensorList v_caches,
                                                   at::TensorList weight_list, at::IntArrayRef layout, int64_t num_heads,
                                                   int64_t num_kv_heads, double eps, int64_t block_size,
-                                                  at::IntArrayRef probe_layers, const at::Tensor& probe_rows) {
+                                                  at::IntArrayRef probe_layers, const at::Tensor& probe_rows,
+                                                  int64_t activation_bits) {
+  check_bits(activation_bits, "packed_forward");
   TORCH_CHECK(!k_caches.empty() && k_caches[0].dim() == 3, "packed_forward: pools [slots, KV heads, head_dim]");
   const Step s = step_of(x_in, positions, cos, sin, slot_mapping, tables, row_seq, num_heads, num_kv_heads, k_caches[0].size(2),
                          eps, block_size);
@@ -188,21 +194,25 @@ std::tuple<at::Tensor, at::Tensor> packed_forward(const at::Tensor& x_in, const 
                       probe_q.data_ptr<float>()};
   if (k_caches[0].scalar_type() == at::kFloat) {
     const auto k = pools_of<float, float>(k_caches), v = pools_of<float, float>(v_caches);
-    forward<float>(s, layers, final_norm.data_ptr<float>(), k.data(), v.data(), probes, x.data_ptr<float>(), h.data_ptr<float>());
+    forward<float>(s, layers, final_norm.data_ptr<float>(), k.data(), v.data(), probes, activation_bits, x.data_ptr<float>(),
+                   h.data_ptr<float>());
   } else {
     const auto k = pools_of<BF16, at::BFloat16>(k_caches), v = pools_of<BF16, at::BFloat16>(v_caches);
-    forward<BF16>(s, layers, final_norm.data_ptr<float>(), k.data(), v.data(), probes, x.data_ptr<float>(), h.data_ptr<float>());
+    forward<BF16>(s, layers, final_norm.data_ptr<float>(), k.data(), v.data(), probes, activation_bits, x.data_ptr<float>(),
+                  h.data_ptr<float>());
   }
   return {h, probe_q};
 }
 
 // x [M, K] fp32 -> [M, rows] fp32 through one packed segment (the output projection, and tests).
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales, int64_t format, int64_t rows) {
+at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales, int64_t format, int64_t rows,
+                         int64_t activation_bits) {
+  check_bits(activation_bits, "packed_linear");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "packed_linear: x must be [M, K] fp32");
   const Projection w{packed_of(data, scales, format, rows)};
   check_inputs(w, x.size(1), "packed_linear");
   const auto xc = x.contiguous();
-  QuantRows xq;
+  QuantRows xq(static_cast<int>(activation_bits));
   xq.quantize(xc.data_ptr<float>(), x.size(0), x.size(1));
   auto out = at::empty({x.size(0), rows}, x.options());
   linear(w, xq, x.size(0), out.data_ptr<float>());
@@ -215,10 +225,10 @@ std::string packed_simd() { return kSimdPath; }
 
 TORCH_LIBRARY_FRAGMENT(stratum, m) {
   m.def("packed_simd() -> str", &packed_simd);
-  m.def("packed_linear(Tensor x, Tensor data, Tensor scales, int format, int rows) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor data, Tensor scales, int format, int rows, int activation_bits=16) -> Tensor");
   m.impl("packed_linear", c10::DispatchKey::CPU, TORCH_FN(packed_linear));
   m.def("packed_forward(Tensor x, Tensor positions, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor tables, "
         "Tensor row_seq, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor[] weights, int[] layout, int num_heads, "
-        "int num_kv_heads, float eps, int block_size, int[] probe_layers, Tensor probe_rows) -> (Tensor, Tensor)");
+        "int num_kv_heads, float eps, int block_size, int[] probe_layers, Tensor probe_rows, int activation_bits=16) -> (Tensor, Tensor)");
   m.impl("packed_forward", c10::DispatchKey::CPU, TORCH_FN(packed_forward));
 }

@@ -38,9 +38,9 @@ struct Probes {
 struct Activations {
   Buffer h, qkv, q, attn, proj, gu, act;
   QuantRows xq;
-  Activations(int64_t tokens, int64_t hidden, int64_t q_size, int64_t qkv_size, int64_t inter)
+  Activations(int64_t tokens, int64_t hidden, int64_t q_size, int64_t qkv_size, int64_t inter, int activation_bits)
       : h(tokens * hidden), qkv(tokens * qkv_size), q(tokens * q_size), attn(tokens * q_size), proj(tokens * hidden),
-        gu(tokens * 2 * inter), act(tokens * inter) {}
+        gu(tokens * 2 * inter), act(tokens * inter), xq(activation_bits) {}
 };
 
 // SwiGLU: act = silu(gate) * up, gu's rows [gate | up] of `inter` each.
@@ -87,14 +87,14 @@ void layer_forward(const Step& s, const LayerWeights& w, int64_t layer, int64_t 
 }
 
 // x [T, hidden] fp32, the embedded tokens, updated in place as the residual stream; out [T, hidden]: the
-// final-normed hidden states. k_pools, v_pools: one pool per layer. The caller checks every shape and
+// final-normed hidden states. k_pools, v_pools: one pool per layer. activation_bits: 16 or 8 (QuantRows). The caller checks every shape and
 // that each row's slot and blocks lie in the pool (packed_step.cpp).
 template <typename T>
 void forward(const Step& s, const std::vector<LayerWeights>& layers, const float* final_norm, T* const* k_pools,
-             T* const* v_pools, const Probes& probes, float* x, float* out) {
+             T* const* v_pools, const Probes& probes, int activation_bits, float* x, float* out) {
   const int64_t q_size = s.heads * s.head_dim, qkv_size = (s.heads + 2 * s.kv_heads) * s.head_dim;
   const int64_t inter = layers[0].proj[3][0].in_features();
-  Activations a(s.tokens, s.hidden, q_size, qkv_size, inter);
+  Activations a(s.tokens, s.hidden, q_size, qkv_size, inter, activation_bits);
   for (size_t l = 0; l < layers.size(); ++l)
     layer_forward(s, layers[l], static_cast<int64_t>(l), inter, k_pools[l], v_pools[l], probes, x, a);
   rms_norm(x, final_norm, s.tokens, s.hidden, s.eps, out);

@@ -27,6 +27,12 @@
 #include <xmmintrin.h>
 #endif
 
+#if defined(__GNUC__)
+#define STRATUM_INLINE inline __attribute__((always_inline))
+#else
+#define STRATUM_INLINE inline
+#endif
+
 namespace stratum_step {
 
 constexpr int64_t kBlock = 32;  // inputs per quantization block: QK4_0 == QK4_1 == QK8_0 == a K-quant sub-block
@@ -139,13 +145,22 @@ class FlushDenormals {
 #endif
 };
 
-// Activations quantized per row and block: xq = round(x / dx), dx = max|x| / 32767, sx = dx * sum(xq).
-// (int16 rather than llama.cpp's int8, which here cost 1.5 points of top-1 agreement with the fp32 model.)
+// Activations quantized per row and block: xq = round(x / dx), dx = max|x| / qmax, sx = dx * sum(xq), with
+// qmax 32767 (int16, the default) or 127 (int8, as llama.cpp's q8 blocks; the user's choice: it cost 1.5
+// points of top-1 agreement with the fp32 model, kernels/numerics.py). Either way each block's integer
+// sums are exact, so a family that has an int8 kernel (kDot8) and one that reads the same values as int16
+// give the same bits. For int8 the values are kept as bytes too (q8), and each half block's sum (h).
 struct QuantRows {
   std::vector<int16_t> q;
+  std::vector<int8_t> q8;
   std::vector<float> d, s;
+  std::vector<int32_t> h;    // int8 only: sum(xq) of inputs 0-15 and 16-31 of each block
   const float* x = nullptr;  // the fp32 rows themselves (fp16 / bf16 weights take them unquantized)
   int64_t k = 0, blocks = 0;
+  int32_t qmax = 32767;
+
+  explicit QuantRows(int bits = 16) : qmax(bits == 8 ? 127 : 32767) {}
+  bool int8() const { return qmax == 127; }
 
   void quantize(const float* x_in, int64_t rows, int64_t k_dim) {
     x = x_in;
@@ -154,6 +169,10 @@ struct QuantRows {
     q.resize(rows * k_dim);
     d.resize(rows * blocks);
     s.resize(rows * blocks);
+    if (int8()) {
+      q8.resize(rows * k_dim);
+      h.resize(rows * blocks * 2);
+    }
     parallel_for(0, rows * blocks, 64, [&](int64_t begin, int64_t end) {
       for (int64_t i = begin; i < end; ++i) quantize_block(x_in + i * kBlock, i);  // rows are contiguous
     });
@@ -163,13 +182,19 @@ struct QuantRows {
   void quantize_block(const float* xb, int64_t i) {
     float amax = 0.f;
     for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
-    const float dx = amax / 32767.f;
-    const float inv = amax > 0.f ? 32767.f / amax : 0.f;
+    const float top = static_cast<float>(qmax);
+    const float dx = amax / top;
+    const float inv = amax > 0.f ? top / amax : 0.f;
     int32_t sum = 0;
     for (int64_t j = 0; j < kBlock; ++j) {
       const int32_t v = static_cast<int32_t>(std::nearbyint(xb[j] * inv));
       q[i * kBlock + j] = static_cast<int16_t>(v);
       sum += v;
+      if (j == kBlock / 2 - 1 && int8()) h[2 * i] = sum;
+    }
+    if (int8()) {
+      for (int64_t j = 0; j < kBlock; ++j) q8[i * kBlock + j] = static_cast<int8_t>(q[i * kBlock + j]);
+      h[2 * i + 1] = sum - h[2 * i];
     }
     d[i] = dx;
     s[i] = dx * static_cast<float>(sum);

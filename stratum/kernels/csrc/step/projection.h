@@ -12,12 +12,6 @@
 
 namespace stratum_step {
 
-#if defined(__GNUC__)
-#define STRATUM_INLINE inline __attribute__((always_inline))
-#else
-#define STRATUM_INLINE inline
-#endif
-
 // A projection: its segments' outputs side by side (a fused projection whose parts differ in format).
 using Projection = std::vector<Packed>;
 
@@ -32,6 +26,13 @@ inline int64_t out_features(const Projection& w) {
 template <Format kF>
 void wide_rows(const uint8_t* wt, const void* st, int64_t blocks, const QuantRows& x, int64_t rows, float* o, int64_t ld,
                int64_t valid);
+// A family's int8 paths for a tile of a nibble-plane format (simd_avx2_int8.h), reached where kDot8 and
+// the activations are int8: one row at a time, or widened from kWideMinRows rows.
+template <Format kF>
+void tile_dot8(const uint8_t* w, const void* scales, int64_t blocks, const QuantRows& x, int64_t row, float* out, int64_t valid);
+template <Format kF>
+void wide_rows8(const uint8_t* wt, const void* st, int64_t blocks, const QuantRows& x, int64_t rows, float* o, int64_t ld,
+                int64_t valid);
 
 // kFloat: block b's 32 fp32 inputs of MR rows against the part's lanes of 16-bit weights.
 template <int MR, Format kF>
@@ -136,6 +137,13 @@ void tile_rows(const Packed& w, int64_t t, const QuantRows& x, int64_t rows, flo
   const void* st = static_cast<const char*>(w.scales) + t * w.scale_bytes_per_tile();
   const int64_t valid = std::min(kTile, w.rows - t * kTile);
   float* o = out + t * kTile;
+  if constexpr (kDot8 && is_4bit(kF)) {
+    if (x.int8() && rows >= kWideMinRows) return wide_rows8<kF>(wt, st, w.blocks, x, rows, o, ld, valid);
+    if (x.int8()) {
+      for (int64_t r = 0; r < rows; ++r) tile_dot8<kF>(wt, st, w.blocks, x, r, o + r * ld, valid);
+      return;
+    }
+  }
   if constexpr (kWideMinRows > 0 && !is_float(kF)) {
     if (rows >= kWideMinRows) return wide_rows<kF>(wt, st, w.blocks, x, rows, o, ld, valid);
   }

@@ -283,3 +283,5 @@ ValuesFn<T> values_kernel(int64_t head_dim, int64_t group) {
 }
 
 }  // namespace stratum_step
+
+#include "simd_avx2_int8.h"

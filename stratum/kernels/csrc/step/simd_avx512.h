@@ -12,6 +12,7 @@ constexpr const char* kSimdPath = "avx512-vnni";
 constexpr const char* kSimdPath = "avx512bw";
 #endif
 constexpr int64_t kWideMinRows = 0;  // 32 registers hold 4 rows' accumulators: tile_dot unpacks once per 4 rows
+constexpr bool kDot8 = false;  // no int8 kernel: int8 activations run the int16 one, which gives the same sums
 
 struct Simd {
   static constexpr int kLanes = 16, kRegs = 32;

@@ -8,6 +8,7 @@ namespace stratum_step {
 
 constexpr const char* kSimdPath = "neon";
 constexpr int64_t kWideMinRows = 0;  // no widened path: tile_dot's passes of 4 rows
+constexpr bool kDot8 = false;  // no int8 kernel: int8 activations run the int16 one, which gives the same sums
 
 struct Simd {
   static constexpr int kLanes = 4, kRegs = 32;

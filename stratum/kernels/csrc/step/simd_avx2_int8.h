@@ -1,0 +1,234 @@
+// AVX2's int8 path (QuantRows with qmax 127): vpmaddubsw multiplies a tile-block's unsigned q as bytes
+// by the inputs as signed bytes, 32 products per instruction where the int16 path's vpmaddwd takes 16
+// and its q must first be unpacked to words. Products are summed in int16 while they cannot overflow
+// (|x| <= 127: sixteen products of a 4-bit q, eight of a 5-bit one, four of a 6-bit one), then into
+// int32 by vpmaddwd with ones. The sums are the exact integers the int16 path computes from the same
+// inputs, and their scaling is tile_dot's, in its order: every family gives the same bits.
+#pragma once
+
+namespace stratum_step {
+
+constexpr bool kDot8 = true;
+constexpr int kSpan8[3] = {16, 8, 4};  // products an int16 lane may sum, by a format's high_bits
+
+// One row of one tile, read as stored. In a part's 32 bytes of group g (formats.h), the low nibbles of a
+// row quad's 16 bytes are inputs (0, 1) of its four rows, then (2, 3); the inputs are laid out to match
+// (x_lo: x0 x1 four times, x2 x3 four times; x_hi the same for 4..7), so each int16 lane holds one row's
+// sum of a pair slot; the slots of a row are brought side by side (by_row) before vpmaddwd adds them.
+
+template <Format kF>
+void tile_dot8(const uint8_t* w, const void* scales, int64_t blocks, const QuantRows& x, int64_t row, float* out, int64_t valid) {
+  static_assert(is_4bit(kF), "bytes of q: the nibble-plane formats");
+  constexpr int kSpan = kSpan8[high_bits(kF)] / 4;  // groups summed in int16
+  const ScaleType<kF>* sc = static_cast<const ScaleType<kF>*>(scales);
+  const int8_t* x8 = x.q8.data() + row * x.k;
+  const float *xd = x.d.data() + row * x.blocks, *xs = x.s.data() + row * x.blocks;
+  const int32_t* xh = x.h.data() + row * 2 * x.blocks;
+  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i pick_lo = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3);
+  const __m256i pick_hi = _mm256_add_epi8(pick_lo, _mm256_set1_epi8(4));
+  const __m256i by_row = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15, 0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
+  constexpr int64_t kScaleAhead = kPrefetch * block_scales(kF) * static_cast<int64_t>(sizeof(ScaleType<kF>)) / block_bytes(kF);
+  __m256 f[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* wb = w + b * block_bytes(kF);
+    prefetch(reinterpret_cast<const char*>(sc + b * block_scales(kF)) + kScaleAhead);
+    __m256i lo_sum[2] = {_mm256_setzero_si256(), _mm256_setzero_si256()}, hi_sum[2] = {lo_sum[0], lo_sum[1]};
+    __m256i acc[2] = {lo_sum[0], lo_sum[1]};
+    for (int g = 0; g < 4; ++g) {
+      prefetch_group<kF>(wb, g);
+      int64_t xg8;
+      std::memcpy(&xg8, x8 + b * kBlock + g * 8, 8);
+      const __m256i xg = _mm256_set1_epi64x(xg8);
+      const __m256i xl = _mm256_shuffle_epi8(xg, pick_lo), xh = _mm256_shuffle_epi8(xg, pick_hi);
+      for (int part = 0; part < 2; ++part) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 64 + part * 32));
+        __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+        if constexpr (high_bits(kF) > 0) {
+          constexpr int64_t kPlane = kTile * kBlock / 2;
+          __m256i hl, hh;
+          if constexpr (high_bits(kF) == 1) {
+            Simd::high1(wb + kPlane + g * 16, part, hl, hh);
+          } else {
+            Simd::high2(wb + kPlane + g * 32, part, hl, hh);
+          }
+          lo = _mm256_or_si256(lo, hl), hi = _mm256_or_si256(hi, hh);
+        }
+        acc[part] = _mm256_add_epi16(acc[part], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)));
+      }
+      if ((g + 1) % kSpan == 0)
+        for (int part = 0; part < 2; ++part) {
+          __m256i& sum = g < 2 ? lo_sum[part] : hi_sum[part];
+          sum = _mm256_add_epi32(sum, _mm256_madd_epi16(_mm256_shuffle_epi8(acc[part], by_row), ones));
+          acc[part] = _mm256_setzero_si256();
+        }
+    }
+    const __m256 dx = _mm256_set1_ps(xd[b]);
+    for (int part = 0; part < 2; ++part) {
+      __m256 s0, s1;
+      part_scales<Simd, kF>(sc, b, part, s0, s1);
+      if constexpr (rule(kF) == kSplit) {  // kQ6K: q - 32, so 32 times each half's input sum comes off
+        const __m256i c0 = _mm256_set1_epi32(32 * xh[2 * b]), c1 = _mm256_set1_epi32(32 * xh[2 * b + 1]);
+        f[part] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(lo_sum[part], c0)), _mm256_mul_ps(s0, dx), f[part]);
+        f[part] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(hi_sum[part], c1)), _mm256_mul_ps(s1, dx), f[part]);
+      } else {
+        f[part] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_add_epi32(lo_sum[part], hi_sum[part])), _mm256_mul_ps(s0, dx), f[part]);
+        if constexpr (rule(kF) == kDM) f[part] = _mm256_fmadd_ps(s1, _mm256_set1_ps(xs[b]), f[part]);
+      }
+    }
+  }
+  for (int part = 0; part < 2; ++part)
+    if (valid > part * 8) Simd::store(out + part * 8, f[part], valid - part * 8);
+}
+
+// Several rows: the tile's q widened once to bytes [block][quad j: inputs 4j .. 4j+3][lanes 0-7, 8-15],
+// four bytes per lane, so vpmaddubsw against one row's quad of inputs (a broadcast int32) leaves each
+// lane's two pair sums side by side, and vpmaddwd with ones adds them into its int32 lane.
+template <Format kF>
+void widen_tile8(const uint8_t* w, int64_t blocks, __m256i* buf) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i by_row = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15, 0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* wb = w + b * block_bytes(kF);
+    __m256i* bb = buf + b * 16;
+    for (int64_t line = 0; line < block_bytes(kF); line += 64) prefetch(wb + line + kPrefetch);
+    for (int g = 0; g < 4; ++g)
+      for (int part = 0; part < 2; ++part) {
+        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 64 + part * 32));
+        __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+        if constexpr (high_bits(kF) > 0) {
+          constexpr int64_t kPlane = kTile * kBlock / 2;
+          __m256i hl, hh;
+          if constexpr (high_bits(kF) == 1) {
+            Simd::high1(wb + kPlane + g * 16, part, hl, hh);
+          } else {
+            Simd::high2(wb + kPlane + g * 32, part, hl, hh);
+          }
+          lo = _mm256_or_si256(lo, hl), hi = _mm256_or_si256(hi, hh);
+        }
+        _mm256_storeu_si256(bb + (2 * g) * 2 + part, _mm256_shuffle_epi8(lo, by_row));
+        _mm256_storeu_si256(bb + (2 * g + 1) * 2 + part, _mm256_shuffle_epi8(hi, by_row));
+      }
+  }
+}
+
+// Quads j0 .. j1 - 1 of a widened block (bb) for R rows (x: row r's inputs of the block at x + r * k),
+// added into the int32 sums a[r][half]. Four rows: named accumulators and one quad per turn, as sums4
+// (GCC otherwise unrolls the quads and spills every product to the stack).
+inline int32_t quad_of(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
+__attribute__((noinline)) inline void quad_sums8_4(const __m256i* bb, const int8_t* x, int64_t k, int j0, int j1, __m256i a[4][2]) {
+  __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+#pragma GCC unroll 1
+  for (int j = j0; j < j1; ++j) {
+    __m256i w0 = _mm256_loadu_si256(bb + 2 * j), w1 = _mm256_loadu_si256(bb + 2 * j + 1);
+    __asm__("" : "+x"(w0), "+x"(w1));  // loaded once, not once per row
+    const __m256i x0 = _mm256_set1_epi32(quad_of(x + 4 * j)), x1 = _mm256_set1_epi32(quad_of(x + k + 4 * j));
+    a00 = _mm256_add_epi16(a00, _mm256_maddubs_epi16(w0, x0)), a01 = _mm256_add_epi16(a01, _mm256_maddubs_epi16(w1, x0));
+    a10 = _mm256_add_epi16(a10, _mm256_maddubs_epi16(w0, x1)), a11 = _mm256_add_epi16(a11, _mm256_maddubs_epi16(w1, x1));
+    const __m256i x2 = _mm256_set1_epi32(quad_of(x + 2 * k + 4 * j)), x3 = _mm256_set1_epi32(quad_of(x + 3 * k + 4 * j));
+    a20 = _mm256_add_epi16(a20, _mm256_maddubs_epi16(w0, x2)), a21 = _mm256_add_epi16(a21, _mm256_maddubs_epi16(w1, x2));
+    a30 = _mm256_add_epi16(a30, _mm256_maddubs_epi16(w0, x3)), a31 = _mm256_add_epi16(a31, _mm256_maddubs_epi16(w1, x3));
+  }
+  const __m256i ones = _mm256_set1_epi16(1);
+  const auto into = [&](__m256i& s, __m256i v) { s = _mm256_add_epi32(s, _mm256_madd_epi16(v, ones)); };
+  into(a[0][0], a00), into(a[0][1], a01), into(a[1][0], a10), into(a[1][1], a11);
+  into(a[2][0], a20), into(a[2][1], a21), into(a[3][0], a30), into(a[3][1], a31);
+}
+
+template <int R>
+STRATUM_INLINE void quad_sums8(const __m256i* bb, const int8_t* x, int64_t k, int j0, int j1, __m256i a[R][2]) {
+  if constexpr (R == 4) return quad_sums8_4(bb, x, k, j0, j1, a);
+  const __m256i ones = _mm256_set1_epi16(1);
+  __m256i acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+  for (int j = j0; j < j1; ++j) {
+    __m256i w0 = _mm256_loadu_si256(bb + 2 * j), w1 = _mm256_loadu_si256(bb + 2 * j + 1);
+    __asm__("" : "+x"(w0), "+x"(w1));  // loaded once, not once per row
+    for (int r = 0; r < R; ++r) {
+      const __m256i xv = _mm256_set1_epi32(quad_of(x + r * k + 4 * j));
+      acc[r][0] = _mm256_add_epi16(acc[r][0], _mm256_maddubs_epi16(w0, xv));
+      acc[r][1] = _mm256_add_epi16(acc[r][1], _mm256_maddubs_epi16(w1, xv));
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) a[r][h] = _mm256_add_epi32(a[r][h], _mm256_madd_epi16(acc[r][h], ones));
+}
+
+// R rows of one tile from its widened bytes; each lane's sums and float operations as tile_dot's.
+template <int R, Format kF>
+void wide_dot8(const __m256i* buf, const void* scales, int64_t blocks, const QuantRows& x, int64_t row, float* out, int64_t ld,
+               int64_t valid) {
+  constexpr int kQuads = kSpan8[high_bits(kF)] / 2;  // quads an int16 lane may sum
+  const ScaleType<kF>* sc = static_cast<const ScaleType<kF>*>(scales);
+  const int64_t k = x.k, nb = x.blocks;
+  const int8_t* x8 = x.q8.data() + row * k;
+  const float *xd = x.d.data() + row * nb, *xs = x.s.data() + row * nb;
+  const int32_t* xh = x.h.data() + row * 2 * nb;
+  __m256 f[R][2];
+  for (int r = 0; r < R; ++r) f[r][0] = f[r][1] = _mm256_setzero_ps();
+  const auto sums = [&](int64_t b, int j0, int j1, __m256i a[R][2]) {  // quads j0 .. j1 - 1, from zero
+    for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_si256();
+    for (int j = j0; j < j1; j += kQuads) quad_sums8<R>(buf + b * 16, x8 + b * kBlock, k, j, std::min(j + kQuads, j1), a);
+  };
+  for (int64_t b = 0; b < blocks; ++b) {
+    __m256 s0[2], s1[2];
+    for (int h = 0; h < 2; ++h) part_scales<Simd, kF>(sc, b, h, s0[h], s1[h]);
+    __m256i a[R][2];
+    if constexpr (rule(kF) == kSplit) {  // kQ6K: q - 32, so 32 times each half's input sum comes off
+      sums(b, 0, 4, a);
+      for (int r = 0; r < R; ++r) {
+        const __m256 dx = _mm256_set1_ps(xd[r * nb + b]);
+        const __m256i c = _mm256_set1_epi32(32 * xh[2 * (r * nb + b)]);
+        for (int h = 0; h < 2; ++h)
+          f[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(a[r][h], c)), _mm256_mul_ps(s0[h], dx), f[r][h]);
+      }
+      sums(b, 4, 8, a);
+      for (int r = 0; r < R; ++r) {
+        const __m256 dx = _mm256_set1_ps(xd[r * nb + b]);
+        const __m256i c = _mm256_set1_epi32(32 * xh[2 * (r * nb + b) + 1]);
+        for (int h = 0; h < 2; ++h)
+          f[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_sub_epi32(a[r][h], c)), _mm256_mul_ps(s1[h], dx), f[r][h]);
+      }
+    } else {
+      sums(b, 0, 8, a);
+      for (int r = 0; r < R; ++r) {
+        const __m256 dx = _mm256_set1_ps(xd[r * nb + b]);
+        for (int h = 0; h < 2; ++h) {
+          f[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(a[r][h]), _mm256_mul_ps(s0[h], dx), f[r][h]);
+          if constexpr (rule(kF) == kDM) f[r][h] = _mm256_fmadd_ps(s1[h], _mm256_set1_ps(xs[r * nb + b]), f[r][h]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h)
+      if (valid > h * 8) Simd::store(out + r * ld + h * 8, f[r][h], valid - h * 8);
+}
+
+// `rows` rows (>= kWideMinRows) of one tile of a nibble-plane format with int8 inputs: widened to bytes
+// once, then passes of four rows (two where a 5- or 6-bit q leaves an int16 lane fewer products).
+template <Format kF>
+void wide_rows8(const uint8_t* wt, const void* st, int64_t blocks, const QuantRows& x, int64_t rows, float* o, int64_t ld,
+                int64_t valid) {
+  constexpr int kRows = high_bits(kF) == 0 ? 4 : 2;
+  thread_local std::vector<uint8_t> widened;  // 512 bytes per block
+  widened.resize(blocks * kTile * kBlock);
+  __m256i* buf = reinterpret_cast<__m256i*>(widened.data());
+  widen_tile8<kF>(wt, blocks, buf);
+  int64_t r = 0;
+  const auto pass = [&](auto rr) { wide_dot8<decltype(rr)::value, kF>(buf, st, blocks, x, r, o + r * ld, ld, valid); };
+  for (; r + kRows <= rows; r += kRows) pass(std::integral_constant<int, kRows>{});
+  switch (rows - r) {
+    case 3: return pass(std::integral_constant<int, 3>{});
+    case 2: return pass(std::integral_constant<int, 2>{});
+    case 1: return pass(std::integral_constant<int, 1>{});
+    default: return;
+  }
+}
+
+}  // namespace stratum_step
