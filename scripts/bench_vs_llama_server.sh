@@ -18,8 +18,9 @@
 # (the prefill-* ones send ~512- and ~2,048-token prompts for one token each: prefill alone).
 # On a busy machine SS_NUM (one stream's requests, 8), C16_NUM and C16_TOKENS (c16's requests and
 # tokens each, 48 and 128) shorten the first two workloads; a run so shortened says it in its report.
+# STRATUM_ARGS adds options to `stratum serve` (e.g. "--activations int8"; written to stratum-args.txt).
 # Usage: LLAMA_SERVER=/path/to/llama-server [VLLM=/path/to/vllm VLLM_MODEL=/path/to/hf-bf16] \
-#        [GGUF=/path/to/file.gguf] [WORKLOADS="name ..."] scripts/bench_vs_llama_server.sh [OUT_DIR]
+#        [GGUF=/path/to/file.gguf] [WORKLOADS="name ..."] [STRATUM_ARGS="..."] scripts/bench_vs_llama_server.sh [OUT_DIR]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT=${1:-bench-results}
@@ -27,7 +28,9 @@ LLAMA_SERVER=${LLAMA_SERVER:?set LLAMA_SERVER to a llama-server binary}
 STRATUM=.venv/bin/stratum
 GGUF=${GGUF:-$(.venv/bin/python -c 'from stratum.models.registry import model_path; print(model_path("smollm2-135m"))')}
 WORKLOADS=${WORKLOADS:-}
+read -r -a SARGS <<<"${STRATUM_ARGS:-}"  # extra `stratum serve` options, e.g. "--activations int8"
 mkdir -p "$OUT"
+echo "${STRATUM_ARGS:-}" >"$OUT/stratum-args.txt"
 pids=()
 cleanup() { for p in "${pids[@]:-}"; do kill -- "$p" 2>/dev/null || true; done; }
 trap cleanup EXIT
@@ -36,11 +39,11 @@ trap cleanup EXIT
 wait_up() { until curl -sf "$1/health" 2>/dev/null | grep -qv '"preparing"'; do sleep 0.2; done; }
 
 # start -> first 200 and RSS of Stratum, measured on its own
-.venv/bin/python - "$OUT/startup.json" "$GGUF" <<'PY'
+.venv/bin/python - "$OUT/startup.json" "$GGUF" "${SARGS[@]}" <<'PY'
 import json, subprocess, sys, time, httpx, psutil
 t0 = time.perf_counter()
 p = subprocess.Popen([".venv/bin/stratum", "serve", "--model", sys.argv[2], "--served-model-name", "smollm2-135m",
-                      "--port", "8310"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                      "--port", "8310", *sys.argv[3:]], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 body = {"model": "smollm2-135m", "max_tokens": 1, "messages": [{"role": "user", "content": "Hi"}]}
 while True:
     try:
@@ -60,7 +63,7 @@ PY
 
 # the disk tier in a folder of this run's own: no run reads another run's (or a user's) cached prefixes
 rm -rf "$OUT/kv"
-$STRATUM serve --model "$GGUF" --served-model-name smollm2-135m --port 8301 --kv-disk-dir "$OUT/kv" \
+$STRATUM serve --model "$GGUF" --served-model-name smollm2-135m --port 8301 --kv-disk-dir "$OUT/kv" "${SARGS[@]}" \
   >"$OUT/stratum.log" 2>&1 & pids+=($!)
 wait_up http://127.0.0.1:8301
 

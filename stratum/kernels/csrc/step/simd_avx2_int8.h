@@ -113,36 +113,15 @@ void widen_tile8(const uint8_t* w, int64_t blocks, __m256i* buf) {
 }
 
 // Quads j0 .. j1 - 1 of a widened block (bb) for R rows (x: row r's inputs of the block at x + r * k),
-// added into the int32 sums a[r][half]. Four rows: named accumulators and one quad per turn, as sums4
-// (GCC otherwise unrolls the quads and spills every product to the stack).
+// added into the int32 sums a[r][half].
 inline int32_t quad_of(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
   return v;
 }
 
-__attribute__((noinline)) inline void quad_sums8_4(const __m256i* bb, const int8_t* x, int64_t k, int j0, int j1, __m256i a[4][2]) {
-  __m256i a00 = _mm256_setzero_si256(), a01 = a00, a10 = a00, a11 = a00, a20 = a00, a21 = a00, a30 = a00, a31 = a00;
-#pragma GCC unroll 1
-  for (int j = j0; j < j1; ++j) {
-    __m256i w0 = _mm256_loadu_si256(bb + 2 * j), w1 = _mm256_loadu_si256(bb + 2 * j + 1);
-    __asm__("" : "+x"(w0), "+x"(w1));  // loaded once, not once per row
-    const __m256i x0 = _mm256_set1_epi32(quad_of(x + 4 * j)), x1 = _mm256_set1_epi32(quad_of(x + k + 4 * j));
-    a00 = _mm256_add_epi16(a00, _mm256_maddubs_epi16(w0, x0)), a01 = _mm256_add_epi16(a01, _mm256_maddubs_epi16(w1, x0));
-    a10 = _mm256_add_epi16(a10, _mm256_maddubs_epi16(w0, x1)), a11 = _mm256_add_epi16(a11, _mm256_maddubs_epi16(w1, x1));
-    const __m256i x2 = _mm256_set1_epi32(quad_of(x + 2 * k + 4 * j)), x3 = _mm256_set1_epi32(quad_of(x + 3 * k + 4 * j));
-    a20 = _mm256_add_epi16(a20, _mm256_maddubs_epi16(w0, x2)), a21 = _mm256_add_epi16(a21, _mm256_maddubs_epi16(w1, x2));
-    a30 = _mm256_add_epi16(a30, _mm256_maddubs_epi16(w0, x3)), a31 = _mm256_add_epi16(a31, _mm256_maddubs_epi16(w1, x3));
-  }
-  const __m256i ones = _mm256_set1_epi16(1);
-  const auto into = [&](__m256i& s, __m256i v) { s = _mm256_add_epi32(s, _mm256_madd_epi16(v, ones)); };
-  into(a[0][0], a00), into(a[0][1], a01), into(a[1][0], a10), into(a[1][1], a11);
-  into(a[2][0], a20), into(a[2][1], a21), into(a[3][0], a30), into(a[3][1], a31);
-}
-
 template <int R>
 STRATUM_INLINE void quad_sums8(const __m256i* bb, const int8_t* x, int64_t k, int j0, int j1, __m256i a[R][2]) {
-  if constexpr (R == 4) return quad_sums8_4(bb, x, k, j0, j1, a);
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i acc[R][2];
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
@@ -211,24 +190,18 @@ void wide_dot8(const __m256i* buf, const void* scales, int64_t blocks, const Qua
 }
 
 // `rows` rows (>= kWideMinRows) of one tile of a nibble-plane format with int8 inputs: widened to bytes
-// once, then passes of four rows (two where a 5- or 6-bit q leaves an int16 lane fewer products).
+// once, then passes of two rows (four rows' int16 and int32 sums would not fit the 16 registers).
 template <Format kF>
 void wide_rows8(const uint8_t* wt, const void* st, int64_t blocks, const QuantRows& x, int64_t rows, float* o, int64_t ld,
                 int64_t valid) {
-  constexpr int kRows = high_bits(kF) == 0 ? 4 : 2;
   thread_local std::vector<uint8_t> widened;  // 512 bytes per block
   widened.resize(blocks * kTile * kBlock);
   __m256i* buf = reinterpret_cast<__m256i*>(widened.data());
   widen_tile8<kF>(wt, blocks, buf);
   int64_t r = 0;
   const auto pass = [&](auto rr) { wide_dot8<decltype(rr)::value, kF>(buf, st, blocks, x, r, o + r * ld, ld, valid); };
-  for (; r + kRows <= rows; r += kRows) pass(std::integral_constant<int, kRows>{});
-  switch (rows - r) {
-    case 3: return pass(std::integral_constant<int, 3>{});
-    case 2: return pass(std::integral_constant<int, 2>{});
-    case 1: return pass(std::integral_constant<int, 1>{});
-    default: return;
-  }
+  for (; r + 2 <= rows; r += 2) pass(std::integral_constant<int, 2>{});
+  if (r < rows) pass(std::integral_constant<int, 1>{});
 }
 
 }  // namespace stratum_step
