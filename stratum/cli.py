@@ -220,8 +220,9 @@ def _http_server(args, app):
 def _say_ready(client, name: str, elapsed_s: float, where: str) -> None:
     cfg, kernels = client.config, client.info.kernel_choices
     later = "; preparing the native kernels in the background" if kernels.get("native_kernels") == "being prepared" else ""
+    trade = ", int8 activations" if kernels.get("activations") == "int8" else ""
     print(f"stratum: {name} ready in {elapsed_s:.1f}s on {cfg.device}/{cfg.dtype} ({kernels['step']} "
-          f"step), {cfg.num_kv_blocks} KV blocks, {cfg.num_threads} engine threads in {where}{later}", flush=True)
+          f"step{trade}), {cfg.num_kv_blocks} KV blocks, {cfg.num_threads} engine threads in {where}{later}", flush=True)
 
 
 def _start_engine(args, config, engine, starting):

@@ -131,7 +131,7 @@ def test_another_tenants_prefix_is_never_a_disk_hit(tiny_model_dir, tmp_path):
 
 def test_blocks_written_under_other_numerics_are_never_read(tiny_gguf, tmp_path):
     """The tier's binding is the engine's numerics key (issue 32), the block size and the pool's layout:
-    blocks written under one step, dtype, weight kernel, kernel-numerics version or model file are a
+    blocks written under one step, dtype, activation width, weight kernel, kernel-numerics version or model file are a
     miss for every other, and a hit for their own kind."""
     if not native.available():
         pytest.skip("no native kernels")
@@ -149,6 +149,8 @@ def test_blocks_written_under_other_numerics_are_never_read(tiny_gguf, tmp_path)
     settled(native_step)
     assert run(tiny_llm(tiny_gguf, kv, native_step=True), [p])[0].num_disk_cached_tokens == 192
     assert run(tiny_llm(tiny_gguf, kv, native_step=False), [p])[0].num_disk_cached_tokens == 192
+    int8 = tiny_llm(tiny_gguf, kv, native_step=True, activations="int8")  # the native step's other numerics
+    assert int8.engine.tier.binding != native_step.engine.tier.binding and run(int8, [p])[0].num_cached_tokens == 0
     # the same step and dtype on other weight kernels (packed as stored, int4 copies), or another dtype
     for other in (dict(int4_max_tokens=None), dict(int4_max_tokens=256), dict(dtype="bfloat16")):
         llm = tiny_llm(tiny_gguf, kv, native_step=False, **other)

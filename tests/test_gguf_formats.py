@@ -332,11 +332,16 @@ def test_info_tells_architecture_tensor_types_and_what_runs_packed(qwen_dir, tmp
     if native.available():  # each projection names its formats
         # layer 0's q, k (Q4_K) and v (Q6_K), one projection of two formats
         assert ck["projections"]["Q4_K: native step, as stored in q4k tiles + Q6_K: native step, as stored in q6k tiles"] == 1
+        assert main(["info", str(q4km), "--threads", "1", "--activations", "int8"]) == 0  # the user's trade, said
+        numerics = json.loads(capsys.readouterr().out)["numerics"]
+        assert numerics["inputs"]["activations"] == numerics["result"]["activations"] == "int8"
 
     f32 = write_family_gguf(qwen_dir, tmp_path / "qwen-f32.gguf")
     assert main(["info", str(f32), "--threads", "1"]) == 0
     ck = json.loads(capsys.readouterr().out)["checkpoint"]
     assert ck["step"] == "pytorch" and "projections stored as dense" in ck["native_step_refused"]
+    assert main(["info", str(f32), "--threads", "1", "--activations", "int8"]) == 1  # no native step: refused, and why
+    assert "--activations int8" in capsys.readouterr().err
 
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + b"\0" * 60)

@@ -59,6 +59,10 @@ def test_int8_activations_are_the_users_choice_and_only_the_native_steps():
             rule.decide(replace(inputs, activations="int8"), "file")
     with pytest.raises(ValueError, match="int16, int8"):
         rule.decide(replace(INPUTS, activations="int4"), "file")
+    # a cold start's provisional step refuses what the native step it switches to would
+    with pytest.raises(ValueError, match="sliding-window"):
+        rule.provisional(replace(INPUTS, activations="int8", native_kernels=False, native_refusal="sliding-window"), "file")
+    assert rule.provisional(replace(INPUTS, activations="int8", native_kernels=False), "file").step == "pytorch"
 
 
 def test_dense_files_cuda_and_the_provisional_step():

@@ -154,6 +154,7 @@ class LLMEngine:
     def kernel_choices(self) -> dict:
         plan, numerics = self.kernel_plan, self.config.numerics
         return {"numerics": numerics.key(), "dtype": numerics.dtype, "kv_dtype": numerics.kv_dtype,
+                "activations": numerics.activations,
                 "packed_mb": round(self.packed_bytes / 2**20, 1),
                 "low_latency_lm_head": "int8" if self.model.lm_head_int8 is not None else None,
                 "threads": plan.threads, "native_kernels": ("being prepared" if self.upgrade is not None else native.status())

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 # Bumped by any change to a kernel that changes a bit of the KV pool or of the logits (the native
 # step, the packed projection, the PyTorch layers' numerics): what keys KV saved to disk and the
@@ -173,7 +173,9 @@ def provisional(inputs: RuleInputs, model: str) -> Numerics:
     kernel exists yet, so Q4_0 / Q4_1 / Q4_K run on PyTorch's int4 kernel with fp32 activations and
     the other types are dequantized to bf16, one tensor at a time, so memory stays near the file's
     size. Its numerics differ from the native step's (int4's sums run in another order, without
-    int16 activation blocks): answers may change at the switch, and `Numerics.key` says so."""
+    int16 activation blocks): answers may change at the switch, and `Numerics.key` says so. Settings
+    the native step it switches to would refuse are refused now, not at the switch."""
+    decide(replace(inputs, native_kernels=True), model)
     dtype = "float32" if inputs.dtype == "auto" else inputs.dtype
     forms = tuple((t, INT4 if t in INT4_TYPES else dense("bfloat16")) for t in inputs.tensor_types)
     return Numerics(model, "cpu", PYTORCH, dtype, dtype, forms, PYTORCH, None)
