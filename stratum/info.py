@@ -1,0 +1,124 @@
+"""`stratum info`: the hardware, the model's architecture and tensor types, how each projection runs
+(native step, packed kernel, int4, dense) and why, the numerics rule's inputs and result, and the
+kernel plan `stratum serve` would run with."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def print_info(args) -> int:
+    """The hardware, and the kernel plan `stratum serve` would run this model with; for the model, its
+    architecture, tensor types and what runs packed (and why not, where not)."""
+    import platform
+    from dataclasses import asdict
+
+    import torch
+
+    from stratum.engine import builder
+    from stratum.engine.config import EngineConfig
+    from stratum.kernels import native
+    from stratum.kernels.cpu import cpu_flags, cpu_name
+    from stratum.models.registry import PullError
+
+    flags = cpu_flags()
+    info = {
+        "python": platform.python_version(), "torch": torch.__version__, "cpu": cpu_name(),
+        "cpu_count": os.cpu_count(), "cpu_features": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile"}),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "cuda": torch.cuda.is_available(),
+        "native_kernels": native.status(),
+    }
+    if torch.cuda.is_available():
+        info["cuda_device"] = torch.cuda.get_device_name(0)
+    model = args.file or args.model
+    config = EngineConfig(model=model, num_threads=args.threads, serving=True, remeasure_plan=args.remeasure,
+                          dtype=args.dtype, activations=args.activations)
+    try:
+        checkpoint = builder.load(config)
+        resolved = builder.resolve(config, checkpoint)
+        inputs = builder.rule_inputs(config, checkpoint, resolved.device)
+    except (PullError, ValueError) as e:  # ModelLoadError names the unsupported architecture or tensor type
+        info["plan_error"] = str(e)
+        print(json.dumps(info, indent=2))
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    info["model"] = model
+    info["checkpoint"] = _checkpoint_info(checkpoint, resolved)
+    info["engine"] = {"device": resolved.device, "dtype": resolved.dtype, "threads": resolved.num_threads,
+                      "prefill_threads": resolved.prefill_threads, "max_model_len": resolved.max_model_len,
+                      "kv_blocks": resolved.num_kv_blocks}
+    # the rule (kernels/numerics.py) from its inputs, then the speed choices that keep its numerics
+    info["numerics"] = {"inputs": asdict(inputs), "result": resolved.numerics.describe()}
+    info["kernel_plan"] = resolved.kernel_plan.describe()
+    print(json.dumps(info, indent=2))
+    return 0
+
+
+def _checkpoint_info(checkpoint, resolved) -> dict:
+    """The model's architecture, its file's tensor types, and how each projection and each quantized
+    tensor runs once built (native step, int4, the packed kernel, or dequantized to dense): read off
+    the model `build_model` makes, so it says what serving would run."""
+    from collections import Counter
+    from dataclasses import fields
+
+    from stratum.engine import builder
+    from stratum.engine.core import attention_path
+    from stratum.kernels import native
+    from stratum.layers.linear import Linear
+    from stratum.models.config import rope_type
+    from stratum.models.loader import tensor_types
+
+    cfg = checkpoint.config
+    stored = {name: q.qtype for name, q in checkpoint.quantized.items()}
+    options = ("tie_word_embeddings", "attention_bias", "qk_norm", "hidden_act", "embedding_scale", "sandwich_norms",
+               "query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "sliding_window", "rope_local_theta")
+    features = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name in options and getattr(cfg, f.name) != f.default}
+    if cfg.rope_scaling:
+        features["rope_scaling"] = rope_type(cfg.rope_scaling)
+    if any(cfg.sliding_layers):
+        features["sliding_layers"] = [i for i, s in enumerate(cfg.sliding_layers) if s]
+    model, _ = builder.build_model(resolved, checkpoint)
+    forms = model.weight_forms  # how each quantized tensor runs: native step, int4, packed kernel, dense, rows
+    dense_dtype = f"dense {resolved.dtype}"
+    runs: Counter = Counter()
+    for i, layer in enumerate(model.layers):
+        for name, module in layer.named_modules():
+            if isinstance(module, Linear):
+                parts = [f"model.layers.{i}.{p}" for p in _parts(name)]
+                runs[" + ".join(sorted({f"{stored.get(p, 'dense')}: {forms.get(p, dense_dtype + ' as stored')}"
+                                        for p in parts}))] += 1
+    head = "lm_head.weight" if model.lm_head is not None else "model.embed_tokens.weight"
+    head_run = forms.get(head, dense_dtype)
+    runs[f"output projection ({stored.get(head, 'dense')}): {head_run}"] += 1
+    by_type: dict[str, Counter] = {}
+    for name, qtype in stored.items():
+        by_type.setdefault(qtype, Counter())[forms.get(name, "unused")] += 1
+    dense_from = sorted(q for q, c in by_type.items() if any(h.startswith("dense") for h in c))
+    return {
+        "architecture": cfg.architecture, "name": cfg.name, "layers": cfg.num_layers, "hidden": cfg.hidden_size,
+        "heads": cfg.num_heads, "kv_heads": cfg.num_kv_heads, "head_dim": cfg.head_dim, "vocab": cfg.vocab_size,
+        "features": features,
+        "tensor_types": tensor_types(checkpoint.path),
+        "step": "native (packed blocks)" if model.packed is not None else "pytorch",
+        "native_step_refused": model.packed_refusal,
+        "projections": dict(runs),
+        "quantized_tensors": {q: dict(c) for q, c in sorted(by_type.items())},
+        "dequantized_to_dense": dense_from,
+        "attention": attention_path(model, resolved.device == "cpu" and native.available()),
+        "speculative_decoding": _speculation(resolved.numerics, model),
+    }
+
+
+def _speculation(numerics, model) -> str:
+    from stratum.engine.spec_decode import verify_refusal
+
+    why = verify_refusal(numerics, model)
+    return f"off: {why}" if why else "verified on the native step (serve --speculative auto by default)"
+
+
+def _parts(fused: str) -> list[str]:
+    from stratum.kernels.packed import FUSED
+
+    return [f"{p}.weight" for p in FUSED.get(fused, (fused,))]
