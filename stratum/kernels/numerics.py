@@ -115,7 +115,7 @@ def decide(inputs: RuleInputs, model: str) -> Numerics:
     reference dequantization (fp32 weights, fp32 activations). bf16 rounds activations and dequantized
     weights to 8 bits of mantissa, which changed greedy answers against fp32 in 5 of 7 families; the
     native step's int16 blocks keep 15 bits, finer than llama.cpp's own int8 activations (measured:
-    top-1 agreement 325/325 with fp32 on SmolLM2, 97.5% with int8 activations; tests/test_kernels.py).
+    top-1 agreement 325/325 with fp32 on SmolLM2, 97.2-97.5% with int8 activations; tests/test_kernels.py).
     """
     types = inputs.tensor_types
     if inputs.activations not in ACTIVATION_BITS:
