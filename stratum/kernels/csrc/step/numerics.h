@@ -185,19 +185,16 @@ struct QuantRows {
     const float top = static_cast<float>(qmax);
     const float dx = amax / top;
     const float inv = amax > 0.f ? top / amax : 0.f;
-    int32_t sum = 0;
+    int32_t half[2] = {0, 0};
     for (int64_t j = 0; j < kBlock; ++j) {
       const int32_t v = static_cast<int32_t>(std::nearbyint(xb[j] * inv));
       q[i * kBlock + j] = static_cast<int16_t>(v);
-      sum += v;
-      if (j == kBlock / 2 - 1 && int8()) h[2 * i] = sum;
+      if (int8()) q8[i * kBlock + j] = static_cast<int8_t>(v);
+      half[j / (kBlock / 2)] += v;
     }
-    if (int8()) {
-      for (int64_t j = 0; j < kBlock; ++j) q8[i * kBlock + j] = static_cast<int8_t>(q[i * kBlock + j]);
-      h[2 * i + 1] = sum - h[2 * i];
-    }
+    if (int8()) h[2 * i] = half[0], h[2 * i + 1] = half[1];
     d[i] = dx;
-    s[i] = dx * static_cast<float>(sum);
+    s[i] = dx * static_cast<float>(half[0] + half[1]);
   }
 };
 

@@ -11,11 +11,34 @@ namespace stratum_step {
 constexpr bool kDot8 = true;
 constexpr int kSpan8[3] = {16, 8, 4};  // products an int16 lane may sum, by a format's high_bits
 
-// One row of one tile, read as stored. In a part's 32 bytes of group g (formats.h), the low nibbles of a
-// row quad's 16 bytes are inputs (0, 1) of its four rows, then (2, 3); the inputs are laid out to match
-// (x_lo: x0 x1 four times, x2 x3 four times; x_hi the same for 4..7), so each int16 lane holds one row's
-// sum of a pair slot; the slots of a row are brought side by side (by_row) before vpmaddwd adds them.
+// The q of group g (inputs 8g .. 8g+7) of a tile-block wb for the rows of `part`, as bytes: lo the low
+// nibbles' inputs, hi the high ones', each with its high-plane bits (formats.h draws the layout). A row
+// quad's 16 bytes hold inputs (0, 1) of its four rows, then (2, 3) (hi: 4 .. 7).
+template <Format kF>
+STRATUM_INLINE void group_bytes(const uint8_t* wb, int g, int part, __m256i& lo, __m256i& hi) {
+  const __m256i low = _mm256_set1_epi8(0x0F);
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 64 + part * 32));
+  lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
+  if constexpr (high_bits(kF) > 0) {
+    constexpr int64_t kPlane = kTile * kBlock / 2;
+    __m256i hl, hh;
+    if constexpr (high_bits(kF) == 1) {
+      Simd::high1(wb + kPlane + g * 16, part, hl, hh);
+    } else {
+      Simd::high2(wb + kPlane + g * 32, part, hl, hh);
+    }
+    lo = _mm256_or_si256(lo, hl), hi = _mm256_or_si256(hi, hh);
+  }
+}
 
+// A row quad's int16 lanes (rows 0-3 of pair slot 0, then of slot 1) reordered so each row's two slots
+// sit side by side, for vpmaddwd with ones to add them.
+inline __m256i row_order() {
+  return _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15, 0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
+}
+
+// One row of one tile, read as stored: the inputs laid out to match group_bytes (x_lo: x0 x1 four times,
+// x2 x3 four times; x_hi the same for 4 .. 7), so each int16 lane holds one row's sum of a pair slot.
 template <Format kF>
 void tile_dot8(const uint8_t* w, const void* scales, int64_t blocks, const QuantRows& x, int64_t row, float* out, int64_t valid) {
   static_assert(is_4bit(kF), "bytes of q: the nibble-plane formats");
@@ -24,10 +47,10 @@ void tile_dot8(const uint8_t* w, const void* scales, int64_t blocks, const Quant
   const int8_t* x8 = x.q8.data() + row * x.k;
   const float *xd = x.d.data() + row * x.blocks, *xs = x.s.data() + row * x.blocks;
   const int32_t* xh = x.h.data() + row * 2 * x.blocks;
-  const __m256i low = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  const __m256i ones = _mm256_set1_epi16(1);
   const __m256i pick_lo = _mm256_setr_epi8(0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3, 0, 1, 0, 1, 0, 1, 0, 1, 2, 3, 2, 3, 2, 3, 2, 3);
   const __m256i pick_hi = _mm256_add_epi8(pick_lo, _mm256_set1_epi8(4));
-  const __m256i by_row = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15, 0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
+  const __m256i by_row = row_order();
   constexpr int64_t kScaleAhead = kPrefetch * block_scales(kF) * static_cast<int64_t>(sizeof(ScaleType<kF>)) / block_bytes(kF);
   __m256 f[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
   for (int64_t b = 0; b < blocks; ++b) {
@@ -42,18 +65,8 @@ void tile_dot8(const uint8_t* w, const void* scales, int64_t blocks, const Quant
       const __m256i xg = _mm256_set1_epi64x(xg8);
       const __m256i xl = _mm256_shuffle_epi8(xg, pick_lo), xh = _mm256_shuffle_epi8(xg, pick_hi);
       for (int part = 0; part < 2; ++part) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 64 + part * 32));
-        __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-        if constexpr (high_bits(kF) > 0) {
-          constexpr int64_t kPlane = kTile * kBlock / 2;
-          __m256i hl, hh;
-          if constexpr (high_bits(kF) == 1) {
-            Simd::high1(wb + kPlane + g * 16, part, hl, hh);
-          } else {
-            Simd::high2(wb + kPlane + g * 32, part, hl, hh);
-          }
-          lo = _mm256_or_si256(lo, hl), hi = _mm256_or_si256(hi, hh);
-        }
+        __m256i lo, hi;
+        group_bytes<kF>(wb, g, part, lo, hi);
         acc[part] = _mm256_add_epi16(acc[part], _mm256_add_epi16(_mm256_maddubs_epi16(lo, xl), _mm256_maddubs_epi16(hi, xh)));
       }
       if ((g + 1) % kSpan == 0)
@@ -86,26 +99,15 @@ void tile_dot8(const uint8_t* w, const void* scales, int64_t blocks, const Quant
 // lane's two pair sums side by side, and vpmaddwd with ones adds them into its int32 lane.
 template <Format kF>
 void widen_tile8(const uint8_t* w, int64_t blocks, __m256i* buf) {
-  const __m256i low = _mm256_set1_epi8(0x0F);
-  const __m256i by_row = _mm256_setr_epi8(0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15, 0, 1, 8, 9, 2, 3, 10, 11, 4, 5, 12, 13, 6, 7, 14, 15);
+  const __m256i by_row = row_order();
   for (int64_t b = 0; b < blocks; ++b) {
     const uint8_t* wb = w + b * block_bytes(kF);
     __m256i* bb = buf + b * 16;
     for (int64_t line = 0; line < block_bytes(kF); line += 64) prefetch(wb + line + kPrefetch);
     for (int g = 0; g < 4; ++g)
       for (int part = 0; part < 2; ++part) {
-        const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(wb + g * 64 + part * 32));
-        __m256i lo = _mm256_and_si256(raw, low), hi = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-        if constexpr (high_bits(kF) > 0) {
-          constexpr int64_t kPlane = kTile * kBlock / 2;
-          __m256i hl, hh;
-          if constexpr (high_bits(kF) == 1) {
-            Simd::high1(wb + kPlane + g * 16, part, hl, hh);
-          } else {
-            Simd::high2(wb + kPlane + g * 32, part, hl, hh);
-          }
-          lo = _mm256_or_si256(lo, hl), hi = _mm256_or_si256(hi, hh);
-        }
+        __m256i lo, hi;
+        group_bytes<kF>(wb, g, part, lo, hi);
         _mm256_storeu_si256(bb + (2 * g) * 2 + part, _mm256_shuffle_epi8(lo, by_row));
         _mm256_storeu_si256(bb + (2 * g + 1) * 2 + part, _mm256_shuffle_epi8(hi, by_row));
       }
