@@ -140,12 +140,12 @@ STRATUM_INLINE void quad_sums8(const __m256i* bb, const int8_t* x, int64_t k, in
     for (int h = 0; h < 2; ++h) a[r][h] = _mm256_add_epi32(a[r][h], _mm256_madd_epi16(acc[r][h], ones));
 }
 
-// R rows of one tile from its widened bytes; each lane's sums and float operations as tile_dot's.
+// R rows of one tile from its widened bytes, its scales read from `made` (tile_scales) where given; each
+// lane's sums and float operations as tile_dot's.
 template <int R, Format kF>
-void wide_dot8(const __m256i* buf, const void* scales, int64_t blocks, const QuantRows& x, int64_t row, float* out, int64_t ld,
+void wide_dot8(const __m256i* buf, const void* scales, const float* made, int64_t blocks, const QuantRows& x, int64_t row, float* out, int64_t ld,
                int64_t valid) {
   constexpr int kQuads = kSpan8[high_bits(kF)] / 2;  // quads an int16 lane may sum
-  const ScaleType<kF>* sc = static_cast<const ScaleType<kF>*>(scales);
   const int64_t k = x.k, nb = x.blocks;
   const int8_t* x8 = x.q8.data() + row * k;
   const float *xd = x.d.data() + row * nb, *xs = x.s.data() + row * nb;
@@ -158,7 +158,12 @@ void wide_dot8(const __m256i* buf, const void* scales, int64_t blocks, const Qua
   };
   for (int64_t b = 0; b < blocks; ++b) {
     __m256 s0[2], s1[2];
-    for (int h = 0; h < 2; ++h) part_scales<Simd, kF>(sc, b, h, s0[h], s1[h]);
+    for (int h = 0; h < 2; ++h)
+      if (made != nullptr) {
+        s0[h] = _mm256_loadu_ps(made + b * 32 + h * 8), s1[h] = _mm256_loadu_ps(made + b * 32 + 16 + h * 8);
+      } else {
+        part_scales<Simd, kF>(static_cast<const ScaleType<kF>*>(scales), b, h, s0[h], s1[h]);
+      }
     __m256i a[R][2];
     if constexpr (rule(kF) == kSplit) {  // kQ6K: q - 32, so 32 times each half's input sum comes off
       sums(b, 0, 4, a);
@@ -191,17 +196,37 @@ void wide_dot8(const __m256i* buf, const void* scales, int64_t blocks, const Qua
       if (valid > h * 8) Simd::store(out + r * ld + h * 8, f[r][h], valid - h * 8);
 }
 
+// A tile's blocks' fp32 scales as part_scales gives them, made once for all the passes over its rows:
+// per block s0 of lanes 0-7, of 8-15, then s1 of both (32 floats).
+template <Format kF>
+void tile_scales(const void* scales, int64_t blocks, std::vector<float>& out) {
+  const ScaleType<kF>* sc = static_cast<const ScaleType<kF>*>(scales);
+  out.resize(blocks * 32);
+  for (int64_t b = 0; b < blocks; ++b)
+    for (int h = 0; h < 2; ++h) {
+      __m256 s0, s1;
+      part_scales<Simd, kF>(sc, b, h, s0, s1);
+      _mm256_storeu_ps(out.data() + b * 32 + h * 8, s0), _mm256_storeu_ps(out.data() + b * 32 + 16 + h * 8, s1);
+    }
+}
+
 // `rows` rows (>= kWideMinRows) of one tile of a nibble-plane format with int8 inputs: widened to bytes
-// once, then passes of two rows (four rows' int16 and int32 sums would not fit the 16 registers).
+// once (and from kMadeScalesRows rows its scales made once too: per pass they were ~10% of a 64-row
+// tile's time), then passes of two rows (four rows' int16 and int32 sums would not fit the 16 registers).
+constexpr int64_t kMadeScalesRows = 8;
+
 template <Format kF>
 void wide_rows8(const uint8_t* wt, const void* st, int64_t blocks, const QuantRows& x, int64_t rows, float* o, int64_t ld,
                 int64_t valid) {
   thread_local std::vector<uint8_t> widened;  // 512 bytes per block
+  thread_local std::vector<float> scaled;
   widened.resize(blocks * kTile * kBlock);
   __m256i* buf = reinterpret_cast<__m256i*>(widened.data());
   widen_tile8<kF>(wt, blocks, buf);
+  const float* made = nullptr;
+  if (rows >= kMadeScalesRows) tile_scales<kF>(st, blocks, scaled), made = scaled.data();
   int64_t r = 0;
-  const auto pass = [&](auto rr) { wide_dot8<decltype(rr)::value, kF>(buf, st, blocks, x, r, o + r * ld, ld, valid); };
+  const auto pass = [&](auto rr) { wide_dot8<decltype(rr)::value, kF>(buf, st, made, blocks, x, r, o + r * ld, ld, valid); };
   for (; r + 2 <= rows; r += 2) pass(std::integral_constant<int, 2>{});
   if (r < rows) pass(std::integral_constant<int, 1>{});
 }
