@@ -347,3 +347,21 @@ def test_info_tells_architecture_tensor_types_and_what_runs_packed(qwen_dir, tmp
     bad.write_bytes(b"GGUF" + b"\0" * 60)
     assert main(["info", str(bad)]) == 1
     assert "not a readable GGUF file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("qtype", ["Q6_K", "Q4_K", "Q4_1"])
+def test_recent_rows_give_the_tables_own_rows_and_keep_no_more_than_their_bound(qtype):
+    """An embedding dequantized at lookup keeps recent rows for the next decode steps: the same fp32
+    values as the table's own lookup, whether kept, evicted or looked up again, and at most its bound."""
+    from stratum.kernels.quant import RecentRows
+    from stratum.models.loader import QuantizedTensor
+
+    n, k = 40, 256
+    weights = np.random.default_rng(3).standard_normal((n, k)).astype(np.float32)
+    table = QuantizedTensor(qtype, quantize(weights, qtype), (n, k))
+    recent = RecentRows(table, max_bytes=6 * k * 4)  # six rows
+    assert recent.capacity == 6
+    for ids in ([5], [5], [7, 5, 7], [1, 2, 3, 4, 9, 10, 11], [5], list(range(n)) * 2, [39, 0]):
+        ids = torch.tensor(ids)
+        assert torch.equal(recent.rows(ids), table.rows(ids))
+        assert len(recent._kept) <= recent.capacity

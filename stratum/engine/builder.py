@@ -24,7 +24,7 @@ from stratum.kernels.packed import FUSED, PACKED_QTYPES, PackedStack, PackedWeig
 from stratum.kernels.packed import LAYOUT_VERSION as PACKED_LAYOUT
 from stratum.kernels.packed import pack as packed_weight
 from stratum.kernels.plan import Shapes, select_plan
-from stratum.kernels.quant import DenseWeight, Int4Weight, Int8Weight, Parts, Q8Weight, unpack_q4, unpack_q8_0
+from stratum.kernels.quant import DenseWeight, Int4Weight, Int8Weight, Parts, Q8Weight, RecentRows, unpack_q4, unpack_q8_0
 from stratum.layers.linear import Linear
 from stratum.models.llama import LlamaForCausalLM
 from stratum.models.loader import Checkpoint, load_checkpoint, release_pages
@@ -378,7 +378,8 @@ def attach_embedding(model, quantized: dict) -> int:
     """Look a quantized embedding up from its blocks as stored, row by row, exactly (every stored
     type's values are exact in fp32): no dense copy, and the fp32 residual stream starts from the
     checkpoint's own values. Q8_0 rows are read from an int8 copy (a gather per step), others
-    dequantized at lookup. A tied output projection held as Q8_0 is not copied twice.
+    dequantized at lookup and the recent ones kept (RecentRows). A tied output projection held as Q8_0
+    is not copied twice.
 
     Returns:
         The bytes attached for it.
@@ -388,7 +389,7 @@ def attach_embedding(model, quantized: dict) -> int:
         return 0
     model.weight_forms.setdefault("model.embed_tokens.weight", "rows dequantized at lookup")
     if embed.qtype != "Q8_0":
-        model.embed_table = embed
+        model.embed_table = RecentRows(embed)
         return 0
     model.embed_table = Q8Weight(*unpack_q8_0(embed.data, embed.shape))
     return model.embed_table.nbytes
