@@ -365,3 +365,16 @@ def test_recent_rows_give_the_tables_own_rows_and_keep_no_more_than_their_bound(
         ids = torch.tensor(ids)
         assert torch.equal(recent.rows(ids), table.rows(ids))
         assert len(recent._kept) <= recent.capacity
+
+
+@pytest.mark.parametrize("qtype", ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_an_embedding_lookup_gives_the_rows_of_the_dense_tensor(qtype):
+    """Rows are looked up by gguf-py's dequantization, the dense tensor by kernels.kquant's for the
+    K-quants: the same fp32 values."""
+    from stratum.models.loader import QuantizedTensor
+
+    n, k = 24, 512
+    weights = np.random.default_rng(4).standard_normal((n, k)).astype(np.float32) * 3
+    table = QuantizedTensor(qtype, quantize(weights, qtype), (n, k))
+    ids = torch.tensor([0, 23, 7, 7, 12])
+    assert torch.equal(table.rows(ids), table.dense()[ids])

@@ -87,8 +87,10 @@ class QuantizedTensor:
         self.__dict__.pop("data", None)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` as fp32 [len(ids), in_features]: an embedding lookup from the table as stored."""
-        return _dequantize(self.qtype, np.asarray(self.data)[ids.numpy()], (ids.shape[0], self.shape[1]))
+        """Rows `ids` as fp32 [len(ids), in_features]: an embedding lookup from the table as stored, by
+        gguf-py's NumPy dequantization for every type (for a few rows ~3x faster than kernels.kquant's
+        PyTorch form, whose per-operation cost dominates there; the same values, tests/test_gguf_formats.py)."""
+        return _dequantize(self.qtype, np.asarray(self.data)[ids.numpy()], (ids.shape[0], self.shape[1]), by_gguf=True)
 
     def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """The whole tensor in `dtype`, dequantized a slice of rows at a time: no fp32 copy of all of it."""
@@ -378,14 +380,15 @@ def _mapped_dense(raw: np.ndarray, qtype: str, shape: tuple[int, ...]) -> torch.
     return kquant.mapped_tensor(raw).view(dtype).reshape(shape)
 
 
-def _dequantize(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> torch.Tensor:
-    """Quantized GGUF rows as fp32 [shape]: K-quants by kernels.kquant, the other block formats by gguf-py."""
+def _dequantize(qtype: str, raw: np.ndarray, shape: tuple[int, int], by_gguf: bool = False) -> torch.Tensor:
+    """Quantized GGUF rows as fp32 [shape]: K-quants by kernels.kquant (unless by_gguf), the other block
+    formats by gguf-py."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
     from stratum.kernels import kquant
 
-    if qtype in kquant.BLOCK_BYTES:
+    if qtype in kquant.BLOCK_BYTES and not by_gguf:
         return kquant.dequantize(qtype, raw, shape)
     return torch.from_numpy(np.asarray(dequantize(np.asarray(raw), GGMLQuantizationType[qtype]), dtype=np.float32).reshape(shape))
 
