@@ -111,8 +111,8 @@ class Q8Weight:
 class RecentRows:
     """An embedding dequantized at lookup (a quantized table's `rows`), with the rows of small lookups
     kept for the next ones, up to `max_bytes`, least recently used out first: a decode step embeds one
-    token per sequence, and a K-quant row's unpacking costs ~0.3-0.6 ms of Python however few rows it
-    is (1 B Q6_K table, 2% of a one-stream step, measured). The same fp32 values either way."""
+    token per sequence, and dequantizing a K-quant row costs ~0.1-0.2 ms of Python however few rows it
+    is (1 B Q6_K table: ~1% of a one-stream step; measured). The same fp32 values either way."""
 
     SMALL = 64  # rows of a lookup that go through the kept ones; a prompt's are dequantized at once
 
