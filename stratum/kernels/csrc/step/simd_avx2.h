@@ -233,22 +233,25 @@ inline void block_scores(const float* q, int64_t d, const T* kt, float scale, fl
   }
 }
 
-// block_values of the AVX-512 path: C 16-lane columns per head, walked 32 lanes at a time so the
-// G x 4 accumulators stay in the sixteen registers; each lane's fma chain over t is unchanged.
+// block_values of the AVX-512 path: C 16-lane columns per head, walked kW 8-lane columns at a time so
+// the G x kW accumulators stay in the sixteen registers (G = 4 by 4 columns spilled them to the stack: a
+// decode's attention at 1,000 tokens 7.5 -> 6.5 ms a step on the 1 B shape, measured); each lane's fma
+// chain over t is unchanged.
 template <typename T, int C, int G>
 inline void block_values(const float* p, const T* v, int64_t stride, int64_t n, float* acc, int64_t bs) {
   static_assert(C % 2 == 0, "columns are walked in pairs of 16 lanes");
-  for (int c0 = 0; c0 < 2 * C; c0 += 4) {
-    __m256 a[G][4];
+  constexpr int kW = G >= 3 ? 2 : 4;
+  for (int c0 = 0; c0 < 2 * C; c0 += kW) {
+    __m256 a[G][kW];
     for (int g = 0; g < G; ++g)
-      for (int c = 0; c < 4; ++c) a[g][c] = _mm256_loadu_ps(acc + g * C * 16 + (c0 + c) * 8);
+      for (int c = 0; c < kW; ++c) a[g][c] = _mm256_loadu_ps(acc + g * C * 16 + (c0 + c) * 8);
     for (int64_t t = 0; t < n; ++t)
-      for (int c = 0; c < 4; ++c) {
+      for (int c = 0; c < kW; ++c) {
         const __m256 vv = load8(v + t * stride + (c0 + c) * 8);
         for (int g = 0; g < G; ++g) a[g][c] = _mm256_fmadd_ps(_mm256_set1_ps(p[g * bs + t]), vv, a[g][c]);
       }
     for (int g = 0; g < G; ++g)
-      for (int c = 0; c < 4; ++c) _mm256_storeu_ps(acc + g * C * 16 + (c0 + c) * 8, a[g][c]);
+      for (int c = 0; c < kW; ++c) _mm256_storeu_ps(acc + g * C * 16 + (c0 + c) * 8, a[g][c]);
   }
 }
 
