@@ -179,22 +179,30 @@ struct QuantRows {
   }
 
  private:
+  // Loops the compiler vectorizes (`omp simd`: a max and integer sums, exact in any order): a row of
+  // one-row decode's ~230 thousand inputs a step took ~0.6 ms as one scalar loop (1 B shape, measured).
   void quantize_block(const float* xb, int64_t i) {
     float amax = 0.f;
+#pragma omp simd reduction(max : amax)
     for (int64_t j = 0; j < kBlock; ++j) amax = std::max(amax, std::fabs(xb[j]));
     const float top = static_cast<float>(qmax);
     const float dx = amax / top;
     const float inv = amax > 0.f ? top / amax : 0.f;
-    int32_t half[2] = {0, 0};
-    for (int64_t j = 0; j < kBlock; ++j) {
-      const int32_t v = static_cast<int32_t>(std::nearbyint(xb[j] * inv));
-      q[i * kBlock + j] = static_cast<int16_t>(v);
-      if (int8()) q8[i * kBlock + j] = static_cast<int8_t>(v);
-      half[j / (kBlock / 2)] += v;
+    int32_t v[kBlock];
+#pragma omp simd
+    for (int64_t j = 0; j < kBlock; ++j) v[j] = static_cast<int32_t>(std::nearbyint(xb[j] * inv));
+    int32_t lo = 0, hi = 0;
+#pragma omp simd reduction(+ : lo, hi)
+    for (int64_t j = 0; j < kBlock / 2; ++j) lo += v[j], hi += v[j + kBlock / 2];
+    int16_t* qb = q.data() + i * kBlock;
+    for (int64_t j = 0; j < kBlock; ++j) qb[j] = static_cast<int16_t>(v[j]);
+    if (int8()) {
+      int8_t* q8b = q8.data() + i * kBlock;
+      for (int64_t j = 0; j < kBlock; ++j) q8b[j] = static_cast<int8_t>(v[j]);
+      h[2 * i] = lo, h[2 * i + 1] = hi;
     }
-    if (int8()) h[2 * i] = half[0], h[2 * i + 1] = half[1];
     d[i] = dx;
-    s[i] = dx * static_cast<float>(half[0] + half[1]);
+    s[i] = dx * static_cast<float>(lo + hi);
   }
 };
 
