@@ -261,3 +261,23 @@ def test_a_drain_releases_every_request_it_ends(tiny_model_dir):
     finally:
         if server.proc.poll() is None:
             server.proc.kill()
+
+
+def test_a_prompt_beyond_the_kv_pool_is_refused_naming_the_pool():
+    """The Messages API's context rule where one sequence's KV pool holds fewer tokens than the context
+    (a pool sized by memory): a prompt within the context but beyond the pool is refused in Anthropic's
+    prompt-too-long words with the pool's maximum (Claude Code reads those counts), not as a context
+    overflow; a prompt the pool holds has its max_tokens lowered to the room the pool leaves."""
+    from types import SimpleNamespace
+
+    from stratum.engine.sampling_params import SamplingParams
+    from stratum.server.errors import InvalidRequest
+    from stratum.server.sampling import fit_to_context
+
+    config = SimpleNamespace(max_model_len=8192, num_kv_blocks=364, block_size=16)  # the pool: 5,824 tokens
+    with pytest.raises(InvalidRequest) as refused:
+        fit_to_context(SamplingParams(max_tokens=8192), config, 5889)
+    assert str(refused.value).startswith("prompt is too long: 5889 tokens > 5823 maximum"), str(refused.value)
+    assert "KV pool holds 5824 tokens" in str(refused.value) and "8192-token context" in str(refused.value)
+    fitted, capped = fit_to_context(SamplingParams(max_tokens=8192), config, 400)
+    assert capped and fitted.max_tokens == 5824 - 400

@@ -70,7 +70,7 @@ def fit_to_context(sampling: SamplingParams, config: ResolvedConfig,
     Returns:
         (the params, whether max_tokens was lowered).
     Raises:
-        InvalidRequest: the prompt leaves no room in the context.
+        InvalidRequest: the prompt leaves no room in the context, or in what one sequence's KV pool holds.
     """
     limit = config.max_model_len
     if num_prompt_tokens > limit:
@@ -79,9 +79,14 @@ def fit_to_context(sampling: SamplingParams, config: ResolvedConfig,
     if sampling.max_tokens > room and room == 0:
         raise InvalidRequest(f"prompt is too long: {num_prompt_tokens} tokens leave no room for output in the "
                              f"{limit}-token context")
-    # one sequence holds at most the KV pool (smaller than the context while a cold start serves
-    # on the PyTorch step); a prompt beyond the pool is the engine's check_request's 400
-    room = min(room, config.num_kv_blocks * config.block_size - num_prompt_tokens)
+    # one sequence holds at most the KV pool, which may be smaller than the context (a cold start's
+    # PyTorch step; a pool sized by memory): a prompt it cannot hold with one token more is refused in
+    # the same words, naming the pool, not the context it fits (the engine's check would name that)
+    pool = config.num_kv_blocks * config.block_size
+    if num_prompt_tokens >= pool:
+        raise InvalidRequest(f"prompt is too long: {num_prompt_tokens} tokens > {pool - 1} maximum (one sequence's KV pool "
+                             f"holds {pool} tokens here, fewer than the {limit}-token context)")
+    room = min(room, pool - num_prompt_tokens)
     if sampling.max_tokens > room > 0:
         return replace(sampling, max_tokens=room), True
     return sampling, False
