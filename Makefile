@@ -27,7 +27,8 @@ test: $(STAMP) test-tools
 	$(PY) -m pytest -q
 
 # What some tests need from apt, installed when missing and make runs as root; otherwise those tests
-# skip and say why. qemu runs the aarch64 build directly, so qemu-user's binfmt registration is not needed.
+# skip and say why. qemu runs the aarch64 build directly, so qemu-user's binfmt registration is not needed;
+# SIMDe's headers run the AVX-512 kernels on a CPU without AVX-512 (tests/csrc/avx512_emulated.h).
 test-tools:
 	@command -v chromium >/dev/null || [ "$$(id -u)" != 0 ] || (apt-get install -y -q chromium >/dev/null 2>&1 || \
 		(apt-get update -q >/dev/null 2>&1 && apt-get install -y -q chromium >/dev/null 2>&1)) || \
@@ -36,6 +37,10 @@ test-tools:
 		(apt-get install -y -q --no-install-recommends $(AARCH64_TOOLS) >/dev/null 2>&1 || \
 		(apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends $(AARCH64_TOOLS) >/dev/null 2>&1)) || \
 		echo "no aarch64 cross compiler or qemu: the NEON kernel test will be skipped"
+	@[ -f /usr/include/simde/x86/avx512.h ] || [ "$$(id -u)" != 0 ] || \
+		(apt-get install -y -q --no-install-recommends libsimde-dev >/dev/null 2>&1 || \
+		(apt-get update -q >/dev/null 2>&1 && apt-get install -y -q --no-install-recommends libsimde-dev >/dev/null 2>&1)) || \
+		echo "no SIMDe: the AVX-512 kernels will not be run on this CPU without AVX-512"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

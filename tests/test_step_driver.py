@@ -2,10 +2,12 @@
 built once per SIMD family and run on fixed inputs: every tile format through the projection at 1 to 9
 rows, attention over fp32 and bf16 pools, a whole two-layer forward. Every family must print the same
 hashes, bit for bit: the x86 ones this CPU runs natively, NEON built by Debian's aarch64 cross compiler
-and run under qemu-aarch64. Families this CPU cannot run (AVX-512, AVX-VNNI) are compiled, not run.
+and run under qemu-aarch64, and on an x86 CPU without AVX-512 the AVX-512 families (with VNNI and
+without) built on SIMDe's emulation of the intrinsics (tests/csrc/avx512_emulated.h). Families this CPU
+cannot run otherwise (AVX-VNNI; AVX-512 without SIMDe) are compiled, not run.
 
-`make test` installs the cross compiler and qemu when it runs as root (g++-aarch64-linux-gnu,
-qemu-user); without them the NEON test is skipped and says so. Builds are cached in pytest's cache
+`make test` installs the cross compiler, qemu and SIMDe when it runs as root (g++-aarch64-linux-gnu,
+qemu-user, libsimde-dev); without them those tests are skipped and say so. Builds are cached in pytest's cache
 folder, keyed on the sources, the flags and the compiler.
 """
 
@@ -33,6 +35,9 @@ FLAGS = ["-std=c++17", *native.STEP.cflags, "-Wall", "-Wextra", f"-I{STEP}"]
 # families built but not run where this CPU lacks them: -march, the path, the CPU flags it needs
 EXTRA_X86 = [("icelake-server", "avx512-vnni", {"avx512f", "avx512bw", "avx512vl", "avx512_vnni"})]
 CROSS, QEMU = "aarch64-linux-gnu-g++", "qemu-aarch64"
+EMULATED = ROOT / "tests" / "csrc" / "avx512_emulated.h"
+# the AVX-512 families on SIMDe: the path each prints, and the flags that ask for it
+SIMDE_PATHS = {"avx512-vnni": ["-DSTRATUM_EMULATE_VNNI"], "avx512bw": []}
 
 pytestmark = pytest.mark.skipif(shutil.which("c++") is None, reason="no C++ compiler")
 
@@ -42,7 +47,7 @@ def _build(compiler: str, flags: list[str], out_dir: Path) -> Path:
     and compiler version."""
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(f"{compiler}|{flags}|{version}".encode())
-    for path in [DRIVER, *native.STEP.files()]:
+    for path in [DRIVER, EMULATED, *native.STEP.files()]:
         key.update(path.read_bytes())
     exe = out_dir / f"step_driver-{key.hexdigest()[:16]}{'.o' if '-c' in flags else ''}"
     if not exe.exists():
@@ -71,6 +76,16 @@ def _is_x86() -> bool:
     return platform.machine() in ("x86_64", "AMD64")
 
 
+def _simde_applies() -> bool:
+    """An x86 CPU without AVX-512 (with F16C, which the emulation's fp16 conversion uses) and SIMDe's
+    headers where the compiler finds them."""
+    if not _is_x86() or {"avx512f", "avx512bw"} <= cpu_flags() or "f16c" not in cpu_flags():
+        return False
+    probe = subprocess.run(["c++", "-E", "-x", "c++", "-", "-o", os.devnull], input="#include <simde/x86/avx512.h>\n",
+                           capture_output=True, text=True)
+    return probe.returncode == 0
+
+
 def _runnable() -> list[str]:
     """The -march of every x86 family this CPU runs, "native" first."""
     flags = cpu_flags()
@@ -91,6 +106,10 @@ def builds(request, tmp_path_factory):
                 if not needs <= cpu_flags():
                     flags = [*FLAGS, f"-march={march}", f'-DSTRATUM_EXPECT_SIMD="{path}"', "-c"]
                     jobs[f"object -march={march}"] = pool.submit(_build, "c++", flags, out)
+        if _simde_applies():
+            for path, defines in SIMDE_PATHS.items():
+                flags = [*FLAGS, "-march=native", "-Wno-psabi", *defines, "-include", str(EMULATED)]
+                jobs[f"simde {path}"] = pool.submit(_build, "c++", flags, out)
         if all(shutil.which(tool) for tool in (CROSS, QEMU)):
             jobs["aarch64"] = pool.submit(_build, CROSS, [*FLAGS, "-march=armv8-a", "-static"], out)
         yield jobs
@@ -123,6 +142,22 @@ def test_families_this_cpu_cannot_run_still_compile(march, path, builds):
     if f"object -march={march}" not in builds:
         pytest.skip(f"this CPU runs -march={march}: compared bit for bit by the test above")
     assert builds[f"object -march={march}"].result().stat().st_size > 0
+
+
+@pytest.mark.parametrize("path", SIMDE_PATHS)
+def test_avx512_families_under_simde_print_the_bits_of_this_cpus(path, x86_results, builds):
+    """The AVX-512 kernels (the int8 ones included) run here, their intrinsics emulated by SIMDe, and
+    compared bit for bit with the families this CPU runs."""
+    if not _is_x86():
+        pytest.skip("x86 families: an x86 compiler")
+    if {"avx512f", "avx512bw"} <= cpu_flags():
+        pytest.skip("this CPU runs AVX-512 itself: compared bit for bit by the test above")
+    if f"simde {path}" not in builds:
+        pytest.skip("no SIMDe headers (libsimde-dev; `make test` installs them when run as root): the AVX-512 "
+                    "kernels are compiled here, not run")
+    results = _run([str(builds[f"simde {path}"].result())])
+    assert results["simd"] == path
+    _assert_same(results, x86_results["native"], f"{path} under SIMDe")
 
 
 def test_neon_under_qemu_prints_the_bits_of_the_x86_families(x86_results, builds):

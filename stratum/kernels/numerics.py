@@ -104,7 +104,7 @@ def decide(inputs: RuleInputs, model: str) -> Numerics:
       what no kernel here takes (or everything, with `int4_max_tokens=0`);
     - with `--activations int8` (the user's choice, never the rule's) the native step quantizes its
       activation blocks to int8, as llama.cpp does: a CPU whose widest integer product is 8-bit
-      (vpmaddubsw on AVX2) then runs about twice the multiply-adds per instruction; it costs top-1
+      (vpmaddubsw on AVX2, vpdpbusd on AVX-512 VNNI) then runs about twice the multiply-adds per instruction; it costs top-1
       agreement with the fp32 model (316 of 325 vs 325 of 325 on SmolLM2). Every SIMD family still gives
       the same bits, since a block's integer sums are exact whichever instruction computes them;
     - the int8 output projection a request may ask for ("Prioritize low-latency over accuracy") exists

@@ -26,8 +26,8 @@ inline int64_t out_features(const Projection& w) {
 template <Format kF>
 void wide_rows(const uint8_t* wt, const void* st, int64_t blocks, const QuantRows& x, int64_t rows, float* o, int64_t ld,
                int64_t valid);
-// A family's int8 paths for a tile of a nibble-plane format (simd_avx2_int8.h), reached where kDot8 and
-// the activations are int8: one row at a time, or widened from kWideMinRows rows.
+// A family's int8 paths for a tile of a nibble-plane format (simd_avx2_int8.h, simd_avx512_int8.h),
+// reached where kDot8 and the activations are int8: one row at a time, or several from kWideMinRows rows.
 template <Format kF>
 void tile_dot8(const uint8_t* w, const void* scales, int64_t blocks, const QuantRows& x, int64_t row, float* out, int64_t valid);
 template <Format kF>

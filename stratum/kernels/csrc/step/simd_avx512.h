@@ -12,7 +12,6 @@ constexpr const char* kSimdPath = "avx512-vnni";
 constexpr const char* kSimdPath = "avx512bw";
 #endif
 constexpr int64_t kWideMinRows = 0;  // 32 registers hold 4 rows' accumulators: tile_dot unpacks once per 4 rows
-constexpr bool kDot8 = false;  // no int8 kernel: int8 activations run the int16 one, which gives the same sums
 
 struct Simd {
   static constexpr int kLanes = 16, kRegs = 32;
@@ -143,3 +142,5 @@ ValuesFn<T> values_kernel(int64_t head_dim, int64_t group) {
 }
 
 }  // namespace stratum_step
+
+#include "simd_avx512_int8.h"
