@@ -321,3 +321,22 @@ def test_a_finished_build_loads_without_the_build_tooling():
     assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-2000:]
     assert runs[1].stdout.strip() == "False"  # the first may have built them; the second only loads
 
+
+
+def test_roofline_pairs_each_round_of_steps_with_the_bandwidth_read_around_it(tmp_path):
+    """`stratum bench roofline`'s paired figure: every round's ratio is the weights' bytes over the
+    faster of the two reads around its steps, over the steps' median, and the request it decoded is
+    run to its end."""
+    from stratum.bench.roofline import decode_bytes, measure_paired
+    from stratum.engine import LLMEngine
+    from stratum.engine.config import EngineConfig
+    from tests.factories import make_tiny_gguf
+
+    engine = LLMEngine(EngineConfig(model=str(make_tiny_gguf(tmp_path / "tiny.gguf")), kv_disk_gb=0))
+    weight_bytes = decode_bytes(engine)
+    paired = measure_paired(engine, weight_bytes, rounds=3, steps=4, megabytes=16)
+    ratios = paired["floor_over_step_by_round"]
+    assert len(ratios) == 3 and all(r > 0 for r in ratios)
+    assert paired["floor_over_step_median"] == sorted(ratios)[1]
+    assert weight_bytes > 0 and paired["read_gb_s_median"] > 0 and paired["decode_step_ms_median"] > 0
+    assert not engine.has_unfinished()

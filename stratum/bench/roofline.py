@@ -3,6 +3,10 @@
 Decode at batch 1 must read every weight once per token, so bytes read ÷ bandwidth is the floor of
 the step time. Reports the measured bandwidth (copy and read), the bytes one decode step reads with
 the kernels the engine chose, the measured step time, and floor ÷ step time.
+
+On a machine whose bandwidth moves from second to second (a shared host, a VM), a floor read before
+the steps compares two moments: `paired` reads the bandwidth again between every few steps and gives
+floor ÷ step per round, so each ratio compares one moment, and their median.
 """
 
 from __future__ import annotations
@@ -56,20 +60,58 @@ def decode_bytes(engine) -> int:
     return total + lm_head.numel() * lm_head.element_size()
 
 
-def measure_decode_step(engine, num_steps: int = 64) -> float:
-    """Median wall time of a batch-1 decode step (the whole engine step: schedule, forward, sampling)."""
+def _start_decode(engine, num_steps: int) -> None:
+    """One greedy request, prefilled and warmed, with num_steps decode steps left to run."""
     from stratum.engine.sampling_params import SamplingParams
 
     ids = engine.tokenizer.encode("Write a long story about a dragon who learns to bake bread.")
-    engine.add_request(ids, SamplingParams(max_tokens=num_steps + 8, temperature=0.0, ignore_eos=True), request_id="roofline")
+    engine.add_request(ids, SamplingParams(max_tokens=num_steps + 4, temperature=0.0, ignore_eos=True), request_id="roofline")
     for _ in range(4):  # prefill and warm-up
         engine.step()
+
+
+def _time_steps(engine, n: int) -> list[float]:
     times = []
-    while engine.has_unfinished():
+    while engine.has_unfinished() and len(times) < n:
         t = time.perf_counter()
         engine.step()
         times.append(time.perf_counter() - t)
-    return statistics.median(times)
+    return times
+
+
+def measure_decode_step(engine, num_steps: int = 64) -> float:
+    """Median wall time of a batch-1 decode step (the whole engine step: schedule, forward, sampling)."""
+    _start_decode(engine, num_steps)
+    return statistics.median(_time_steps(engine, num_steps))
+
+
+def measure_paired(engine, weight_bytes: int, rounds: int = 12, steps: int = 8, megabytes: int = 512) -> dict:
+    """floor ÷ step per round: `steps` decode steps (their median) between two reads of `megabytes`,
+    the faster of which is the bandwidth then (the floor it gives is the lower); the rounds' median
+    ratio, and the median bandwidth and step they came from."""
+    a = torch.ones(megabytes * 2**20 // 4)
+
+    def read() -> float:
+        t = time.perf_counter()
+        a.sum()
+        return a.numel() * 4 / (time.perf_counter() - t)
+
+    read()
+    _start_decode(engine, rounds * steps)
+    bws, step_s, ratios = [], [], []
+    before = read()
+    for _ in range(rounds):
+        step = statistics.median(_time_steps(engine, steps))
+        after = read()
+        bw, before = max(before, after), after
+        bws.append(bw)
+        step_s.append(step)
+        ratios.append(weight_bytes / bw / step)
+    _time_steps(engine, 1 << 30)  # what is left of the request
+    return {"rounds": rounds, "steps_per_round": steps, "read_gb_s_median": round(statistics.median(bws) / 1e9, 2),
+            "decode_step_ms_median": round(statistics.median(step_s) * 1e3, 3),
+            "floor_over_step_median": round(statistics.median(ratios), 3),
+            "floor_over_step_by_round": [round(r, 3) for r in ratios]}
 
 
 def run(model: str, dtype: str = "auto", activations: str = "int16") -> dict:
@@ -86,6 +128,7 @@ def run(model: str, dtype: str = "auto", activations: str = "int16") -> dict:
         "decode_weight_bytes": weight_bytes, "decode_weight_mib": round(weight_bytes / 2**20, 1),
         "decode_step_ms": round(step_s * 1e3, 3), "decode_tokens_per_s": round(1 / step_s, 1),
         "bandwidth_floor_ms": round(floor_s * 1e3, 3), "floor_over_step": round(floor_s / step_s, 3),
+        "paired": measure_paired(engine, weight_bytes),
     }
 
 
