@@ -81,3 +81,34 @@ def test_released_pages_leave_the_resident_set_and_read_back_the_same(tmp_path):
     heap = values[: 1 << 20].copy()  # not a file mapping: left alone (there madvise would zero it)
     release_pages(heap)
     assert np.array_equal(heap, values[: 1 << 20])
+
+
+def _mapping_of(address: int) -> tuple[str, str]:
+    """(permissions, path or "" for anonymous memory) of the mapping that holds `address`, from
+    /proc/self/maps."""
+    for line in open("/proc/self/maps"):
+        fields = line.split()
+        lo, hi = (int(x, 16) for x in fields[0].split("-"))
+        if lo <= address < hi:
+            return fields[1], fields[5] if len(fields) > 5 else ""
+    raise AssertionError(f"{address:#x} is in no mapping")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads the mappings from /proc")
+def test_weights_are_read_onto_huge_pages_where_offered_else_mapped(tmp_path, monkeypatch):
+    """Where the kernel offers transparent huge pages the tensors lie in anonymous memory advised for
+    them (read-only, the same bytes); with STRATUM_MAP_WEIGHTS=1 they are views of the cache file."""
+    entries = {"w": torch.randint(0, 256, (4 << 20,), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)}
+    path = tmp_path / "packed-1"
+    weight_cache.cached(path, [("w", lambda: entries["w"])])
+
+    monkeypatch.setenv("STRATUM_MAP_WEIGHTS", "1")
+    assert not weight_cache.huge_pages_offered()
+    mapped = weight_cache.read(path)["w"]
+    assert torch.equal(mapped, entries["w"]) and _mapping_of(mapped.data_ptr()) == ("r--s", str(tmp_path / "packed-1.bin"))
+
+    monkeypatch.delenv("STRATUM_MAP_WEIGHTS")
+    if not weight_cache.huge_pages_offered():
+        pytest.skip("this kernel offers no transparent huge pages: the weights stay mapped")
+    resident = weight_cache.read(path)["w"]
+    assert torch.equal(resident, entries["w"]) and _mapping_of(resident.data_ptr()) == ("r--p", "")  # read-only as the file's
