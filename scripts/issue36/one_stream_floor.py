@@ -2,7 +2,7 @@
 
 Both servers are up at once on the same GGUF (one idles while the other runs); rounds alternate them,
 each run (`stratum bench compare`, one stream, greedy, ignore_eos) between two reads of the memory
-bandwidth (a torch sum over 512 MB, as `stratum bench roofline`), the faster of which is the
+bandwidth (a torch sum over 512 MB on the memory Stratum's weights are on, as `stratum bench roofline`), the faster of which is the
 bandwidth then. Per run: floor = the bytes a decode step reads / that bandwidth, and floor ÷ TPOT (p50).
 Both engines read the same weights a token (the roofline's decode_weight_bytes, given), so the ratio
 of their TPOTs is bounded by how far the slower one is from the floor: a goal of k times the peer at
@@ -23,6 +23,8 @@ from pathlib import Path
 
 import httpx
 import torch
+
+from stratum.bench.roofline import read_buffer
 
 ROOT = Path(__file__).parents[2]
 STRATUM = str(ROOT / ".venv" / "bin" / "stratum")
@@ -67,7 +69,7 @@ def main() -> int:
     try:
         for _, url in servers.values():
             wait_up(url)
-        a = torch.ones(512 * 2**20 // 4)
+        a = read_buffer(512)
         read_gb_s(a)
         runs = {name: [] for name in servers}
         before = read_gb_s(a)

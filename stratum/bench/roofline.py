@@ -16,13 +16,28 @@ import json
 import statistics
 import time
 
+import numpy as np
 import torch
 
 
-def measure_bandwidth(megabytes: int = 512, reps: int = 5) -> dict[str, float]:
-    """Best-of-reps GB/s for a tensor copy (read + write) and a sum (read only)."""
+def read_buffer(megabytes: int) -> torch.Tensor:
+    """fp32 ones on the memory the engine's weights are on: huge pages where the kernel offers them
+    (engine/weight_cache.py), else the allocator's pages; the floor is that memory's bandwidth."""
+    from stratum.engine.weight_cache import huge_buffer, huge_pages_offered
+
     n = megabytes * 2**20 // 4
-    a = torch.ones(n)
+    buf = huge_buffer(n * 4) if huge_pages_offered() else None
+    if buf is None:
+        return torch.ones(n)
+    a = torch.from_numpy(np.frombuffer(buf, dtype=np.float32))  # holds buf
+    a.fill_(1.0)
+    return a
+
+
+def measure_bandwidth(megabytes: int = 512, reps: int = 5) -> dict[str, float]:
+    """Best-of-reps GB/s for a tensor copy (read + write) and a sum (read only), on `read_buffer`'s memory."""
+    n = megabytes * 2**20 // 4
+    a = read_buffer(megabytes)
     b = torch.empty(n)
     best_copy = best_read = float("inf")
     for _ in range(reps):
@@ -89,7 +104,7 @@ def measure_paired(engine, weight_bytes: int, rounds: int = 12, steps: int = 8, 
     """floor ÷ step per round: `steps` decode steps (their median) between two reads of `megabytes`,
     the faster of which is the bandwidth then (the floor it gives is the lower); the rounds' median
     ratio, and the median bandwidth and step they came from."""
-    a = torch.ones(megabytes * 2**20 // 4)
+    a = read_buffer(megabytes)
 
     def read() -> float:
         t = time.perf_counter()

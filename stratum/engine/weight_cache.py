@@ -126,9 +126,10 @@ def huge_pages_offered() -> bool:
     return "[always]" in mode or "[madvise]" in mode
 
 
-def _resident(file: Path, size: int) -> np.ndarray | None:
-    """The file's bytes in anonymous memory advised for huge pages, read-only; None where the kernel
-    refuses the advice."""
+def huge_buffer(size: int) -> mmap.mmap | None:
+    """`size` bytes of anonymous memory advised for huge pages, its pages made; None where the kernel
+    refuses the advice. Weights are read into one; `stratum bench roofline` reads its bandwidth from
+    one, the memory the weights are on."""
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         buf.madvise(mmap.MADV_HUGEPAGE)
@@ -139,6 +140,14 @@ def _resident(file: Path, size: int) -> np.ndarray | None:
         buf.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23))  # Linux 5.14+
     except OSError:
         pass
+    return buf
+
+
+def _resident(file: Path, size: int) -> np.ndarray | None:
+    """The file's bytes in memory on huge pages (`huge_buffer`), read-only; None where there is none."""
+    buf = huge_buffer(size)
+    if buf is None:
+        return None
     view = memoryview(buf)
     with open(file, "rb", buffering=0) as f:
         done = 0
