@@ -95,20 +95,28 @@ def _mapping_of(address: int) -> tuple[str, str]:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads the mappings from /proc")
-def test_weights_are_read_onto_huge_pages_where_offered_else_mapped(tmp_path, monkeypatch):
-    """Where the kernel offers transparent huge pages the tensors lie in anonymous memory advised for
-    them (read-only, the same bytes); with STRATUM_MAP_WEIGHTS=1 they are views of the cache file."""
-    entries = {"w": torch.randint(0, 256, (4 << 20,), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)}
+def test_weights_move_onto_huge_pages_where_offered_else_stay_mapped(tmp_path, monkeypatch):
+    """The tensors are views of the cache file at first; where the kernel offers transparent huge
+    pages, the bytes move under them onto anonymous memory (read-only, the same bytes, the same
+    addresses); with STRATUM_MAP_WEIGHTS=1 they stay views of the file."""
+    entries = {"w": torch.randint(0, 256, (6 << 20,), generator=torch.Generator().manual_seed(1), dtype=torch.uint8)}
     path = tmp_path / "packed-1"
     weight_cache.cached(path, [("w", lambda: entries["w"])])
+    weight_cache.wait_moves()
+    file = str(tmp_path / "packed-1.bin")
 
     monkeypatch.setenv("STRATUM_MAP_WEIGHTS", "1")
     assert not weight_cache.huge_pages_offered()
     mapped = weight_cache.read(path)["w"]
-    assert torch.equal(mapped, entries["w"]) and _mapping_of(mapped.data_ptr()) == ("r--s", str(tmp_path / "packed-1.bin"))
+    weight_cache.wait_moves()
+    assert torch.equal(mapped, entries["w"]) and _mapping_of(mapped.data_ptr()) == ("r--s", file)
 
     monkeypatch.delenv("STRATUM_MAP_WEIGHTS")
     if not weight_cache.huge_pages_offered():
         pytest.skip("this kernel offers no transparent huge pages: the weights stay mapped")
-    resident = weight_cache.read(path)["w"]
-    assert torch.equal(resident, entries["w"]) and _mapping_of(resident.data_ptr()) == ("r--p", "")  # read-only as the file's
+    moved = weight_cache.read(path)["w"]
+    address = moved.data_ptr()
+    weight_cache.wait_moves()
+    assert moved.data_ptr() == address and torch.equal(moved, entries["w"])
+    assert _mapping_of(address) == ("r--p", "")  # anonymous, read-only as the file's mapping
+    del moved  # the mapping's own unmapping frees the moved memory

@@ -5,15 +5,17 @@ NAME.json, the index written last (a cache without it is incomplete and made aga
 Each entry is made, written and dropped before the next is made, so converting a model never holds
 more than one entry's worth of new tensors, and the result is read back from the file.
 
-Read back into the process's memory, on huge pages where the kernel offers them (transparent huge
-pages, `always` or `madvise`): a decode step streams every weight once, and two cores read a buffer
-on 2 MB pages at 36-38 GB/s against 27-34 GB/s on the page cache's 4 KB ones (the hardware
-prefetchers stop at each 4 KB page; Zen 3, measured), so a one-stream step of the 1 B Q4_K_M took
-5-10% less (the median of interleaved pairs: 0.90 and 0.93 in one process, 0.93 over four pairs of
-processes). The pages are made at load: ~0.8 s for 680 MB in a fresh process (the kernel compacts
-memory for them), against a mapping's lazy faults. Elsewhere, or with
-STRATUM_MAP_WEIGHTS=1, the weights stay pages of the cache file, shared with the page cache and with
-every process serving the same file (several replicas on one machine hold one copy), and evictable.
+Read back as a mapping of the .bin, then, where the kernel offers transparent huge pages (`always`
+or `madvise`), moved onto them in the background: the bytes copied into anonymous memory on 2 MB
+pages and that memory moved over the mapping's addresses, so the tensors never change. A decode step
+streams every weight once, and two cores read memory on 2 MB pages at 36-38 GB/s against 27-34 GB/s
+on the page cache's 4 KB ones (the hardware prefetchers stop at each 4 KB page; Zen 3, measured): a
+one-stream step of the 1 B Q4_K_M took 5-10% less (the median of interleaved pairs: 0.90 and 0.93 in
+one process, 0.93 over four pairs of processes). Making the pages takes ~0.8 s for 680 MB in a fresh
+process (in a VM, memory the host has not backed yet), which a start made before serving; in the
+background it costs the start nothing. With STRATUM_MAP_WEIGHTS=1 (or no huge pages) the weights stay
+pages of the cache file, shared with the page cache and with every process serving the same file
+(several replicas on one machine hold one copy), and evictable.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import json
 import logging
 import mmap
 import os
+import threading
 from pathlib import Path
 from typing import Callable, Iterable
 
@@ -34,6 +37,11 @@ from stratum.kernels.kquant import mapped_tensor
 log = logging.getLogger("stratum.engine")
 
 ALIGN = 64  # each tensor's offset in the file: a cache line, and a multiple of every dtype's size
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
+_MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
+_HUGE = 2 << 20
+_MOVE_CHUNK = 16 * _HUGE
+_moves: list[threading.Thread] = []  # moves onto huge pages under way (`wait_moves`)
 
 
 def _named(path: Path, suffix: str) -> Path:
@@ -128,8 +136,8 @@ def huge_pages_offered() -> bool:
 
 def huge_buffer(size: int) -> mmap.mmap | None:
     """`size` bytes of anonymous memory advised for huge pages, its pages made; None where the kernel
-    refuses the advice. Weights are read into one; `stratum bench roofline` reads its bandwidth from
-    one, the memory the weights are on."""
+    refuses the advice: the memory the weights are moved onto, which `stratum bench roofline` reads its
+    bandwidth from."""
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         buf.madvise(mmap.MADV_HUGEPAGE)
@@ -137,54 +145,88 @@ def huge_buffer(size: int) -> mmap.mmap | None:
         buf.close()
         return None
     try:  # its pages made at once: a read faulting them in one by one took 5x as long (0.93 vs 0.18 s for 680 MB)
-        buf.madvise(getattr(mmap, "MADV_POPULATE_WRITE", 23))  # Linux 5.14+
+        buf.madvise(_MADV_POPULATE_WRITE)
     except OSError:
         pass
     return buf
 
 
-def _resident(file: Path, size: int) -> np.ndarray | None:
-    """The file's bytes in memory on huge pages (`huge_buffer`), read-only; None where there is none."""
-    buf = huge_buffer(size)
-    if buf is None:
-        return None
-    view = memoryview(buf)
-    with open(file, "rb", buffering=0) as f:
-        done = 0
-        while done < size:
-            n = f.readinto(view[done:])
-            if not n:
-                raise OSError(f"{file}: ended after {done} of {size} bytes")
-            done += n
-    view.release()
-    out = np.frombuffer(buf, dtype=np.uint8)  # holds buf: the memory lives as long as a tensor over it
-    out.flags.writeable = False
-    _read_only(out.ctypes.data, size)
-    return out
-
-
-def _read_only(address: int, size: int) -> None:
-    """Pages no write reaches, as the file's read-only mapping (a tensor over them takes writes)."""
+def _libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(None, use_errno=True)
-    libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    if libc.mprotect(address, size, mmap.PROT_READ) != 0:
-        raise OSError(ctypes.get_errno(), "mprotect")
+    libc.mmap.restype = libc.mremap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mremap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    for name in ("madvise", "mprotect"):
+        getattr(libc, name).argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    return libc
+
+
+def _aligned_anonymous(libc: ctypes.CDLL, size: int) -> int | None:
+    """The address of `size` bytes of anonymous memory starting on a 2 MB boundary (the kernel aligns
+    only lengths that are multiples of 2 MB): 2 MB more mapped, the ends left over unmapped."""
+    addr = libc.mmap(None, size + _HUGE, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    if addr is None or addr == ctypes.c_void_p(-1).value:
+        return None
+    start = -(-addr // _HUGE) * _HUGE
+    if start > addr:
+        libc.munmap(addr, start - addr)
+    libc.munmap(start + size, addr + _HUGE - start)
+    return start
+
+
+def _move_onto_huge_pages(mapped: np.memmap) -> None:
+    """The mapping's bytes copied into anonymous memory on huge pages, made read-only, then moved over
+    the mapping's own address range (mremap): every tensor over it reads the copy from then on. The
+    bytes are the same, so a step that runs meanwhile reads the same values on either side of the
+    move; where the kernel refuses any part, the mapping stays. `mapped` is held until the move is
+    done, so its range cannot be unmapped and reused before."""
+    libc, size, target = _libc(), mapped.size, mapped.ctypes.data
+    if target % _HUGE:
+        return  # moved to an address off a 2 MB boundary, the huge pages would be split
+    addr = _aligned_anonymous(libc, size)
+    if addr is None:
+        return
+    moved = False
+    try:
+        if libc.madvise(addr, size, mmap.MADV_HUGEPAGE) == 0:
+            for at in range(0, size, _MOVE_CHUNK):  # in pieces: making pages holds the process's memory map
+                n = min(_MOVE_CHUNK, size - at)     # lock, which the engine's own allocations wait for
+                libc.madvise(addr + at, n, _MADV_POPULATE_WRITE)  # made at once (else faulted in by the copy)
+                ctypes.memmove(addr + at, target + at, n)
+            moved = (libc.mprotect(addr, size, mmap.PROT_READ) == 0
+                     and libc.mremap(addr, size, size, _MREMAP_MAYMOVE | _MREMAP_FIXED, target) == target)
+    finally:
+        if not moved:
+            libc.munmap(addr, size)
+
+
+def wait_moves(timeout_s: float | None = None) -> None:
+    """Returns once every move onto huge pages started so far is done (benchmarks measure after it)."""
+    for thread in list(_moves):
+        thread.join(timeout_s)
+        if not thread.is_alive() and thread in _moves:
+            _moves.remove(thread)
 
 
 def read(path: Path) -> dict[str, object] | None:
-    """The entries of path's files, each tensor a read-only view of the .bin's bytes, in memory on huge
-    pages or mapped (module docstring); None where the cache is missing, incomplete or unreadable."""
+    """The entries of path's files, each tensor a read-only view of the mapped .bin, moved onto huge
+    pages in the background where offered (module docstring); None where the cache is missing,
+    incomplete or unreadable."""
     try:
         index = json.loads(_named(path, ".json").read_text())
         file = _named(path, ".bin")
         size = os.path.getsize(file)
         if size != index["bytes"]:
             return None
-        data = _resident(file, size) if size and huge_pages_offered() else None
-        if data is None:
-            data = np.memmap(file, dtype=np.uint8, mode="r").view(np.ndarray) if size else np.empty(0, np.uint8)
+        mapped = np.memmap(file, dtype=np.uint8, mode="r") if size else None
+        data = mapped.view(np.ndarray) if mapped is not None else np.empty(0, np.uint8)
     except (OSError, ValueError, KeyError, TypeError):
         return None
+    if mapped is not None and size >= _HUGE and huge_pages_offered():  # serving starts on the mapping meanwhile
+        thread = threading.Thread(target=_move_onto_huge_pages, args=(mapped,), name="weights-onto-huge-pages", daemon=True)
+        _moves.append(thread)
+        thread.start()
 
     def tensor(spec):
         if isinstance(spec, list):
