@@ -40,7 +40,7 @@ ALIGN = 64  # each tensor's offset in the file: a cache line, and a multiple of 
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)  # Linux 5.14+
 _MREMAP_MAYMOVE, _MREMAP_FIXED = 1, 2
 _HUGE = 2 << 20
-_MOVE_CHUNK = 16 * _HUGE
+_MOVE_CHUNK = 16 * _HUGE  # 32 MB
 _moves: list[threading.Thread] = []  # moves onto huge pages under way (`wait_moves`)
 
 
@@ -165,40 +165,46 @@ def _libc() -> ctypes.CDLL:
 def _aligned_anonymous(libc: ctypes.CDLL, size: int) -> int | None:
     """The address of `size` bytes of anonymous memory starting on a 2 MB boundary (the kernel aligns
     only lengths that are multiples of 2 MB): 2 MB more mapped, the ends left over unmapped."""
-    addr = libc.mmap(None, size + _HUGE, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
+    span = -(-size // mmap.PAGESIZE) * mmap.PAGESIZE
+    addr = libc.mmap(None, span + _HUGE, mmap.PROT_READ | mmap.PROT_WRITE, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, -1, 0)
     if addr is None or addr == ctypes.c_void_p(-1).value:
         return None
     start = -(-addr // _HUGE) * _HUGE
     if start > addr:
         libc.munmap(addr, start - addr)
-    libc.munmap(start + size, addr + _HUGE - start)
+    libc.munmap(start + span, addr + _HUGE - start)
     return start
 
 
 def _move_onto_huge_pages(mapped: np.memmap) -> None:
-    """The mapping's bytes copied into anonymous memory on huge pages, made read-only, then moved over
-    the mapping's own address range (mremap): every tensor over it reads the copy from then on. The
-    bytes are the same, so a step that runs meanwhile reads the same values on either side of the
-    move; where the kernel refuses any part, the mapping stays. `mapped` is held until the move is
-    done, so its range cannot be unmapped and reused before."""
+    """The mapping's bytes moved onto anonymous memory on huge pages, 32 MB at a time: each piece
+    copied, made read-only and moved over its own addresses in the mapping (mremap), so every tensor
+    over it reads the copy from then on. The bytes are the same, so a step that runs meanwhile reads
+    the same values on either side of a move; a piece at a time, the process never holds both copies
+    of more than one piece (a start's peak memory grows by the weights once, not twice); where the
+    kernel refuses any part, the rest stays mapped. `mapped` is held until the move is done, so its
+    range cannot be unmapped and reused before."""
     libc, size, target = _libc(), mapped.size, mapped.ctypes.data
     if target % _HUGE:
         return  # moved to an address off a 2 MB boundary, the huge pages would be split
     addr = _aligned_anonymous(libc, size)
     if addr is None:
         return
-    moved = False
+    done = 0
     try:
-        if libc.madvise(addr, size, mmap.MADV_HUGEPAGE) == 0:
-            for at in range(0, size, _MOVE_CHUNK):  # in pieces: making pages holds the process's memory map
-                n = min(_MOVE_CHUNK, size - at)     # lock, which the engine's own allocations wait for
-                libc.madvise(addr + at, n, _MADV_POPULATE_WRITE)  # made at once (else faulted in by the copy)
-                ctypes.memmove(addr + at, target + at, n)
-            moved = (libc.mprotect(addr, size, mmap.PROT_READ) == 0
-                     and libc.mremap(addr, size, size, _MREMAP_MAYMOVE | _MREMAP_FIXED, target) == target)
+        if libc.madvise(addr, size, mmap.MADV_HUGEPAGE) != 0:
+            return
+        for at in range(0, size, _MOVE_CHUNK):  # in pieces, too: making pages holds the process's memory
+            n = min(_MOVE_CHUNK, size - at)     # map lock, which the engine's own allocations wait for
+            libc.madvise(addr + at, n, _MADV_POPULATE_WRITE)  # made at once (else faulted in by the copy)
+            ctypes.memmove(addr + at, target + at, n)
+            if (libc.mprotect(addr + at, n, mmap.PROT_READ) != 0
+                    or libc.mremap(addr + at, n, n, _MREMAP_MAYMOVE | _MREMAP_FIXED, target + at) != target + at):
+                return
+            done = at + n
     finally:
-        if not moved:
-            libc.munmap(addr, size)
+        if done < size:
+            libc.munmap(addr + done, size - done)
 
 
 def wait_moves(timeout_s: float | None = None) -> None:
