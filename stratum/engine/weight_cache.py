@@ -10,8 +10,9 @@ or `madvise`), moved onto them in the background: the bytes copied into anonymou
 pages and that memory moved over the mapping's addresses, so the tensors never change. A decode step
 streams every weight once, and two cores read memory on 2 MB pages at 36-38 GB/s against 27-34 GB/s
 on the page cache's 4 KB ones (the hardware prefetchers stop at each 4 KB page; Zen 3, measured): a
-one-stream step of the 1 B Q4_K_M took 5-10% less (the median of interleaved pairs: 0.90 and 0.93 in
-one process, 0.93 over four pairs of processes). Making the pages takes ~0.8 s for 680 MB in a fresh
+one-stream step of the 1 B Q4_K_M took 0-10% less, ~5% in the median (interleaved pairs: 0.90 and
+0.93 in one process; 0.95 over seven pairs of processes, from 0.89 to 1.01: the step draws less of
+the bandwidth than a plain read does). Making the pages takes ~0.8 s for 680 MB in a fresh
 process (in a VM, memory the host has not backed yet), which a start made before serving; in the
 background it costs the start nothing. With STRATUM_MAP_WEIGHTS=1 (or no huge pages) the weights stay
 pages of the cache file, shared with the page cache and with every process serving the same file
