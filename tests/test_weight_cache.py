@@ -86,11 +86,12 @@ def test_released_pages_leave_the_resident_set_and_read_back_the_same(tmp_path):
 def _mapping_of(address: int) -> tuple[str, str]:
     """(permissions, path or "" for anonymous memory) of the mapping that holds `address`, from
     /proc/self/maps."""
-    for line in open("/proc/self/maps"):
-        fields = line.split()
-        lo, hi = (int(x, 16) for x in fields[0].split("-"))
-        if lo <= address < hi:
-            return fields[1], fields[5] if len(fields) > 5 else ""
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split()
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            if lo <= address < hi:
+                return fields[1], fields[5] if len(fields) > 5 else ""
     raise AssertionError(f"{address:#x} is in no mapping")
 
 
