@@ -18,6 +18,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <memory>
+#include <type_traits>
 #include <vector>
 
 #if defined(STRATUM_TORCH)
@@ -58,6 +59,20 @@ inline void parallel_for(int64_t begin, int64_t end, int64_t grain, const Fn& fn
   (void)grain;
   if (begin < end) fn(begin, end);
 #endif
+}
+
+// pass(std::integral_constant<int, R>{}, r) for rows r .. r + R - 1: passes of four rows, the last one to
+// three in one pass (a kernel's row count is a template argument, its accumulators registers).
+template <typename Pass>
+inline void passes_of_four(int64_t rows, const Pass& pass) {
+  int64_t r = 0;
+  for (; r + 4 <= rows; r += 4) pass(std::integral_constant<int, 4>{}, r);
+  switch (rows - r) {
+    case 3: return pass(std::integral_constant<int, 3>{}, r);
+    case 2: return pass(std::integral_constant<int, 2>{}, r);
+    case 1: return pass(std::integral_constant<int, 1>{}, r);
+    default: return;
+  }
 }
 
 // A float buffer on a 64-byte boundary (as ATen allocates), for the step's intermediate rows.

@@ -147,18 +147,10 @@ void tile_rows(const Packed& w, int64_t t, const QuantRows& x, int64_t rows, flo
   if constexpr (kWideMinRows > 0 && !is_float(kF)) {
     if (rows >= kWideMinRows) return wide_rows<kF>(wt, st, w.blocks, x, rows, o, ld, valid);
   }
-  int64_t r = 0;
-  const auto pass = [&](auto mr) {
+  passes_of_four(rows, [&](auto mr, int64_t r) {
     tile_dot<decltype(mr)::value, kF>(wt, st, w.blocks, x.q.data() + r * x.k, x.d.data() + r * x.blocks,
                                       x.s.data() + r * x.blocks, x.x + r * x.k, x.k, x.blocks, o + r * ld, ld, valid);
-  };
-  for (; r + 4 <= rows; r += 4) pass(std::integral_constant<int, 4>{});
-  switch (rows - r) {
-    case 3: return pass(std::integral_constant<int, 3>{});
-    case 2: return pass(std::integral_constant<int, 2>{});
-    case 1: return pass(std::integral_constant<int, 1>{});
-    default: return;
-  }
+  });
 }
 
 // out [rows, out_features(w)] = x @ w^T (x quantized, or fp32 for fp16/bf16 weights); the segments'

@@ -102,21 +102,14 @@ void tile_dot8(const uint8_t* w, const void* scales, int64_t blocks, const Quant
   rows_dot8<1, kF>(w, scales, blocks, x, row, out, kTile, valid);
 }
 
-// Every row of one tile (kWideMinRows is 0: projection.h brings all of them here): passes of four, the
-// rest in one pass.
+// Every row of one tile (kWideMinRows is 0: projection.h brings all of them here), in passes of four.
 template <Format kF>
 void wide_rows8(const uint8_t* wt, const void* st, int64_t blocks, const QuantRows& x, int64_t rows, float* o, int64_t ld,
                 int64_t valid) {
   static_assert(is_4bit(kF), "bytes of q: the nibble-plane formats");
-  int64_t r = 0;
-  const auto pass = [&](auto rr) { rows_dot8<decltype(rr)::value, kF>(wt, st, blocks, x, r, o + r * ld, ld, valid); };
-  for (; r + 4 <= rows; r += 4) pass(std::integral_constant<int, 4>{});
-  switch (rows - r) {
-    case 3: return pass(std::integral_constant<int, 3>{});
-    case 2: return pass(std::integral_constant<int, 2>{});
-    case 1: return pass(std::integral_constant<int, 1>{});
-    default: return;
-  }
+  passes_of_four(rows, [&](auto rr, int64_t r) {
+    rows_dot8<decltype(rr)::value, kF>(wt, st, blocks, x, r, o + r * ld, ld, valid);
+  });
 }
 
 }  // namespace stratum_step
