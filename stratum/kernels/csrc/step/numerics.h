@@ -221,6 +221,13 @@ struct QuantRows {
   }
 };
 
+// Four int8 inputs (QuantRows::q8) as one int32, for the int8 kernels' broadcasts.
+inline int32_t quad_of(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return v;
+}
+
 // The residual add, in place: one rounding per element, so the same bits at any vector width (and a
 // loop here rather than a PyTorch add_, whose dispatch cost more than the add at one row).
 inline void add_into(float* x, const float* y, int64_t n) {

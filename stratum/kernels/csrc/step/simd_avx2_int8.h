@@ -116,12 +116,6 @@ void widen_tile8(const uint8_t* w, int64_t blocks, __m256i* buf) {
 
 // Quads j0 .. j1 - 1 of a widened block (bb) for R rows (x: row r's inputs of the block at x + r * k),
 // added into the int32 sums a[r][half].
-inline int32_t quad_of(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-
 template <int R>
 STRATUM_INLINE void quad_sums8(const __m256i* bb, const int8_t* x, int64_t k, int j0, int j1, __m256i a[R][2]) {
   const __m256i ones = _mm256_set1_epi16(1);

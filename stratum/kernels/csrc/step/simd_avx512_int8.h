@@ -23,12 +23,6 @@ STRATUM_INLINE __m512i dot4(__m512i acc, __m512i w, int32_t x) {
 #endif
 }
 
-inline int32_t quad_of(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return v;
-}
-
 // The q of group g of a tile-block as bytes, four per row: lo holds inputs 8g .. 8g+3 of row i in lane
 // i, hi inputs 8g+4 .. 8g+7 (formats.h's row quad bytes, (0, 1) of four rows then (2, 3), put in row
 // order within each 128-bit lane), with the high plane's bits or-ed in.
