@@ -2,8 +2,9 @@
 
 Both servers are up at once on the same GGUF (one idles while the other runs); rounds alternate them,
 each run (`stratum bench compare`, one stream, greedy, ignore_eos) between two reads of the memory
-bandwidth (a torch sum over 512 MB on the memory Stratum's weights are on, as `stratum bench roofline`), the faster of which is the
-bandwidth then. Per run: floor = the bytes a decode step reads / that bandwidth, and floor ÷ TPOT (p50).
+bandwidth (a sum over 512 MB on the memory Stratum's weights are on: `stratum bench roofline`'s
+`read_buffer` and `read_bandwidth`), the faster of which is the bandwidth then. Per run: floor = the
+bytes a decode step reads / that bandwidth, and floor ÷ TPOT (p50).
 Both engines read the same weights a token (the roofline's decode_weight_bytes, given), so the ratio
 of their TPOTs is bounded by how far the slower one is from the floor: a goal of k times the peer at
 one stream needs the peer's floor ÷ TPOT below 1/k of ours.
@@ -22,18 +23,11 @@ import time
 from pathlib import Path
 
 import httpx
-import torch
 
-from stratum.bench.roofline import read_buffer
+from stratum.bench.roofline import read_bandwidth, read_buffer
 
 ROOT = Path(__file__).parents[2]
 STRATUM = str(ROOT / ".venv" / "bin" / "stratum")
-
-
-def read_gb_s(a: torch.Tensor) -> float:
-    t = time.perf_counter()
-    a.sum()
-    return a.numel() * 4 / (time.perf_counter() - t) / 1e9
 
 
 def wait_up(url: str) -> None:
@@ -70,13 +64,13 @@ def main() -> int:
         for _, url in servers.values():
             wait_up(url)
         a = read_buffer(512)
-        read_gb_s(a)
+        read_bandwidth(a)  # the buffer read once before the figures
         runs = {name: [] for name in servers}
-        before = read_gb_s(a)
+        before = read_bandwidth(a) / 1e9
         for r in range(rounds):
             for name in (list(servers) if r % 2 == 0 else list(servers)[::-1]):
                 result = one_stream(servers[name][1], name, seed=100 + r, requests=4)
-                after = read_gb_s(a)
+                after = read_bandwidth(a) / 1e9
                 bw, before = max(before, after), after
                 floor_ms = weight_bytes / (bw * 1e9) * 1e3
                 runs[name].append({**result, "read_gb_s": round(bw, 2), "floor_ms": round(floor_ms, 2),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import statistics
 import time
 
@@ -21,17 +22,29 @@ import torch
 
 
 def read_buffer(megabytes: int) -> torch.Tensor:
-    """fp32 ones on the memory the engine's weights are on: huge pages where the kernel offers them
-    (engine/weight_cache.py), else the allocator's pages; the floor is that memory's bandwidth."""
-    from stratum.engine.weight_cache import huge_buffer, huge_pages_offered
+    """fp32 ones on the memory the engine's weights are on: anonymous memory advised for huge pages
+    where the kernel offers them (engine/weight_cache.py moves the weights onto such memory), else the
+    allocator's pages; the floor is that memory's bandwidth."""
+    from stratum.engine.weight_cache import huge_pages_offered
 
     n = megabytes * 2**20 // 4
-    buf = huge_buffer(n * 4) if huge_pages_offered() else None
-    if buf is None:
+    if not huge_pages_offered():
         return torch.ones(n)
+    buf = mmap.mmap(-1, n * 4, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        buf.madvise(mmap.MADV_HUGEPAGE)
+    except OSError:  # refused: 4 KB pages, as the weights' move would be refused too
+        pass
     a = torch.from_numpy(np.frombuffer(buf, dtype=np.float32))  # holds buf
     a.fill_(1.0)
     return a
+
+
+def read_bandwidth(a: torch.Tensor) -> float:
+    """Bytes a second of one sum over `a`: a read of all of it."""
+    t = time.perf_counter()
+    a.sum()
+    return a.numel() * a.element_size() / (time.perf_counter() - t)
 
 
 def measure_bandwidth(megabytes: int = 512, reps: int = 5) -> dict[str, float]:
@@ -105,19 +118,13 @@ def measure_paired(engine, weight_bytes: int, rounds: int = 12, steps: int = 8, 
     the faster of which is the bandwidth then (the floor it gives is the lower); the rounds' median
     ratio, and the median bandwidth and step they came from."""
     a = read_buffer(megabytes)
-
-    def read() -> float:
-        t = time.perf_counter()
-        a.sum()
-        return a.numel() * 4 / (time.perf_counter() - t)
-
-    read()
+    read_bandwidth(a)
     _start_decode(engine, rounds * steps)
     bws, step_s, ratios = [], [], []
-    before = read()
+    before = read_bandwidth(a)
     for _ in range(rounds):
         step = statistics.median(_time_steps(engine, steps))
-        after = read()
+        after = read_bandwidth(a)
         bw, before = max(before, after), after
         bws.append(bw)
         step_s.append(step)

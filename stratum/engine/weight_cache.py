@@ -135,23 +135,6 @@ def huge_pages_offered() -> bool:
     return "[always]" in mode or "[madvise]" in mode
 
 
-def huge_buffer(size: int) -> mmap.mmap | None:
-    """`size` bytes of anonymous memory advised for huge pages, its pages made; None where the kernel
-    refuses the advice: the memory the weights are moved onto, which `stratum bench roofline` reads its
-    bandwidth from."""
-    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    try:
-        buf.madvise(mmap.MADV_HUGEPAGE)
-    except OSError:
-        buf.close()
-        return None
-    try:  # its pages made at once: a read faulting them in one by one took 5x as long (0.93 vs 0.18 s for 680 MB)
-        buf.madvise(_MADV_POPULATE_WRITE)
-    except OSError:
-        pass
-    return buf
-
-
 def _libc() -> ctypes.CDLL:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.mmap.restype = libc.mremap.restype = ctypes.c_void_p
@@ -208,11 +191,11 @@ def _move_onto_huge_pages(mapped: np.memmap) -> None:
             libc.munmap(addr + done, size - done)
 
 
-def wait_moves(timeout_s: float | None = None) -> None:
+def wait_moves() -> None:
     """Returns once every move onto huge pages started so far is done (benchmarks measure after it)."""
     for thread in list(_moves):
-        thread.join(timeout_s)
-        if not thread.is_alive() and thread in _moves:
+        thread.join()
+        if thread in _moves:
             _moves.remove(thread)
 
 
