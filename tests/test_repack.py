@@ -1,5 +1,6 @@
 """The native repack (csrc/repack.cpp) against the NumPy one (kernels/packed.py `pack_reference`): the
-same tile bytes for every GGUF type the native step takes, rows padded to a tile or not."""
+same tile bytes for every GGUF type the native step takes, rows padded to a tile or not; and its row
+lookup (`dequantize_rows`) against gguf-py's dequantization."""
 
 from __future__ import annotations
 
@@ -59,3 +60,35 @@ def test_native_repack_of_random_bytes(qtype):
     raw = raw.numpy().reshape(n, -1)
     got, want = pack(qtype, raw, (n, k)), pack_reference(qtype, raw, (n, k))
     assert torch.equal(got.data, want.data) and same_bits(got.scales, want.scales)
+
+
+@pytest.mark.parametrize("qtype", PACKED_QTYPES)
+def test_native_row_lookup_gives_gguf_pys_values(qtype):
+    """An embedding lookup by the native library (kernels.packed `dequantize_rows`) gives the fp32 bits
+    of gguf-py's dequantization: on a quantizer's rows and, for the block formats, on random bytes
+    (every scale and quant field's bit patterns, the fp16 values random but finite); a row out of
+    the table is refused."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    from stratum.kernels.packed import dequantize_rows
+    from stratum.kernels.plan import _FP16_FIELDS
+
+    n, k = 48, 1024
+    rng = np.random.default_rng(7)
+    tables = [_raw(qtype, n, k, rng)]
+    if qtype in _FP16_FIELDS:
+        block, nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+        g = torch.Generator().manual_seed(2)
+        raw = torch.randint(0, 256, (n, k // block, nbytes), generator=g, dtype=torch.uint8)
+        for at in _FP16_FIELDS[qtype]:
+            raw[..., at : at + 2] = (torch.randn(n, k // block, 1, generator=g) * 0.1).half().view(torch.uint8)
+        tables.append(raw.numpy().reshape(n, -1))
+    ids = torch.tensor([0, 47, 5, 5, 31])
+    for raw in tables:
+        want = torch.from_numpy(np.asarray(dequantize(raw, GGMLQuantizationType[qtype]), dtype=np.float32).reshape(n, k))
+        got = dequantize_rows(qtype, raw, k, ids)
+        assert got.dtype == torch.float32 and got.shape == (5, k)
+        assert torch.equal(got.view(torch.int32), want[ids].view(torch.int32)), qtype
+    with pytest.raises(RuntimeError, match="row 48 of 48"):
+        dequantize_rows(qtype, tables[0], k, torch.tensor([48]))

@@ -20,7 +20,8 @@ from stratum.kernels import KernelPlan, native
 from stratum.kernels import numerics as rule
 from stratum.kernels.cpu import cpu_flags, cpu_name
 from stratum.kernels.numerics import ACTIVATION_BITS, INT4, NATIVE, PACKED, Numerics, RuleInputs
-from stratum.kernels.packed import FUSED, PACKED_QTYPES, PackedStack, PackedWeight, native_form, native_step_refusal, pack_fused
+from stratum.kernels.packed import FUSED, PACKED_QTYPES, PackedSegments, PackedStack, PackedWeight, native_form, native_lookup
+from stratum.kernels.packed import native_step_refusal, pack_fused
 from stratum.kernels.packed import LAYOUT_VERSION as PACKED_LAYOUT
 from stratum.kernels.packed import pack as packed_weight
 from stratum.kernels.plan import Shapes, select_plan
@@ -162,9 +163,8 @@ def build_model(config: ResolvedConfig, checkpoint: Checkpoint) -> tuple[LlamaFo
 def quantize_activations(model, bits: int) -> None:
     """The native step and its output projection quantize activation blocks to `bits` (16 or 8)."""
     model.packed.activation_bits = bits
-    head = model.packed_head
-    for w in head.parts if isinstance(head, Parts) else [head] if head is not None else []:
-        w.activation_bits = bits
+    if model.packed_head is not None:
+        model.packed_head.activation_bits = bits
 
 
 def attach_packed(model, quantized: dict, cache_dir: Path | None = None) -> bool:
@@ -215,7 +215,7 @@ def attach_packed(model, quantized: dict, cache_dir: Path | None = None) -> bool
     saved = weight_cache.cached(cache, [*head_keys, *((f"layers.{i}", lambda i=i: pack_layer(i)) for i in range(n))])
     head_parts = [PackedWeight(*saved[key]) for key, _ in head_keys]
     saved = {"layers": [saved[f"layers.{i}"] for i in range(n)],
-             "head": (head_parts[0] if len(head_parts) == 1 else Parts(head_parts)) if head_parts else None}
+             "head": PackedSegments(head_parts) if head_parts else None}
     model.packed = PackedStack(model, [[[PackedWeight(*w) for w in segments] for segments in projections]
                                        for projections in saved["layers"]])
     for layer in model.layers:
@@ -378,8 +378,8 @@ def attach_embedding(model, quantized: dict) -> int:
     """Look a quantized embedding up from its blocks as stored, row by row, exactly (every stored
     type's values are exact in fp32): no dense copy, and the fp32 residual stream starts from the
     checkpoint's own values. Q8_0 rows are read from an int8 copy (a gather per step), others
-    dequantized at lookup and the recent ones kept (RecentRows). A tied output projection held as Q8_0
-    is not copied twice.
+    dequantized at lookup: by the native library where it is loaded (~1 us a row), else by gguf-py
+    with the recent rows kept (RecentRows). A tied output projection held as Q8_0 is not copied twice.
 
     Returns:
         The bytes attached for it.
@@ -389,7 +389,7 @@ def attach_embedding(model, quantized: dict) -> int:
         return 0
     model.weight_forms.setdefault("model.embed_tokens.weight", "rows dequantized at lookup")
     if embed.qtype != "Q8_0":
-        model.embed_table = RecentRows(embed)
+        model.embed_table = embed if native_lookup(embed.qtype) else RecentRows(embed)
         return 0
     model.embed_table = Q8Weight(*unpack_q8_0(embed.data, embed.shape))
     return model.embed_table.nbytes

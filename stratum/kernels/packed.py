@@ -188,7 +188,7 @@ class PackedWeight:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> [M, N] fp32, the activations quantized per block of 32 as the native step does
         (to `activation_bits`; fp32 as they are for F16 / BF16 weights)."""
-        return torch.ops.stratum.packed_linear(x.float(), self.data, self.scales, self.format, self.out_features,
+        return torch.ops.stratum.packed_linear(x.float(), [self.data, self.scales], [self.format, self.out_features],
                                                self.activation_bits)
 
     @property
@@ -198,6 +198,27 @@ class PackedWeight:
     def saved(self) -> tuple:
         """The fields as a tuple of tensors and ints (torch.save with weights_only reads it back)."""
         return self.data, self.scales, self.out_features, self.in_features, self.format
+
+
+class PackedSegments:
+    """A projection held as segments of rows (a large vocabulary's output projection, packed and cached a
+    range of rows at a time) run by one native call: x quantized once, every segment's tiles shared out
+    among the threads together, the outputs written side by side. The same values as each segment's own
+    `matmul`, concatenated."""
+
+    def __init__(self, parts: list[PackedWeight]):
+        self.parts = parts
+        self.activation_bits = parts[0].activation_bits
+        self._weights = [t for w in parts for t in (w.data, w.scales)]
+        self._layout = [v for w in parts for v in (w.format, w.out_features)]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] -> [M, the segments' rows] fp32 (PackedWeight.matmul)."""
+        return torch.ops.stratum.packed_linear(x.float(), self._weights, self._layout, self.activation_bits)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(w.nbytes for w in self.parts)
 
 
 def _packed(fmt: int, q: np.ndarray, scales: list[np.ndarray]) -> PackedWeight:
@@ -241,10 +262,28 @@ def pack_reference(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> Packe
 
 def _repack_op():
     """torch.ops.stratum.packed_repack where the native step's library is loaded (never built here)."""
+    return _native_op("packed_repack")
+
+
+def _native_op(name: str):
     try:
-        return torch.ops.stratum.packed_repack
+        return getattr(torch.ops.stratum, name)
     except (AttributeError, RuntimeError):
         return None
+
+
+def native_lookup(qtype: str) -> bool:
+    """Whether `dequantize_rows` reads rows of `qtype` here (the native library is loaded)."""
+    return qtype in REPACK_TYPES and _native_op("dequantize_rows") is not None
+
+
+def dequantize_rows(qtype: str, raw: np.ndarray, k: int, ids: torch.Tensor) -> torch.Tensor | None:
+    """Rows `ids` of raw GGUF rows [N, bytes] (F16: [N, k] float16) as fp32 [len(ids), k], by the native
+    library (csrc/repack.cpp: the values gguf-py's dequantization gives, ~1 us a row where gguf-py's NumPy
+    took ~0.4 ms); None where it does not read them here (`native_lookup`)."""
+    if not native_lookup(qtype):
+        return None
+    return torch.ops.stratum.dequantize_rows(kquant.mapped_tensor(np.asarray(raw).view(np.uint8)), REPACK_TYPES[qtype], k, ids.long())
 
 
 def reference_matmul(qtype: str, raw: np.ndarray, shape: tuple[int, int], x: torch.Tensor, activation_bits: int = 16) -> torch.Tensor:

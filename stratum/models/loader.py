@@ -88,8 +88,14 @@ class QuantizedTensor:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` as fp32 [len(ids), in_features]: an embedding lookup from the table as stored, by
-        gguf-py's NumPy dequantization for every type (for a few rows ~3x faster than kernels.kquant's
-        PyTorch form, whose per-operation cost dominates there; the same values, tests/test_gguf_formats.py)."""
+        the native library where it is loaded (kernels.packed `dequantize_rows`), else by gguf-py's NumPy
+        dequantization (for a few rows ~3x faster than kernels.kquant's PyTorch form, whose per-operation
+        cost dominates there); the same values either way (tests/test_gguf_formats.py)."""
+        from stratum.kernels.packed import dequantize_rows
+
+        native = dequantize_rows(self.qtype, self.data, self.shape[1], ids)
+        if native is not None:
+            return native
         return _dequantize(self.qtype, np.asarray(self.data)[ids.numpy()], (ids.shape[0], self.shape[1]), by_gguf=True)
 
     def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

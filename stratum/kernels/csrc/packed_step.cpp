@@ -205,16 +205,21 @@ std::tuple<at::Tensor, at::Tensor> packed_forward(const at::Tensor& x_in, const 
 }
 
 // x [M, K] fp32 -> [M, rows] fp32 through one packed segment (the output projection, and tests).
-at::Tensor packed_linear(const at::Tensor& x, const at::Tensor& data, const at::Tensor& scales, int64_t format, int64_t rows,
-                         int64_t activation_bits) {
+// x [M, K] fp32 -> [M, sum of rows] = x @ w^T for a projection's segments (`weights`: data, scales of
+// each; `layout`: format, rows of each), x quantized once and every segment's tiles shared out among
+// the threads together: a large vocabulary's output projection, held in row ranges, in one call.
+at::Tensor packed_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef layout, int64_t activation_bits) {
   check_bits(activation_bits, "packed_linear");
   TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 2, "packed_linear: x must be [M, K] fp32");
-  const Projection w{packed_of(data, scales, format, rows)};
+  TORCH_CHECK(!weights.empty() && weights.size() % 2 == 0 && weights.size() == layout.size(),
+              "packed_linear: (data, scales) and (format, rows) per segment");
+  Projection w;
+  for (size_t i = 0; i < weights.size(); i += 2) w.push_back(packed_of(weights[i], weights[i + 1], layout[i], layout[i + 1]));
   check_inputs(w, x.size(1), "packed_linear");
   const auto xc = x.contiguous();
   QuantRows xq(static_cast<int>(activation_bits));
   xq.quantize(xc.data_ptr<float>(), x.size(0), x.size(1));
-  auto out = at::empty({x.size(0), rows}, x.options());
+  auto out = at::empty({x.size(0), out_features(w)}, x.options());
   linear(w, xq, x.size(0), out.data_ptr<float>());
   return out;
 }
@@ -225,7 +230,7 @@ std::string packed_simd() { return kSimdPath; }
 
 TORCH_LIBRARY_FRAGMENT(stratum, m) {
   m.def("packed_simd() -> str", &packed_simd);
-  m.def("packed_linear(Tensor x, Tensor data, Tensor scales, int format, int rows, int activation_bits=16) -> Tensor");
+  m.def("packed_linear(Tensor x, Tensor[] weights, int[] layout, int activation_bits=16) -> Tensor");
   m.impl("packed_linear", c10::DispatchKey::CPU, TORCH_FN(packed_linear));
   m.def("packed_forward(Tensor x, Tensor positions, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor tables, "
         "Tensor row_seq, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor[] weights, int[] layout, int num_heads, "

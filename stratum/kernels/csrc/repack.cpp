@@ -165,8 +165,76 @@ std::tuple<at::Tensor, at::Tensor> packed_repack(const at::Tensor& raw, int64_t 
   return {data, scales};
 }
 
+inline float half_at(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
+
+inline float bf16_at(uint16_t bits) {
+  const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+  float v;
+  std::memcpy(&v, &wide, 4);
+  return v;
+}
+
+// One decoded block's 32 values in fp32, operation for operation as gguf-py dequantizes them
+// (gguf/quants.py, each product and sum rounded to fp32 on its own: this file is compiled with
+// -ffp-contract=off): d * q (+ m) for the 32-input formats, (d * scale) * q - dmin * min for Q4_K and
+// Q5_K, (d * scale) * (q - 32) for Q6_K's halves of 16.
+void block_values(QType t, const Decoded& o, float* v) {
+  if (t == kF16 || t == kBF16) {
+    for (int64_t l = 0; l < kBlock; ++l) v[l] = t == kF16 ? half_at(o.q16[l]) : bf16_at(o.q16[l]);
+    return;
+  }
+  if (t == kQ6_K) {
+    const float d = half_at(o.sup[0]);
+    for (int64_t l = 0; l < kBlock; ++l)
+      v[l] = d * static_cast<float>(static_cast<int8_t>(o.ints[l / 16])) * static_cast<float>(o.q[l] - 32);
+    return;
+  }
+  if (t == kQ4_K || t == kQ5_K) {
+    const float d = half_at(o.sup[0]) * static_cast<float>(o.ints[0]), m = half_at(o.sup[1]) * static_cast<float>(o.ints[1]);
+    for (int64_t l = 0; l < kBlock; ++l) v[l] = d * static_cast<float>(o.q[l]) - m;
+    return;
+  }
+  const float d = half_at(o.scale[0]);
+  if (t == kQ4_1 || t == kQ5_1) {
+    const float m = half_at(o.scale[1]);
+    for (int64_t l = 0; l < kBlock; ++l) v[l] = d * static_cast<float>(o.q[l]) + m;
+    return;
+  }
+  const int offset = t == kQ4_0 ? 8 : t == kQ5_0 ? 16 : 0;
+  for (int64_t l = 0; l < kBlock; ++l)
+    v[l] = d * static_cast<float>(t == kQ8_0 ? static_cast<int8_t>(o.q[l]) : o.q[l] - offset);
+}
+
+// Rows `ids` of raw GGUF rows [n, row bytes] -> fp32 [len(ids), k]: an embedding lookup from the table
+// as the file stores it, the values gguf-py's dequantization gives (`block_values`).
+at::Tensor dequantize_rows(const at::Tensor& raw, int64_t qtype, int64_t k, const at::Tensor& ids) {
+  TORCH_CHECK(qtype >= 0 && qtype <= kBF16, "dequantize_rows: unknown type ", qtype);
+  const QType t = static_cast<QType>(qtype);
+  const TypeInfo ti = info(t);
+  TORCH_CHECK(raw.scalar_type() == at::kByte && raw.dim() == 2 && raw.is_contiguous(), "dequantize_rows: raw must be [rows, bytes] uint8");
+  TORCH_CHECK(k % ti.block_inputs == 0 && k % kBlock == 0 && raw.size(1) == k / ti.block_inputs * ti.row_block,
+              "dequantize_rows: rows of ", raw.size(1), " bytes do not hold ", k, " values");
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "dequantize_rows: ids must be [m] int64");
+  const auto idc = ids.contiguous();
+  const int64_t m = idc.size(0), n = raw.size(0), nb = k / kBlock;
+  const int64_t* id = idc.data_ptr<int64_t>();
+  for (int64_t i = 0; i < m; ++i) TORCH_CHECK(id[i] >= 0 && id[i] < n, "dequantize_rows: row ", id[i], " of ", n);
+  at::Tensor out = at::empty({m, k}, at::kFloat);
+  const uint8_t* src = raw.data_ptr<uint8_t>();
+  float* dst = out.data_ptr<float>();
+  at::parallel_for(0, m * nb, 256, [&](int64_t begin, int64_t end) {
+    Decoded o;
+    for (int64_t j = begin; j < end; ++j) {
+      decode(t, src + id[j / nb] * raw.size(1), j % nb, o);
+      block_values(t, o, dst + j * kBlock);
+    }
+  });
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(stratum, m) {
   m.def("packed_repack(Tensor raw, int qtype, int rows, int cols) -> (Tensor, Tensor)", &packed_repack);
+  m.def("dequantize_rows(Tensor raw, int qtype, int cols, Tensor ids) -> Tensor", &dequantize_rows);
 }
