@@ -18,6 +18,7 @@ import uuid
 import anthropic
 import httpx
 import pytest
+import torch
 
 from stratum.client.cost import parse_stratum_cost
 from stratum.telemetry.cost import ArticleFormula, CostFields, TokenPricing, pricing_from_spec
@@ -524,3 +525,14 @@ def test_trace_decode_cli_prints_the_json(client, capsys):
     assert json.loads(capsys.readouterr().out) == decode(value)
     assert main(["trace", "decode", "not base64!"]) == 1
     assert "not a Stratum trace" in capsys.readouterr().err
+
+
+def test_attention_coverage_counts_the_positions_that_hold_the_mass():
+    """kv_sparsity's sample: per head, the fewest context positions whose attention holds `mass`, as a
+    share of the context, averaged over the heads."""
+    from stratum.layers.attention import attention_coverage
+
+    k = torch.zeros(10, 1, 4)
+    k[3, 0, 0] = 100.0  # one key the first query attends to almost alone
+    q = torch.tensor([[1.0, 0, 0, 0], [0, 0, 0, 0]])  # two heads on one KV head: peaked, and uniform
+    assert attention_coverage(q, k, 1.0, mass=0.85) == pytest.approx((1 / 10 + 9 / 10) / 2)
