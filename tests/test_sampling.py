@@ -299,3 +299,16 @@ def test_prompt_logprobs_score_every_prompt_token(tiny_model_dir):
             expected = torch.log_softmax(seq.logits[p - 1], dim=-1)
             assert logprob == pytest.approx(float(expected[seq.prompt_token_ids[p]]), abs=1e-4)
             assert [t for t, _ in top] == expected.topk(3).indices.tolist()
+
+
+def test_greedy_rows_take_the_first_most_likely_token_as_torch_argmax_does():
+    """argmax_rows (NumPy on CPU) against torch.argmax: ties, a row masked but for its last token,
+    an all-masked row and a NaN."""
+    from stratum.engine.sampler import argmax_rows
+
+    x = torch.randn(5, 1000, generator=torch.Generator().manual_seed(0))
+    x[1, 10] = x[1, 20] = x[1].max() + 1  # a tie: the first
+    x[2, :-1] = float("-inf")
+    x[3] = float("-inf")
+    x[4, 7] = float("nan")
+    assert argmax_rows(x) == x.argmax(dim=-1).tolist() == [int(x[0].argmax()), 10, 999, 0, 7]

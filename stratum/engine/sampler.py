@@ -23,6 +23,14 @@ EXCLUDED_LOGPROB = -9999.0
 Logprobs = tuple[float, list[tuple[int, float]]]
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Each row's first most likely token id, as torch.argmax gives it: by NumPy for CPU rows (for a
+    [1, 49152] row ~5 us here, torch's ~50 us, every decode step), by torch elsewhere."""
+    if logits.device.type != "cpu":
+        return logits.argmax(dim=-1).tolist()
+    return logits.numpy().argmax(axis=-1).tolist()
+
+
 @dataclass(slots=True)
 class Sampled:
     tokens: list[int]
@@ -39,7 +47,7 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     """
     for i, mask in (allowed or {}).items():
         logits[i].masked_fill_(~mask, float("-inf"))
-    tokens = logits.argmax(dim=-1).tolist()
+    tokens = argmax_rows(logits)
     logprobs: list[Logprobs | None] = [None] * len(params)
     for i, p in enumerate(params):
         if p.is_greedy:

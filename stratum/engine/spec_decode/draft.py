@@ -16,6 +16,7 @@ import torch
 
 from stratum.engine.config import EngineConfig
 from stratum.engine.model_runner import ModelRunner
+from stratum.engine.sampler import argmax_rows
 from stratum.engine.scheduler import ScheduledSeq, SchedulerOutput
 
 
@@ -125,7 +126,7 @@ class DraftModel:
                 first = min(seq.spec.draft_computed, item.start) if level == 0 else item.start + level
                 sched.scheduled.append(ScheduledSeq(seq, item.start + level + 1 - first, first, False))
             t0 = time.perf_counter()
-            tokens = self.runner.last_logits(sched).argmax(dim=-1).tolist()
+            tokens = argmax_rows(self.runner.last_logits(sched))
             if level:
                 self.level_s = time.perf_counter() - t0
             for item, token in zip(batch, tokens):

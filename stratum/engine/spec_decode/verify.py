@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from stratum.engine import grammar
-from stratum.engine.sampler import Logprobs, sample
+from stratum.engine.sampler import Logprobs, argmax_rows, sample
 
 
 def verify(rows: torch.Tensor, seq, proposals: list[int], grammars) -> tuple[list[int], list[Logprobs | None]]:
@@ -42,7 +42,7 @@ def verify(rows: torch.Tensor, seq, proposals: list[int], grammars) -> tuple[lis
     """
     params = seq.sampling
     if seq.matcher is None and params.is_greedy and params.logprobs is None:
-        target = rows.argmax(dim=-1).tolist()  # the argmax each row's own decode would take
+        target = argmax_rows(rows)  # the argmax each row's own decode would take
         n = 0
         while n < len(proposals) and target[n] == proposals[n]:
             n += 1
