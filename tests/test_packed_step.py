@@ -87,6 +87,23 @@ def test_packed_linear_rows_do_not_depend_on_the_batch_or_the_threads(qtype, bit
         torch.set_num_threads(threads)
 
 
+@pytest.mark.parametrize("bits", [16, 8])
+def test_a_projection_in_segments_gives_each_segments_own_outputs_side_by_side(bits):
+    """PackedSegments (the output projection's cached row ranges, formats mixed, a segment ending
+    mid-tile) in one call: each segment's own matmul, concatenated, bit for bit."""
+    from stratum.kernels.packed import PackedSegments
+
+    rng = np.random.default_rng(2)
+    k = 256
+    parts = [pack(q, _raw(q, rng, n, k), (n, k)) for q, n in (("Q6_K", 48), ("Q4_K", 37), ("Q8_0", 16))]
+    for w in parts:
+        w.activation_bits = bits
+    head = PackedSegments(parts)
+    x = torch.from_numpy(rng.standard_normal((5, k)).astype(np.float32))
+    assert torch.equal(head.matmul(x), torch.cat([w.matmul(x) for w in parts], dim=-1))
+    assert head.nbytes == sum(w.nbytes for w in parts)
+
+
 @pytest.fixture(scope="module")
 def tiny_gguf(tmp_path_factory):
     return make_tiny_gguf(tmp_path_factory.mktemp("tiny-gguf") / "tiny.gguf")

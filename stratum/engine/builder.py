@@ -378,7 +378,7 @@ def attach_embedding(model, quantized: dict) -> int:
     """Look a quantized embedding up from its blocks as stored, row by row, exactly (every stored
     type's values are exact in fp32): no dense copy, and the fp32 residual stream starts from the
     checkpoint's own values. Q8_0 rows are read from an int8 copy (a gather per step), others
-    dequantized at lookup: by the native library where it is loaded (~1 us a row), else by gguf-py
+    dequantized at lookup: by the native library where it is loaded (~25 us a step), else by gguf-py
     with the recent rows kept (RecentRows). A tied output projection held as Q8_0 is not copied twice.
 
     Returns:

@@ -245,7 +245,7 @@ def pack(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> PackedWeight:
     the same bytes either way."""
     if qtype not in FORMATS:
         raise ValueError(f"{qtype}: not a packed format ({', '.join(PACKED_QTYPES)})")
-    op = _repack_op()
+    op = _native_op("packed_repack")
     if op is None:
         return pack_reference(qtype, raw, shape)
     n, k = shape
@@ -260,12 +260,8 @@ def pack_reference(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> Packe
     return _packed(*decode(qtype, raw, shape))
 
 
-def _repack_op():
-    """torch.ops.stratum.packed_repack where the native step's library is loaded (never built here)."""
-    return _native_op("packed_repack")
-
-
 def _native_op(name: str):
+    """torch.ops.stratum.<name> where the native step's library is loaded (never built here), else None."""
     try:
         return getattr(torch.ops.stratum, name)
     except (AttributeError, RuntimeError):
@@ -279,11 +275,13 @@ def native_lookup(qtype: str) -> bool:
 
 def dequantize_rows(qtype: str, raw: np.ndarray, k: int, ids: torch.Tensor) -> torch.Tensor | None:
     """Rows `ids` of raw GGUF rows [N, bytes] (F16: [N, k] float16) as fp32 [len(ids), k], by the native
-    library (csrc/repack.cpp: the values gguf-py's dequantization gives, ~1 us a row where gguf-py's NumPy
-    took ~0.4 ms); None where it does not read them here (`native_lookup`)."""
+    library (csrc/repack.cpp: the values gguf-py's dequantization gives; a decode step's lookup ~25 us with
+    the call and the file's page faults, gguf-py's ~0.4 ms); None where it does not read them here
+    (`native_lookup`)."""
     if not native_lookup(qtype):
         return None
-    return torch.ops.stratum.dequantize_rows(kquant.mapped_tensor(np.asarray(raw).view(np.uint8)), REPACK_TYPES[qtype], k, ids.long())
+    table = kquant.mapped_tensor(np.asarray(raw).view(np.uint8))
+    return torch.ops.stratum.dequantize_rows(table, REPACK_TYPES[qtype], k, ids.long())
 
 
 def reference_matmul(qtype: str, raw: np.ndarray, shape: tuple[int, int], x: torch.Tensor, activation_bits: int = 16) -> torch.Tensor:
