@@ -536,3 +536,4 @@ def test_attention_coverage_counts_the_positions_that_hold_the_mass():
     k[3, 0, 0] = 100.0  # one key the first query attends to almost alone
     q = torch.tensor([[1.0, 0, 0, 0], [0, 0, 0, 0]])  # two heads on one KV head: peaked, and uniform
     assert attention_coverage(q, k, 1.0, mass=0.85) == pytest.approx((1 / 10 + 9 / 10) / 2)
+    assert attention_coverage(q, k[:1], 1.0) == 1.0  # a first token: its one position is all its context

@@ -68,9 +68,9 @@ def attention_coverage(q: torch.Tensor, k: torch.Tensor, scale: float, mass: flo
     qg = q.float().view(num_kv_heads, num_heads // num_kv_heads, -1)  # [KVH, G, D]
     scores = torch.matmul(qg, k.float().permute(1, 2, 0)).view(num_heads, -1)  # [H, C]
     probs = torch.softmax(scores * scale, dim=-1)
-    # the values sorted by NumPy: the same values as torch.sort's, which took ~0.4 ms for [32, 300] here
-    # (NumPy's ~0.05 ms), three probed layers every 8th token of every stream
-    descending = torch.from_numpy(np.ascontiguousarray(np.sort(probs.cpu().numpy(), axis=-1)[:, ::-1]))
+    # sorted by NumPy (the negated values ascending: the same values as torch.sort's, which took ~0.4 ms
+    # for [32, 300] here, NumPy's ~0.05 ms), three probed layers every 8th token of every stream
+    descending = torch.from_numpy(-np.sort(-probs.cpu().numpy(), axis=-1))
     cumulative = descending.cumsum(-1)
     needed = (cumulative < mass).sum(-1) + 1  # positions until the mass is reached, per head
     return float((needed.float() / k.shape[0]).clamp(max=1.0).mean())
