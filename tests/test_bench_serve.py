@@ -321,3 +321,26 @@ def test_compare_two_urls(tiny_server, capsys, tmp_path):
     table = md.read_text()
     assert "| metric | a | b | b / a |" in table and "TTFT p50 ms" in table
     assert (tmp_path / "ttft_cdf.png").exists()
+
+
+def test_compare_in_rounds_alternates_the_targets_and_gives_each_rounds_ratios(tiny_server, capsys, tmp_path):
+    """--rounds: each round on its own seed, the targets' figures over all the rounds, and each
+    round's ratios against the first target with their median (the side by side on a drifting machine)."""
+    md = tmp_path / "compare.md"
+    other = tiny_server.url.replace("127.0.0.1", "localhost")
+    doc = run_json(capsys, compare, ["--url", tiny_server.url, "--url", other, "--label", "a", "--label", "b",
+                                     "--rounds", "3", "--markdown", str(md),
+                                     *tiny_args(tiny_server, "--workload", "unique", "--num-requests", "2",
+                                                "--concurrency", "1", "--max-tokens", "4")[2:]])
+    assert all(t["completed"] == t["num_requests"] == 6 for t in doc["targets"])
+    rounds = doc["by_round"]
+    assert rounds["seeds"] == [0, 1, 2] and len(rounds["figures"]) == 3
+    tok_s = rounds["ratios_vs_first"]["b"]["output_tok_s"]
+    assert len(tok_s) == 3 and all(r > 0 for r in tok_s)
+    assert rounds["median_ratios_vs_first"]["b"]["output_tok_s"] == round(sorted(tok_s)[1], 3)
+    for f, r in zip(rounds["figures"], tok_s):
+        assert r == round(f["b"]["output_tok_s"] / f["a"]["output_tok_s"], 3)
+    table = md.read_text()
+    assert "## By round" in table and "| median |" in table and "b / a tok/s" in table
+    with pytest.raises(SystemExit):
+        compare.main(["--url", tiny_server.url, "--rounds", "2", "--sweep", "1,2"])
