@@ -19,26 +19,13 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-import httpx
-
 from stratum.bench.roofline import read_bandwidth, read_buffer
+from stratum.bench.speculative import Server, start, stop
 
 ROOT = Path(__file__).parents[2]
 STRATUM = str(ROOT / ".venv" / "bin" / "stratum")
-
-
-def wait_up(url: str) -> None:
-    while True:
-        try:
-            r = httpx.get(f"{url}/health", timeout=2)
-            if r.status_code == 200 and "preparing" not in r.text:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
 
 
 def one_stream(url: str, label: str, seed: int, requests: int) -> dict:
@@ -52,24 +39,23 @@ def one_stream(url: str, label: str, seed: int, requests: int) -> dict:
 def main() -> int:
     gguf, llama, weight_bytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
     rounds = int(sys.argv[4]) if len(sys.argv) > 4 else 4
-    kv = tempfile.mkdtemp()
-    servers = {
-        "stratum": ([STRATUM, "serve", "--model", gguf, "--served-model-name", "m", "--port", "8331", "--activations", "int8",
-                     "--kv-disk-dir", kv], "http://127.0.0.1:8331"),
-        "llama-server": ([llama, "-m", gguf, "-t", "2", "--parallel", "1", "-c", "4096", "-fa", "off", "--port", "8332"],
-                         "http://127.0.0.1:8332"),
-    }
-    procs = [subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for cmd, _ in servers.values()]
+    work = Path(tempfile.mkdtemp())
+    servers = [Server("stratum", (STRATUM, "serve", "--model", gguf, "--served-model-name", "m", "--activations", "int8",
+                                  "--kv-disk-dir", str(work / "kv"))),
+               Server("llama-server", (llama, "-m", gguf, "-t", "2", "--parallel", "1", "-c", "4096", "-fa", "off"),
+                      is_stratum=False)]
+    procs, urls = [], {}
     try:
-        for _, url in servers.values():
-            wait_up(url)
+        for server in servers:  # each up (a Stratum start's kernels prepared), or an error naming its log
+            proc, urls[server.label] = start(server, work / f"{server.label}.log")
+            procs.append(proc)
         a = read_buffer(512)
         read_bandwidth(a)  # the buffer read once before the figures
-        runs = {name: [] for name in servers}
+        runs = {name: [] for name in urls}
         before = read_bandwidth(a) / 1e9
         for r in range(rounds):
-            for name in (list(servers) if r % 2 == 0 else list(servers)[::-1]):
-                result = one_stream(servers[name][1], name, seed=100 + r, requests=4)
+            for name in (list(urls) if r % 2 == 0 else list(urls)[::-1]):
+                result = one_stream(urls[name], name, seed=100 + r, requests=4)
                 after = read_bandwidth(a) / 1e9
                 bw, before = max(before, after), after
                 floor_ms = weight_bytes / (bw * 1e9) * 1e3
@@ -83,10 +69,8 @@ def main() -> int:
                           "most_ratio_at_the_floor": round(1 / summary["llama-server"]["floor_over_tpot_median"], 3),
                           "runs": runs}, indent=1))
     finally:
-        for p in procs:
-            p.terminate()
-        for p in procs:
-            p.wait()
+        for proc in procs:
+            stop(proc)
     return 0
 
 

@@ -117,12 +117,12 @@ def run_rounds(args: argparse.Namespace, labels: list[str], targets: list) -> tu
     the rounds' sum), and `by_round`: each round's figures, and per label after the first its ratios
     against the first target by round and their median."""
     rounds: list[dict[str, LevelRun]] = []
+    pairs = list(zip(labels, targets))
     load = None
     for r in range(args.rounds):
         round_args = argparse.Namespace(**{**vars(args), "seed": args.seed + r, "num_warmups": args.num_warmups if r == 0 else 0})
-        order = list(zip(labels, targets)) if r % 2 == 0 else list(zip(labels, targets))[::-1]
         rounds.append({})
-        for label, target in order:
+        for label, target in pairs if r % 2 == 0 else pairs[::-1]:
             [(load, run)] = run_target(target, round_args, f"{label} round {r + 1}")
             rounds[-1][label] = run
     merged = {}
@@ -191,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     except BenchError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    by_round = None
     if args.rounds == 1:
         runs_by_label = {label: run_target(target, args, label) for label, target in zip(labels, targets)}
     else:
@@ -208,11 +209,11 @@ def main(argv: list[str] | None = None) -> int:
             for label, d in zip(labels[1:], docs[1:])
         },
     }
-    if args.rounds > 1:
+    if by_round is not None:
         doc["by_round"] = by_round
     if args.markdown is not None:
         args.markdown.parent.mkdir(parents=True, exist_ok=True)
-        args.markdown.write_text(markdown_report(labels, docs) + (rounds_table(labels, by_round) if args.rounds > 1 else ""))
+        args.markdown.write_text(markdown_report(labels, docs) + (rounds_table(labels, by_round) if by_round else ""))
         doc["markdown"] = str(args.markdown)
     if args.plot is not None:
         doc["plots"] = [str(x) for x in write_plots(args.plot, runs_by_label, f"{args.workload}, {args.api}")]
