@@ -1,5 +1,5 @@
-"""The derived-weights cache (engine/weight_cache.py) and letting go of a mapped file's pages
-(models/loader.release_pages)."""
+"""The derived-weights cache (engine/weight_cache.py), letting go of a mapped file's pages
+(models/loader.release_pages) and the KV pool's memory (engine/model_runner._zeros)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from stratum.engine import weight_cache
+from stratum.engine import model_runner, weight_cache
 from stratum.models.loader import release_pages
 
 
@@ -123,3 +123,31 @@ def test_weights_move_onto_huge_pages_where_offered_else_stay_mapped(tmp_path, m
     for piece in range(3):  # anonymous, read-only as the file's mapping
         assert _mapping_of(address + piece * (2 << 20)) == ("r--p", "")
     del moved  # the mapping's own unmapping frees the moved memory
+
+
+def _thp_eligible(address: int) -> bool:
+    """Whether /proc/self/smaps says the mapping holding `address` may be backed by huge pages."""
+    inside = False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= address < hi
+            elif inside and head == "THPeligible:":
+                return line.split()[1] == "1"
+    raise AssertionError(f"{address:#x}: no THPeligible line")
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads the mappings from /proc")
+def test_kv_pool_is_zeroed_memory_advised_for_huge_pages():
+    """The KV pool's memory: zeros, anonymous, and eligible for transparent huge pages where the
+    kernel offers them for advised memory (attention reads every block of every context each step)."""
+    pool = model_runner._zeros((3, 1 << 20), torch.float32, torch.device("cpu"))
+    assert pool.shape == (3, 1 << 20) and not pool.any()
+    assert _mapping_of(pool.data_ptr())[1] == ""
+    if not weight_cache.huge_pages_offered():
+        pytest.skip("this kernel offers no transparent huge pages for advised memory")
+    assert _thp_eligible(pool.data_ptr())
+    pool[1, 5] = 2.0
+    assert float(pool.sum()) == 2.0
