@@ -144,10 +144,13 @@ def test_the_native_step_computes_what_the_pytorch_model_computes(model, request
     torch_engine, native_engine = _engine(path, False), _engine(path, True)
     assert torch_engine.kernel_choices["step"] == "pytorch"
     assert native_engine.kernel_choices["step"] == "native, packed blocks"
-    a = _run(torch_engine, PROMPTS[:3], return_logits=True)
-    b = _run(native_engine, PROMPTS[:3], return_logits=True)
+    a = _run(torch_engine, PROMPTS[:3], max_tokens=17, return_logits=True)
+    b = _run(native_engine, PROMPTS[:3], max_tokens=17, return_logits=True)
     for x, y in zip(a, b):
         assert x.output_token_ids == y.output_token_ids
+        # kv_sparsity's samples (tokens 0, 8, 16): the native step measures them in its attention
+        assert x.coverage_count == y.coverage_count == 3
+        assert y.coverage_sum == pytest.approx(x.coverage_sum, abs=1e-6)
         for p in x.logits:
             # int16 activations: each block rounded at 1.5e-5 of its largest value, through every layer
             torch.testing.assert_close(y.logits[p], x.logits[p], rtol=1e-3, atol=1e-3 * float(x.logits[p].abs().max()))

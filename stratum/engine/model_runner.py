@@ -67,7 +67,7 @@ class ModelRunner:
         self.device = device
         num_slots = num_blocks * block_size
         # kv_caches[layer] = (k, v), each [num_slots, num_kv_heads, head_dim]; the native step keeps
-        # each block of k transposed, [num_kv_heads, head_dim, block_size] (`PackedStack.keys` reads it)
+        # each block of k transposed, [num_kv_heads, head_dim, block_size]
         shape = (num_slots, cfg.num_kv_heads, cfg.head_dim)
         self.kv_caches = [(_zeros(shape, dtype, device), _zeros(shape, dtype, device)) for _ in range(cfg.num_layers)]
         self._offsets = torch.arange(block_size, device=device)
@@ -231,7 +231,8 @@ class ModelRunner:
                     item.num_spec_tokens and -seq.num_output_tokens % COVERAGE_EVERY < n)):
                 row = row0 if item.num_spec_tokens else row0 + n - 1
                 probe.rows.append(row)
-                probe.slots.append(self._slots_of(table, start + row - row0 + 1))
+                if not packed:  # the native step reads the context through the row's block table
+                    probe.slots.append(self._slots_of(table, start + row - row0 + 1))
                 probe.results.append([])
                 probe.seqs.append(seq)
             if packed:  # every row attends through its sequence's block table

@@ -53,6 +53,7 @@ import torch
 
 from stratum.kernels import kquant
 from stratum.kernels.quant import GROUP_SIZE, Q8_0_BYTES
+from stratum.layers.attention import COVERAGE_MASS
 
 TILE = 16
 # FORMATS, as csrc/step/formats.h numbers them; 3 (kQ8K: int8 q with fp32 scales, Q5_K's form before Q5K) is retired
@@ -381,7 +382,7 @@ class PackedStack:
 
     Holds each layer's projections as their segments (a format per layer and projection, as the
     file stores them); the norms (and Qwen's biases and q/k norms) are fp32 copies of the model's
-    own. The KV pool it writes keeps keys transposed per block (`keys` reads them back as [slot, KVH, D]).
+    own. The KV pool it writes keeps keys transposed per block, [KVH, D, block_size] each.
     """
 
     def __init__(self, model, layers: list[list[list[PackedWeight]]]):
@@ -409,17 +410,10 @@ class PackedStack:
         self.nbytes = sum(w.nbytes for projections in layers for segments in projections for w in segments)
         self.activation_bits = 16  # the numerics' activation blocks (16 or 8 bits; engine builder)
 
-    @staticmethod
-    def keys(k_cache: torch.Tensor, slots: torch.Tensor, block_size: int) -> torch.Tensor:
-        """The keys at `slots`, [n, KVH, D], from a pool the native step wrote: its blocks hold keys
-        transposed, [KVH, D, block_size] each (csrc/step/attention.h)."""
-        num_slots, kv_heads, head_dim = k_cache.shape
-        blocks = k_cache.view(num_slots // block_size, kv_heads, head_dim, block_size)
-        return blocks[slots // block_size, :, :, slots % block_size]
-
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta, kv_caches) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, hidden] fp32 embedded tokens -> (final-normed hidden [T, hidden], probed queries)."""
+        """x [T, hidden] fp32 embedded tokens -> (final-normed hidden [T, hidden], the attention coverage
+        of the probe's rows at its layers [layers (sorted), rows])."""
         cfg = self.config
         probe = meta.probe
         layers = sorted(probe.layers) if probe is not None else []
@@ -427,4 +421,5 @@ class PackedStack:
         return torch.ops.stratum.packed_forward(
             x, positions, cos, sin, meta.slot_mapping, meta.row_tables, meta.row_seq,
             [k for k, _ in kv_caches], [v for _, v in kv_caches], self.weights, self.layout,
-            cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, meta.block_size, layers, rows, self.activation_bits)
+            cfg.num_heads, cfg.num_kv_heads, cfg.rms_norm_eps, meta.block_size, layers, rows, COVERAGE_MASS,
+            self.activation_bits)

@@ -45,8 +45,9 @@ class PrefillSpan:
 class CoverageProbe:
     """Query rows whose attention coverage is measured this step, at the given layers.
 
-    rows[i] is a token row of the step and slots[i] the KV slots of its whole context;
-    results[i] collects one coverage value per measured layer.
+    rows[i] is a token row of the step and slots[i] the KV slots of its whole context (the PyTorch
+    step's; the native step reads it through the row's block table); results[i] collects one coverage
+    value per measured layer.
     """
 
     layers: frozenset[int]
@@ -56,13 +57,17 @@ class CoverageProbe:
     seqs: list = field(default_factory=list)  # the owner of each row, for the caller
 
 
-def attention_coverage(q: torch.Tensor, k: torch.Tensor, scale: float, mass: float = 0.9) -> float:
+COVERAGE_MASS = 0.9  # the share of a head's attention whose positions kv_sparsity counts
+
+
+def attention_coverage(q: torch.Tensor, k: torch.Tensor, scale: float, mass: float = COVERAGE_MASS) -> float:
     """Share of context positions needed to hold `mass` of one query's attention, averaged over heads.
 
     Args:
         q: [H, D] one token's queries; k: [C, KVH, D] its whole context's keys.
     Returns:
         In (0, 1]: low when a few positions carry the attention (most of the context is unused).
+    The native step measures the same in its attention (csrc/step/attention.h `coverage`).
     """
     num_heads, num_kv_heads = q.shape[0], k.shape[1]
     qg = q.float().view(num_kv_heads, num_heads // num_kv_heads, -1)  # [KVH, G, D]

@@ -130,9 +130,9 @@ class LlamaForCausalLM(nn.Module):
         if self.config.embedding_scale != 1.0:
             x = x * self.config.embedding_scale
         if self.packed is not None:
-            hidden, probed = self.packed.forward(x, positions, self.rotary.cos, self.rotary.sin, meta, kv_caches)
+            hidden, coverage = self.packed.forward(x, positions, self.rotary.cos, self.rotary.sin, meta, kv_caches)
             if meta.probe is not None:
-                self._record_coverage(meta.probe, probed, kv_caches, meta.block_size)
+                self._record_coverage(meta.probe, coverage)
             return hidden
         rope = self.rotary.tables(positions)
         local = self.rotary_local.tables(positions) if self.rotary_local is not None else rope
@@ -140,14 +140,12 @@ class LlamaForCausalLM(nn.Module):
             x = layer(x, local if layer.is_sliding else rope, meta, kv_cache)
         return self.norm(x)
 
-    def _record_coverage(self, probe, probed: torch.Tensor, kv_caches, block_size: int) -> None:
-        """The coverage probe from the queries the native step returned ([layers, rows, H, D])."""
-        scale = self.config.head_dim**-0.5
-        for p, layer in enumerate(sorted(probe.layers)):
-            k_cache = kv_caches[layer][0]
-            for i, (slots, out) in enumerate(zip(probe.slots, probe.results)):
-                keys = self.packed.keys(k_cache, slots, block_size)
-                out.append(attention_coverage(probed[p, i], keys, scale))
+    @staticmethod
+    def _record_coverage(probe, coverage: torch.Tensor) -> None:
+        """The coverage the native step measured, [layers, rows], into the probe's results."""
+        for values in coverage.tolist():
+            for out, value in zip(probe.results, values):
+                out.append(value)
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor, fast: bool = False) -> torch.Tensor:

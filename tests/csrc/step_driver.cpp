@@ -217,9 +217,9 @@ void forward_case(Rng& rng, bool qwen, const char* type, int bits) {
   std::vector<T> k0(slots), v0(slots), k1(slots), v1(slots);
   T* k[2] = {k0.data(), k1.data()};
   T* v[2] = {v0.data(), v1.data()};
-  std::vector<float> x = floats(rng, s.tokens * hidden, -1.f, 1.f), out(s.tokens * hidden), probe(2 * heads * d);
+  std::vector<float> x = floats(rng, s.tokens * hidden, -1.f, 1.f), out(s.tokens * hidden), probe(2);
   const int64_t probe_layers[] = {1}, probe_rows[] = {0, s.tokens - 1};
-  forward<T>(s, layers, norms.data() + 4 * hidden, k, v, Probes{probe_layers, 1, probe_rows, 2, probe.data()}, bits, x.data(),
+  forward<T>(s, layers, norms.data() + 4 * hidden, k, v, Probes{probe_layers, 1, probe_rows, 2, 0.9, probe.data()}, bits, x.data(),
              out.data());
   const std::string name = std::string("forward ") + type + " int" + std::to_string(bits) + (qwen ? " bias, q/k norms" : "");
   print(name, out);

@@ -163,15 +163,16 @@ void check_bits(int64_t bits, const char* op) {
 
 // x [T, hidden] fp32 (the embedded tokens), returned as the final-normed hidden states.
 // weights: as layers_of reads them. tables [S, max_blocks] int64, row_seq [T]: each row's sequence.
-// probe_layers / probe_rows: the rotated queries of these rows at these layers are returned too
-// ([len(layers), len(rows), H, D]), for the attention-coverage telemetry.
+// probe_layers / probe_rows: the attention coverage of these rows at these layers (the share of each
+// row's context that holds probe_mass of a head's attention, averaged over the heads) is returned too,
+// [len(layers), len(rows)], for the kv_sparsity telemetry.
 std::tuple<at::Tensor, at::Tensor> packed_forward(const at::Tensor& x_in, const at::Tensor& positions, const at::Tensor& cos,
                                                   const at::Tensor& sin, const at::Tensor& slot_mapping, const at::Tensor& tables,
                                                   const at::Tensor& row_seq, at::TensorList k_caches, at::TensorList v_caches,
                                                   at::TensorList weight_list, at::IntArrayRef layout, int64_t num_heads,
                                                   int64_t num_kv_heads, double eps, int64_t block_size,
                                                   at::IntArrayRef probe_layers, const at::Tensor& probe_rows,
-                                                  int64_t activation_bits) {
+                                                  double probe_mass, int64_t activation_bits) {
   check_bits(activation_bits, "packed_forward");
   TORCH_CHECK(!k_caches.empty() && k_caches[0].dim() == 3, "packed_forward: pools [slots, KV heads, head_dim]");
   const Step s = step_of(x_in, positions, cos, sin, slot_mapping, tables, row_seq, num_heads, num_kv_heads, k_caches[0].size(2),
@@ -189,9 +190,9 @@ std::tuple<at::Tensor, at::Tensor> packed_forward(const at::Tensor& x_in, const 
 
   auto x = x_in.clone(at::MemoryFormat::Contiguous);
   auto h = at::empty({s.tokens, s.hidden}, x_in.options());
-  auto probe_q = at::zeros({static_cast<int64_t>(probe_layers.size()), rows.numel(), num_heads, s.head_dim}, x_in.options());
+  auto probe_out = at::zeros({static_cast<int64_t>(probe_layers.size()), rows.numel()}, x_in.options());
   const Probes probes{probe_layers.data(), static_cast<int64_t>(probe_layers.size()), rows.data_ptr<int64_t>(), rows.numel(),
-                      probe_q.data_ptr<float>()};
+                      probe_mass, probe_out.data_ptr<float>()};
   if (k_caches[0].scalar_type() == at::kFloat) {
     const auto k = pools_of<float, float>(k_caches), v = pools_of<float, float>(v_caches);
     forward<float>(s, layers, final_norm.data_ptr<float>(), k.data(), v.data(), probes, activation_bits, x.data_ptr<float>(),
@@ -201,7 +202,7 @@ std::tuple<at::Tensor, at::Tensor> packed_forward(const at::Tensor& x_in, const 
     forward<BF16>(s, layers, final_norm.data_ptr<float>(), k.data(), v.data(), probes, activation_bits, x.data_ptr<float>(),
                   h.data_ptr<float>());
   }
-  return {h, probe_q};
+  return {h, probe_out};
 }
 
 // x [M, K] fp32 -> [M, rows] fp32 through one packed segment (the output projection, and tests).
@@ -234,6 +235,7 @@ TORCH_LIBRARY_FRAGMENT(stratum, m) {
   m.impl("packed_linear", c10::DispatchKey::CPU, TORCH_FN(packed_linear));
   m.def("packed_forward(Tensor x, Tensor positions, Tensor cos, Tensor sin, Tensor slot_mapping, Tensor tables, "
         "Tensor row_seq, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, Tensor[] weights, int[] layout, int num_heads, "
-        "int num_kv_heads, float eps, int block_size, int[] probe_layers, Tensor probe_rows, int activation_bits=16) -> (Tensor, Tensor)");
+        "int num_kv_heads, float eps, int block_size, int[] probe_layers, Tensor probe_rows, float probe_mass=0.9, "
+        "int activation_bits=16) -> (Tensor, Tensor)");
   m.impl("packed_forward", c10::DispatchKey::CPU, TORCH_FN(packed_forward));
 }

@@ -145,6 +145,69 @@ void attend(const Step& s, const float* q, const T* k_pool, const T* v_pool, flo
   });
 }
 
+// The fewest of n probabilities whose sum reaches `mass`, largest first: where a descending sort's
+// running sum first reaches it (n + 1 where it never does), found by selection instead of a sort. Each
+// pass splits the candidates around one of them into larger, equal and smaller (v is reordered), and
+// either keeps to the larger ones, which hold the mass, or takes them and the equal ones whole.
+inline int64_t fewest_for_mass(float* v, int64_t n, double mass) {
+  int64_t taken = 0, lo = 0, hi = n;
+  while (lo < hi) {
+    const float pivot = v[lo + (hi - lo) / 2];
+    int64_t gt = lo, eq = lo, end = hi;  // [lo, gt) larger, [gt, eq) equal, [end, hi) smaller
+    while (eq < end) {
+      if (v[eq] > pivot) {
+        std::swap(v[gt++], v[eq++]);
+      } else if (v[eq] < pivot) {
+        std::swap(v[eq], v[--end]);
+      } else {
+        ++eq;
+      }
+    }
+    double larger = 0.0;
+    for (int64_t i = lo; i < gt; ++i) larger += v[i];
+    if (larger >= mass) {
+      hi = gt;
+      continue;
+    }
+    mass -= larger;
+    taken += gt - lo;
+    const double equal = static_cast<double>(eq - gt) * pivot;
+    if (pivot > 0.f && equal >= mass) return taken + std::max<int64_t>(1, static_cast<int64_t>(std::ceil(mass / pivot)));
+    mass -= equal;
+    taken += eq - gt;
+    lo = eq;
+  }
+  return taken + 1;
+}
+
+// kv_sparsity's sample of row r (layers/attention.py attention_coverage, the PyTorch step's): per
+// query head, the fewest context positions that hold `mass` of its attention (the softmax of its
+// scaled scores over the row's whole context, read from the pool), as a share of the context, averaged
+// over the heads.
+template <typename T>
+float coverage(const Step& s, const float* q, const T* k_pool, int64_t r, double mass) {
+  const int64_t group = s.heads / s.kv_heads, d = s.head_dim, bs = s.block_size, ctx = s.positions[r] + 1;
+  std::vector<float> sc(group * bs), p(group * ctx);
+  double total = 0.0;
+  for (int64_t h = 0; h < s.kv_heads; ++h) {
+    const float* qr = q + (r * s.heads + h * group) * d;
+    for (int64_t j = 0; j * bs < ctx; ++j) {
+      const int64_t n = std::min(bs, ctx - j * bs), block = s.tables[s.row_seq[r] * s.max_blocks + j];
+      plain_scores(qr, group, d, k_pool + (block * s.kv_heads + h) * d * bs, bs, n, s.scale, sc.data());
+      for (int64_t g = 0; g < group; ++g) std::memcpy(&p[g * ctx + j * bs], &sc[g * bs], n * sizeof(float));
+    }
+    for (int64_t g = 0; g < group; ++g) {
+      float* pg = &p[g * ctx];
+      const float top = *std::max_element(pg, pg + ctx);
+      double sum = 0.0;
+      for (int64_t t = 0; t < ctx; ++t) sum += (pg[t] = exp_fp32(pg[t] - top));
+      for (int64_t t = 0; t < ctx; ++t) pg[t] = static_cast<float>(pg[t] / sum);
+      total += std::min(1.0, static_cast<double>(fewest_for_mass(pg, ctx, mass)) / ctx);
+    }
+  }
+  return static_cast<float>(total / s.heads);
+}
+
 // qkv [T, (H + 2 KVH) D] -> q rotated into `q` [T, H, D]; k rotated and v written at each row's slot
 // (q_norm, k_norm: Qwen3's per-head norms before rotation, or nullptr).
 template <typename T>

@@ -24,13 +24,14 @@ struct LayerWeights {
   std::array<Projection, 4> proj;  // qkv, o, gate_up, down
 };
 
-// The rotated queries of some rows at some layers, kept for the attention-coverage telemetry:
-// out [num_layers][num_rows][heads * head_dim].
+// The rows whose attention coverage (kv_sparsity's sample, attention.h `coverage`) is measured at some
+// layers: out [num_layers][num_rows].
 struct Probes {
   const int64_t* layers;
   int64_t num_layers;
   const int64_t* rows;
   int64_t num_rows;
+  double mass;
   float* out;
 };
 
@@ -53,11 +54,11 @@ inline void swiglu(const float* gu, int64_t tokens, int64_t inter, float* act) {
   }
 }
 
-inline void copy_probes(const Probes& probes, int64_t layer, const float* q, int64_t q_size) {
+template <typename T>
+void probe_coverage(const Step& s, const Probes& probes, int64_t layer, const float* q, const T* k_pool) {
   for (int64_t p = 0; p < probes.num_layers; ++p)
     if (probes.layers[p] == layer)
-      for (int64_t i = 0; i < probes.num_rows; ++i)
-        std::memcpy(probes.out + (p * probes.num_rows + i) * q_size, q + probes.rows[i] * q_size, q_size * sizeof(float));
+      for (int64_t i = 0; i < probes.num_rows; ++i) probes.out[p * probes.num_rows + i] = coverage(s, q, k_pool, probes.rows[i], probes.mass);
 }
 
 // One decoder layer on the residual stream x [T, hidden], in place.
@@ -73,7 +74,7 @@ void layer_forward(const Step& s, const LayerWeights& w, int64_t layer, int64_t 
     for (int64_t t = 0; t < tokens; ++t) add_into(a.qkv.get() + t * qkv_size, w.bias, qkv_size);
   rotate_and_store(s, a.qkv.get(), w.q_norm, w.k_norm, a.q.get(), k_pool, v_pool);
   attend(s, a.q.get(), k_pool, v_pool, a.attn.get());
-  copy_probes(probes, layer, a.q.get(), q_size);
+  probe_coverage(s, probes, layer, a.q.get(), k_pool);
   a.xq.quantize(a.attn.get(), tokens, q_size);
   linear(w.proj[1], a.xq, tokens, a.proj.get());
   add_into(x, a.proj.get(), tokens * hidden);
