@@ -87,8 +87,8 @@ def test_native_row_lookup_gives_gguf_pys_values(qtype):
     ids = torch.tensor([0, 47, 5, 5, 31])
     for raw in tables:
         want = torch.from_numpy(np.asarray(dequantize(raw, GGMLQuantizationType[qtype]), dtype=np.float32).reshape(n, k))
-        got = dequantize_rows(qtype, raw, k, ids)
+        got = dequantize_rows(qtype, torch.from_numpy(raw.view(np.uint8)), k, ids)
         assert got.dtype == torch.float32 and got.shape == (5, k)
         assert torch.equal(got.view(torch.int32), want[ids].view(torch.int32)), qtype
     with pytest.raises(RuntimeError, match="row 48 of 48"):
-        dequantize_rows(qtype, tables[0], k, torch.tensor([48]))
+        dequantize_rows(qtype, torch.from_numpy(tables[0].view(np.uint8)), k, torch.tensor([48]))

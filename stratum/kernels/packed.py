@@ -274,14 +274,11 @@ def native_lookup(qtype: str) -> bool:
     return qtype in REPACK_TYPES and _native_op("dequantize_rows") is not None
 
 
-def dequantize_rows(qtype: str, raw: np.ndarray, k: int, ids: torch.Tensor) -> torch.Tensor | None:
-    """Rows `ids` of raw GGUF rows [N, bytes] (F16: [N, k] float16) as fp32 [len(ids), k], by the native
-    library (csrc/repack.cpp: the values gguf-py's dequantization gives; a decode step's lookup ~25 us with
-    the call and the file's page faults, gguf-py's ~0.4 ms); None where it does not read them here
-    (`native_lookup`)."""
-    if not native_lookup(qtype):
-        return None
-    table = kquant.mapped_tensor(np.asarray(raw).view(np.uint8))
+def dequantize_rows(qtype: str, table: torch.Tensor, k: int, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of a GGUF table as stored (uint8 [N, bytes per row], a view of the file's rows) as
+    fp32 [len(ids), k], by the native library where `native_lookup(qtype)`: csrc/repack.cpp, the values
+    gguf-py's dequantization gives. A decode step's lookup, measured inside the step: ~60 us with the call
+    and the page fault of a new token's row, against gguf-py's ~0.4 ms."""
     return torch.ops.stratum.dequantize_rows(table, REPACK_TYPES[qtype], k, ids.long())
 
 

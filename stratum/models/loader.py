@@ -80,22 +80,30 @@ class QuantizedTensor:
 
         return _unpermute(mapped_tensor(self.stored), self.permuted_heads).numpy()
 
+    @functools.cached_property
+    def table(self) -> torch.Tensor:
+        """`data` as uint8 [rows, bytes per row] over the same memory, for the native lookup: made once
+        (the tensor over a read-only mapping took ~55 us a step, made at every lookup)."""
+        from stratum.kernels.kquant import mapped_tensor
+
+        return mapped_tensor(np.asarray(self.data).view(np.uint8))
+
     def release(self) -> None:
         """Done with the blocks for now: the file's pages leave this process's resident set (`release_pages`)
         and an unpermuted copy is dropped; a later read maps (or copies) them again."""
         release_pages(self.stored)
         self.__dict__.pop("data", None)
+        self.__dict__.pop("table", None)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` as fp32 [len(ids), in_features]: an embedding lookup from the table as stored, by
         the native library where it is loaded (kernels.packed `dequantize_rows`), else by gguf-py's NumPy
         dequantization (for a few rows ~3x faster than kernels.kquant's PyTorch form, whose per-operation
         cost dominates there); the same values either way (tests/test_gguf_formats.py)."""
-        from stratum.kernels.packed import dequantize_rows
+        from stratum.kernels.packed import dequantize_rows, native_lookup
 
-        native = dequantize_rows(self.qtype, self.data, self.shape[1], ids)
-        if native is not None:
-            return native
+        if native_lookup(self.qtype):
+            return dequantize_rows(self.qtype, self.table, self.shape[1], ids)
         return _dequantize(self.qtype, np.asarray(self.data)[ids.numpy()], (ids.shape[0], self.shape[1]), by_gguf=True)
 
     def dense(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
