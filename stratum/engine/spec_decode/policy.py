@@ -12,8 +12,9 @@ nearly free (one stream, a memory-bound step) long proposals pay; where the step
 from __future__ import annotations
 
 import heapq
-import statistics
 from collections import deque
+
+import numpy as np
 
 # Prompt lookup's proposals by how long a match they came from: bucket i holds match lengths from
 # BUCKET_BOUNDS[i] up to the next bound (a long match is a copy, a short one often a common phrase).
@@ -114,15 +115,18 @@ class StepCost:
 
     def _fit(self) -> None:
         self._since_fit = 0
-        points = list(self.observed)
-        slopes = [(tb - ta) / (pb - pa) for i, (pa, ta) in enumerate(points) for pb, tb in points[i + 1 :]
-                  if pb - pa > 0.05 * max(pa, pb)]
+        p, t = np.array(self.observed).T
+        # every pair of steps, the later one with enough more planned time (~0.5 ms a fit of 64 steps
+        # as a Python loop over the 2,016 pairs, every 8th step)
+        dp, dt = p[None, :] - p[:, None], t[None, :] - t[:, None]
+        later = np.triu(np.ones((len(p), len(p)), dtype=bool), 1) & (dp > 0.05 * np.maximum(p[None, :], p[:, None]))
+        slopes = dt[later] / dp[later]
         if self.is_shaped:
-            scale = statistics.median(slopes) if len(slopes) >= MIN_SLOPES else 1.0
+            scale = float(np.median(slopes)) if len(slopes) >= MIN_SLOPES else 1.0
             self.scale = min(max(scale, MIN_SCALE), MAX_SCALE)
         elif len(slopes) >= MIN_SLOPES:  # seconds per row, measured
-            self.scale = max(0.0, statistics.median(slopes))
-        self.base = max(0.0, statistics.median(t - self.scale * p for p, t in points))
+            self.scale = max(0.0, float(np.median(slopes)))
+        self.base = max(0.0, float(np.median(t - self.scale * p)))
 
     def time(self, rows: int, logit_rows: int) -> float:
         return self.scale * self.plan_s(rows, logit_rows) + self.base
