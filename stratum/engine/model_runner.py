@@ -174,9 +174,12 @@ class ModelRunner:
 
     def _logits(self, hidden: torch.Tensor, logit_rows: list[int], fast_rows: list[int]) -> torch.Tensor:
         """Logits of the selected rows; rows of low-latency requests use the fast output projection."""
-        rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         if not fast_rows or self.model.lm_head_int8 is None:
-            return self.model.compute_logits(hidden[rows])
+            first = logit_rows[0]
+            if logit_rows == list(range(first, first + len(logit_rows))):  # a decode's, a verify's: a view, no gather
+                return self.model.compute_logits(hidden[first : first + len(logit_rows)])
+            return self.model.compute_logits(hidden[torch.tensor(logit_rows, dtype=torch.long, device=self.device)])
+        rows = torch.tensor(logit_rows, dtype=torch.long, device=self.device)
         fast = torch.tensor(fast_rows, dtype=torch.long, device=self.device)  # indices into logit_rows
         is_fast = torch.zeros(len(logit_rows), dtype=torch.bool, device=self.device)
         is_fast[fast] = True
