@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from stratum.kernels import native
-from stratum.kernels.governor import ThreadGovernor, decide, other_busy_cores, parse_stat
+from stratum.kernels.governor import ThreadGovernor, decide, other_busy_cores, parse_stat, spans_idle
 from tests.factories import make_tiny_gguf
 
 TICKS = 100
@@ -57,16 +57,34 @@ def test_without_proc_stat_the_plans_threads_stay(tmp_path):
     assert [governor.threads() for _ in range(3)] == [2, 2, 2]
 
 
+def test_a_window_over_an_idle_engine_keeps_the_count_and_starts_anew(tmp_path):
+    """Other processes busy on both cores while the engine sat idle (a peer server's turn in a
+    benchmark): the first step after it keeps the engine's threads, and the next window, the load
+    of now, decides."""
+    idle_before = parse_stat(_stat(10_000, 10_000), own_s=5.0)
+    assert spans_idle(idle_before, parse_stat(_stat(10_000 + 6 * TICKS, 10_000), own_s=5.1), TICKS)  # 3 s, 0.1 s own
+    assert not spans_idle(idle_before, parse_stat(_stat(10_000 + 6 * TICKS, 10_000), own_s=7.0), TICKS)  # 3 s stepping
+    assert not spans_idle(idle_before, parse_stat(_stat(10_000 + TICKS, 10_000), own_s=5.0), TICKS)  # half a second
+
+    stat = tmp_path / "stat"
+    stat.write_text(_stat(10_000, 10_000))
+    governor = ThreadGovernor(2, stat_path=stat, interval_s=0)
+    stat.write_text(_stat(10_000 + 10 * TICKS, 10_000))  # 5 s of both cores busy, not by this process
+    assert governor.threads() == 2
+    stat.write_text(_stat(10_000 + 10 * TICKS + 40, 10_000 + 10))  # then a quarter second at 1.6 cores
+    assert governor.threads() == 1
+
+
 class _Load:
-    """A /proc/stat the test advances: one second on 2 cores per step, other processes busy as given."""
+    """A /proc/stat the test advances: a quarter second on 2 cores per step, other processes busy as given."""
 
     def __init__(self, path: Path):
         self.path, self.busy, self.idle = path, 0, 0
         self.advance(0.0)
 
     def advance(self, other_cores: float) -> None:
-        busy = round(other_cores * TICKS)
-        self.busy, self.idle = self.busy + busy, self.idle + 2 * TICKS - busy
+        busy = round(other_cores * TICKS / 4)
+        self.busy, self.idle = self.busy + busy, self.idle + 2 * TICKS // 4 - busy
         self.path.write_text(_stat(self.busy, self.idle))
 
 

@@ -15,6 +15,11 @@ INTERVAL_S = 0.25  # between samples: /proc/stat is read at most this often, wha
 # once they fall DROP_MARGIN below the threads in use, so a load hovering at a boundary does not flap
 RAISE_MARGIN = 0.25
 DROP_MARGIN = 0.75
+# a window longer than this, in which this process was busy on under half a core, spans an idle
+# engine: the load it saw is what other processes did then (a benchmark's peer serving its turn), not
+# now, and the first steps after it ran on one thread for it (measured: a 1 B prompt's first token
+# ~1.5x later right after another server's round)
+IDLE_WINDOW_S = 1.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +51,12 @@ def other_busy_cores(before: CpuSample, after: CpuSample, clock_ticks: int) -> f
     busy = (after.busy - before.busy) / total * after.cores
     own = (after.own_s - before.own_s) * clock_ticks / total * after.cores
     return max(0.0, busy - own)
+
+
+def spans_idle(before: CpuSample, after: CpuSample, clock_ticks: int) -> bool:
+    """Whether the window between two samples is mostly an idle engine's (IDLE_WINDOW_S)."""
+    seconds = (after.total - before.total) / clock_ticks / after.cores
+    return seconds > IDLE_WINDOW_S and after.own_s - before.own_s < 0.5 * seconds
 
 
 def decide(current: int, limit: int, cores: int, other: float) -> int:
@@ -97,7 +108,8 @@ class ThreadGovernor:
         sample = self._sample()
         self._next = time.monotonic() + self.interval_s
         if sample is not None:
-            other = other_busy_cores(self._last, sample, self._ticks)
-            self.current = decide(self.current, self.limit, sample.cores, other)
+            if not spans_idle(self._last, sample, self._ticks):  # else a new window starts, the count kept
+                other = other_busy_cores(self._last, sample, self._ticks)
+                self.current = decide(self.current, self.limit, sample.cores, other)
             self._last = sample
         return self.current
