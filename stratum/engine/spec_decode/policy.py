@@ -116,11 +116,14 @@ class StepCost:
     def _fit(self) -> None:
         self._since_fit = 0
         p, t = np.array(self.observed).T
-        # every pair of steps, the later one with enough more planned time (~0.5 ms a fit of 64 steps
-        # as a Python loop over the 2,016 pairs, every 8th step)
-        dp, dt = p[None, :] - p[:, None], t[None, :] - t[:, None]
-        later = np.triu(np.ones((len(p), len(p)), dtype=bool), 1) & (dp > 0.05 * np.maximum(p[None, :], p[:, None]))
-        slopes = dt[later] / dp[later]
+        if p.max() - p.min() > 0.05 * p.max():  # else no pair differs enough (one stream, nothing proposed)
+            # every pair of steps, the later one with enough more planned time (~0.5 ms a fit of 64
+            # steps as a Python loop over the 2,016 pairs, every 8th step)
+            dp, dt = p[None, :] - p[:, None], t[None, :] - t[:, None]
+            later = np.triu(np.ones((len(p), len(p)), dtype=bool), 1) & (dp > 0.05 * np.maximum(p[None, :], p[:, None]))
+            slopes = dt[later] / dp[later]
+        else:
+            slopes = p[:0]
         if self.is_shaped:
             scale = float(np.median(slopes)) if len(slopes) >= MIN_SLOPES else 1.0
             self.scale = min(max(scale, MIN_SCALE), MAX_SCALE)
