@@ -115,8 +115,12 @@ void widen_tile8(const uint8_t* w, int64_t blocks, __m256i* buf) {
 }
 
 // Quads j0 .. j1 - 1 of a widened block (bb) for R rows (x: row r's inputs of the block at x + r * k),
-// added into the int32 sums a[r][half].
-template <int R>
+// added into the int32 sums a[r][half]. kPin keeps each int16 sum a chain in one register: over a
+// 4-bit format's eight quads GCC 12 otherwise reassociated the adds into a tree, computing every
+// product first and spilling them to the stack (41 stack accesses in a pass of two rows), ~15% of a
+// Q4_K tile's time at 16-64 rows (scripts/issue36/kbench.cpp, one core). Over the two or four quads of
+// a 5- or 6-bit format the pin made GCC keep the loop rolled, twice as slow: there it is left off.
+template <int R, bool kPin>
 STRATUM_INLINE void quad_sums8(const __m256i* bb, const int8_t* x, int64_t k, int j0, int j1, __m256i a[R][2]) {
   const __m256i ones = _mm256_set1_epi16(1);
   __m256i acc[R][2];
@@ -128,6 +132,7 @@ STRATUM_INLINE void quad_sums8(const __m256i* bb, const int8_t* x, int64_t k, in
       const __m256i xv = _mm256_set1_epi32(quad_of(x + r * k + 4 * j));
       acc[r][0] = _mm256_add_epi16(acc[r][0], _mm256_maddubs_epi16(w0, xv));
       acc[r][1] = _mm256_add_epi16(acc[r][1], _mm256_maddubs_epi16(w1, xv));
+      if constexpr (kPin) __asm__("" : "+x"(acc[r][0]), "+x"(acc[r][1]));
     }
   }
   for (int r = 0; r < R; ++r)
@@ -148,7 +153,7 @@ void wide_dot8(const __m256i* buf, const void* scales, const float* made, int64_
   for (int r = 0; r < R; ++r) f[r][0] = f[r][1] = _mm256_setzero_ps();
   const auto sums = [&](int64_t b, int j0, int j1, __m256i a[R][2]) {  // quads j0 .. j1 - 1, from zero
     for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_si256();
-    for (int j = j0; j < j1; j += kQuads) quad_sums8<R>(buf + b * 16, x8 + b * kBlock, k, j, std::min(j + kQuads, j1), a);
+    for (int j = j0; j < j1; j += kQuads) quad_sums8<R, kQuads == 8>(buf + b * 16, x8 + b * kBlock, k, j, std::min(j + kQuads, j1), a);
   };
   for (int64_t b = 0; b < blocks; ++b) {
     __m256 s0[2], s1[2];
