@@ -83,16 +83,30 @@ def test_released_pages_leave_the_resident_set_and_read_back_the_same(tmp_path):
     assert np.array_equal(heap, values[: 1 << 20])
 
 
-def _mapping_of(address: int) -> tuple[str, str]:
-    """(permissions, path or "" for anonymous memory) of the mapping that holds `address`, from
-    /proc/self/maps."""
-    with open("/proc/self/maps") as maps:
-        for line in maps:
+def _smaps_entry(address: int) -> tuple[list[str], dict[str, str]]:
+    """The /proc/self/smaps entry of the mapping that holds `address`: its header's fields (range,
+    permissions, offset, device, inode, path) and its `Key: value` lines."""
+    entry = None
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
             fields = line.split()
-            lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            if lo <= address < hi:
-                return fields[1], fields[5] if len(fields) > 5 else ""
-    raise AssertionError(f"{address:#x} is in no mapping")
+            if "-" in fields[0] and not fields[0].endswith(":"):  # a mapping's header
+                if entry is not None:
+                    return entry
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                if lo <= address < hi:
+                    entry = (fields, {})
+            elif entry is not None:
+                entry[1][fields[0].rstrip(":")] = " ".join(fields[1:])
+    if entry is None:
+        raise AssertionError(f"{address:#x} is in no mapping")
+    return entry
+
+
+def _mapping_of(address: int) -> tuple[str, str]:
+    """(permissions, path or "" for anonymous memory) of the mapping that holds `address`."""
+    fields, _ = _smaps_entry(address)
+    return fields[1], fields[5] if len(fields) > 5 else ""
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads the mappings from /proc")
@@ -127,16 +141,7 @@ def test_weights_move_onto_huge_pages_where_offered_else_stay_mapped(tmp_path, m
 
 def _thp_eligible(address: int) -> bool:
     """Whether /proc/self/smaps says the mapping holding `address` may be backed by huge pages."""
-    inside = False
-    with open("/proc/self/smaps") as smaps:
-        for line in smaps:
-            head = line.split()[0]
-            if "-" in head and ":" not in head:
-                lo, hi = (int(x, 16) for x in head.split("-"))
-                inside = lo <= address < hi
-            elif inside and head == "THPeligible:":
-                return line.split()[1] == "1"
-    raise AssertionError(f"{address:#x}: no THPeligible line")
+    return _smaps_entry(address)[1]["THPeligible"] == "1"
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="reads the mappings from /proc")
