@@ -139,27 +139,32 @@ STRATUM_INLINE void quad_sums8(const __m256i* bb, const int8_t* x, int64_t k, in
     for (int h = 0; h < 2; ++h) a[r][h] = _mm256_add_epi32(a[r][h], _mm256_madd_epi16(acc[r][h], ones));
 }
 
-// The next tile's bytes fetched while a widened tile's passes run: the passes read only the widened
-// copy, so the memory sat idle and the next widening waited on it (at 16 rows the widening's loads
-// held ~12% of a 1 B decode step's samples). Each pass fetches its share of the next tile's lines,
-// `per` at each of its blocks. Measured on the 1 B file, steps alternating with and without it in one
-// process (Zen 3): a decode step of 4 / 8 / 16 / 32 rows 0.90 / 0.94 / 0.965 / 0.994 of the time.
-// (The int16 path's wider passes gained nothing from it: 1.00-1.02 at 4-16 rows.)
-struct Ahead {
+// The next tile's bytes and scales fetched while a widened tile's passes run: the passes read only the
+// widened copy, so the memory sat idle and the next widening and scales waited on it (at 16 rows
+// their loads held ~16% of a 1 B decode step's samples). Each pass fetches its share of the next
+// tile's lines, a few at each of its blocks. Measured on the 1 B file, steps alternating with and
+// without it in one process (Zen 3): a decode step of 4 / 8 / 16 / 32 rows 0.90 / 0.94 / 0.965 / 0.994
+// of the time with the bytes alone, the scales too 0.996 / - / 0.984-0.989 / 0.996 of that. (The int16
+// path's wider passes gained nothing from the bytes: 1.00-1.02.)
+struct Lines {
   const char* at = nullptr;    // the share's first line
   int64_t per = 0, count = 0;  // lines fetched at each block; lines in the share
 
+  // Pass `pass` of `passes` over `blocks` blocks, from an array of tiles of `bytes` each, the next tile
+  // right after this one at `tile` (past a segment's last tile: whatever follows; a prefetch never faults).
+  static Lines share(const void* tile, int64_t bytes, int64_t blocks, int64_t passes, int64_t pass) {
+    const int64_t lines = (bytes + 63) / 64, per = (lines + passes * blocks - 1) / (passes * blocks), first = pass * per * blocks;
+    return {static_cast<const char*>(tile) + bytes + first * 64, per, std::clamp<int64_t>(lines - first, 0, per * blocks)};
+  }
   STRATUM_INLINE void fetch(int64_t b) const {
     for (int64_t i = b * per; i < std::min(count, (b + 1) * per); ++i) __builtin_prefetch(at + i * 64, 0, 2);
   }
 };
 
-// Pass `pass` of `passes` over a tile of `bytes` at `tile`, the next tile right after it (past a
-// segment's last tile it fetches whatever follows: a prefetch never faults).
-inline Ahead next_tile(const uint8_t* tile, int64_t bytes, int64_t blocks, int64_t passes, int64_t pass) {
-  const int64_t lines = (bytes + 63) / 64, per = (lines + passes * blocks - 1) / (passes * blocks), first = pass * per * blocks;
-  return {reinterpret_cast<const char*>(tile) + bytes + first * 64, per, std::clamp<int64_t>(lines - first, 0, per * blocks)};
-}
+struct Ahead {
+  Lines bytes, scales;
+  STRATUM_INLINE void fetch(int64_t b) const { bytes.fetch(b), scales.fetch(b); }
+};
 
 // R rows of one tile from its widened bytes, its scales read from `made` (tile_scales) where given; each
 // lane's sums and float operations as tile_dot's; `ahead` fetches its share of the next tile.
@@ -249,7 +254,8 @@ void wide_rows8(const uint8_t* wt, const void* st, int64_t blocks, const QuantRo
   if (rows >= kMadeScalesRows) tile_scales<kF>(st, blocks, scaled), made = scaled.data();
   int64_t r = 0;
   const auto pass = [&](auto rr) {
-    const Ahead ahead = next_tile(wt, blocks * block_bytes(kF), blocks, (rows + 1) / 2, r / 2);
+    const int64_t passes = (rows + 1) / 2, scale_bytes = blocks * block_scales(kF) * scale_size(kF);
+    const Ahead ahead{Lines::share(wt, blocks * block_bytes(kF), blocks, passes, r / 2), Lines::share(st, scale_bytes, blocks, passes, r / 2)};
     wide_dot8<decltype(rr)::value, kF>(buf, st, made, blocks, x, r, o + r * ld, ld, valid, ahead);
   };
   for (; r + 2 <= rows; r += 2) pass(std::integral_constant<int, 2>{});
