@@ -150,11 +150,11 @@ struct Lines {
   const char* at = nullptr;    // the share's first line
   int64_t per = 0, count = 0;  // lines fetched at each block; lines in the share
 
-  // Pass `pass` of `passes` over `blocks` blocks, from an array of tiles of `bytes` each, the next tile
-  // right after this one at `tile` (past a segment's last tile: whatever follows; a prefetch never faults).
-  static Lines share(const void* tile, int64_t bytes, int64_t blocks, int64_t passes, int64_t pass) {
+  // Pass `pass` of `passes` over `blocks` blocks of `bytes` at `at`: the as many bytes right after them
+  // (past a segment's last tile, whatever follows: a prefetch never faults).
+  static Lines share(const void* at, int64_t bytes, int64_t blocks, int64_t passes, int64_t pass) {
     const int64_t lines = (bytes + 63) / 64, per = (lines + passes * blocks - 1) / (passes * blocks), first = pass * per * blocks;
-    return {static_cast<const char*>(tile) + bytes + first * 64, per, std::clamp<int64_t>(lines - first, 0, per * blocks)};
+    return {static_cast<const char*>(at) + bytes + first * 64, per, std::clamp<int64_t>(lines - first, 0, per * blocks)};
   }
   STRATUM_INLINE void fetch(int64_t b) const {
     for (int64_t i = b * per; i < std::min(count, (b + 1) * per); ++i) __builtin_prefetch(at + i * 64, 0, 2);
@@ -166,28 +166,31 @@ struct Ahead {
   STRATUM_INLINE void fetch(int64_t b) const { bytes.fetch(b), scales.fetch(b); }
 };
 
-// R rows of one tile from its widened bytes, its scales read from `made` (tile_scales) where given; each
-// lane's sums and float operations as tile_dot's; `ahead` fetches its share of the next tile.
+// R rows of blocks b0 .. b1 - 1 of one tile from their widened bytes (buf), their scales read from
+// `made` (tile_scales) where given; each lane's sums and float operations as tile_dot's, from the sums
+// in acc (R rows of 16, zero where `first`) and back into it; `ahead` fetches its share of what follows.
 template <int R, Format kF>
-void wide_dot8(const __m256i* buf, const void* scales, const float* made, int64_t blocks, const QuantRows& x, int64_t row, float* out, int64_t ld,
-               int64_t valid, const Ahead& ahead) {
+void wide_dot8(const __m256i* buf, const void* scales, const float* made, int64_t b0, int64_t b1, const QuantRows& x, int64_t row,
+               float* acc, bool first, const Ahead& ahead) {
   constexpr int kQuads = kSpan8[high_bits(kF)] / 2;  // quads an int16 lane may sum
   const int64_t k = x.k, nb = x.blocks;
   const int8_t* x8 = x.q8.data() + row * k;
   const float *xd = x.d.data() + row * nb, *xs = x.s.data() + row * nb;
   const int32_t* xh = x.h.data() + row * 2 * nb;
   __m256 f[R][2];
-  for (int r = 0; r < R; ++r) f[r][0] = f[r][1] = _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r)
+    for (int h = 0; h < 2; ++h) f[r][h] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * kTile + h * 8);
   const auto sums = [&](int64_t b, int j0, int j1, __m256i a[R][2]) {  // quads j0 .. j1 - 1, from zero
     for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_si256();
-    for (int j = j0; j < j1; j += kQuads) quad_sums8<R, kQuads == 8>(buf + b * 16, x8 + b * kBlock, k, j, std::min(j + kQuads, j1), a);
+    for (int j = j0; j < j1; j += kQuads) quad_sums8<R, kQuads == 8>(buf + (b - b0) * 16, x8 + b * kBlock, k, j, std::min(j + kQuads, j1), a);
   };
-  for (int64_t b = 0; b < blocks; ++b) {
-    ahead.fetch(b);
+  for (int64_t b = b0; b < b1; ++b) {
+    ahead.fetch(b - b0);
     __m256 s0[2], s1[2];
     for (int h = 0; h < 2; ++h)
       if (made != nullptr) {
-        s0[h] = _mm256_loadu_ps(made + b * 32 + h * 8), s1[h] = _mm256_loadu_ps(made + b * 32 + 16 + h * 8);
+        const float* m = made + (b - b0) * 32;
+        s0[h] = _mm256_loadu_ps(m + h * 8), s1[h] = _mm256_loadu_ps(m + 16 + h * 8);
       } else {
         part_scales<Simd, kF>(static_cast<const ScaleType<kF>*>(scales), b, h, s0[h], s1[h]);
       }
@@ -219,47 +222,69 @@ void wide_dot8(const __m256i* buf, const void* scales, const float* made, int64_
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int h = 0; h < 2; ++h)
-      if (valid > h * 8) Simd::store(out + r * ld + h * 8, f[r][h], valid - h * 8);
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(acc + r * kTile + h * 8, f[r][h]);
 }
 
-// A tile's blocks' fp32 scales as part_scales gives them, made once for all the passes over its rows:
-// per block s0 of lanes 0-7, of 8-15, then s1 of both (32 floats).
+// Blocks b0 .. b1 - 1 of a tile's fp32 scales as part_scales gives them, made once for all the passes
+// over its rows: per block s0 of lanes 0-7, of 8-15, then s1 of both (32 floats).
 template <Format kF>
-void tile_scales(const void* scales, int64_t blocks, std::vector<float>& out) {
+void tile_scales(const void* scales, int64_t b0, int64_t b1, float* out) {
   const ScaleType<kF>* sc = static_cast<const ScaleType<kF>*>(scales);
-  out.resize(blocks * 32);
-  for (int64_t b = 0; b < blocks; ++b)
+  for (int64_t b = b0; b < b1; ++b)
     for (int h = 0; h < 2; ++h) {
       __m256 s0, s1;
       part_scales<Simd, kF>(sc, b, h, s0, s1);
-      _mm256_storeu_ps(out.data() + b * 32 + h * 8, s0), _mm256_storeu_ps(out.data() + b * 32 + 16 + h * 8, s1);
+      float* m = out + (b - b0) * 32;
+      _mm256_storeu_ps(m + h * 8, s0), _mm256_storeu_ps(m + 16 + h * 8, s1);
     }
 }
 
-// `rows` rows (>= kWideMinRows) of one tile of a nibble-plane format with int8 inputs: widened to bytes
-// once (and from kMadeScalesRows rows its scales made once too: per pass they were ~10% of a 64-row
-// tile's time), then passes of two rows (four rows' int16 and int32 sums would not fit the 16 registers).
+// `rows` rows (>= kWideMinRows) of one tile of a nibble-plane format with int8 inputs, a chunk of blocks
+// at a time: widened to bytes once (and from kMadeScalesRows rows the scales made once too: per pass they
+// were ~10% of a 64-row tile's time), then passes of two rows (four rows' int16 and int32 sums would not
+// fit the 16 registers), each lane's sums carried from chunk to chunk in block order.
+//
+// A 4-bit format's chunk is kChunk8 blocks, whose widened bytes, scales and rows' inputs stay in L1
+// (8 + 2 + 8 KB at 16 rows) through the passes, where a whole tile's (32-48 KB at a 1-3 B model's
+// 2,048-3,072 inputs, 128 KB at 8,192) were read back from L2 by every pass; the 5- and 6-bit formats
+// were 2-8% slower chunked and take the whole tile. With the buffers placed as below (kbench, one
+// core, best of three, 1 B and 3 B shapes): 16 rows Q4_K 67-70 -> 70-72 GMAC/s, Q6_K
+// 57-61 -> 60-63, Q5_K 66 -> 70, Q4_0 66 -> 73; 64 rows 1-3% more, no case slower.
 constexpr int64_t kMadeScalesRows = 8;
+constexpr int64_t kChunk8 = 16;
 
 template <Format kF>
 void wide_rows8(const uint8_t* wt, const void* st, int64_t blocks, const QuantRows& x, int64_t rows, float* o, int64_t ld,
                 int64_t valid) {
-  thread_local std::vector<uint8_t> widened;  // 512 bytes per block
-  thread_local std::vector<float> scaled;
-  widened.resize(blocks * kTile * kBlock);
-  __m256i* buf = reinterpret_cast<__m256i*>(widened.data());
-  widen_tile8<kF>(wt, blocks, buf);
-  const float* made = nullptr;
-  if (rows >= kMadeScalesRows) tile_scales<kF>(st, blocks, scaled), made = scaled.data();
-  int64_t r = 0;
-  const auto pass = [&](auto rr) {
-    const int64_t passes = (rows + 1) / 2, scale_bytes = blocks * block_scales(kF) * scale_size(kF);
-    const Ahead ahead{Lines::share(wt, blocks * block_bytes(kF), blocks, passes, r / 2), Lines::share(st, scale_bytes, blocks, passes, r / 2)};
-    wide_dot8<decltype(rr)::value, kF>(buf, st, made, blocks, x, r, o + r * ld, ld, valid, ahead);
-  };
-  for (; r + 2 <= rows; r += 2) pass(std::integral_constant<int, 2>{});
-  if (r < rows) pass(std::integral_constant<int, 1>{});
+  const int64_t chunk = high_bits(kF) == 0 ? kChunk8 : blocks, most = std::min(chunk, blocks);
+  // One buffer, on a 64-byte line: the widened bytes (512 a block), the made scales (128 a block) and
+  // the rows' sums, each kApart bytes past the one before. As three vectors wherever the heap put them,
+  // the same code ran 2-8% slower or faster (kbench) with the allocation.
+  constexpr int64_t kApart = 128;
+  const int64_t made_at = most * kTile * kBlock + kApart, sums_at = made_at + most * 32 * sizeof(float) + kApart;
+  thread_local std::vector<uint8_t> arena;
+  arena.resize(sums_at + rows * kTile * sizeof(float) + 64);
+  uint8_t* line = arena.data() + (-reinterpret_cast<uintptr_t>(arena.data()) & 63);
+  __m256i* buf = reinterpret_cast<__m256i*>(line);
+  float* made = reinterpret_cast<float*>(line + made_at);
+  float* sums = reinterpret_cast<float*>(line + sums_at);
+  const bool make = rows >= kMadeScalesRows;
+  const int64_t passes = (rows + 1) / 2, scale_bytes = block_scales(kF) * scale_size(kF);  // a block's
+  for (int64_t b0 = 0; b0 < blocks; b0 += chunk) {
+    const int64_t b1 = std::min(blocks, b0 + chunk), n = b1 - b0;
+    const uint8_t* w = wt + b0 * block_bytes(kF);
+    const char* s = static_cast<const char*>(st) + b0 * scale_bytes;
+    widen_tile8<kF>(w, n, buf);
+    if (make) tile_scales<kF>(st, b0, b1, made);
+    int64_t r = 0;
+    const auto pass = [&](auto rr) {
+      const Ahead ahead{Lines::share(w, n * block_bytes(kF), n, passes, r / 2), Lines::share(s, n * scale_bytes, n, passes, r / 2)};
+      wide_dot8<decltype(rr)::value, kF>(buf, st, make ? made : nullptr, b0, b1, x, r, sums + r * kTile, b0 == 0, ahead);
+    };
+    for (; r + 2 <= rows; r += 2) pass(std::integral_constant<int, 2>{});
+    if (r < rows) pass(std::integral_constant<int, 1>{});
+  }
+  for (int64_t r = 0; r < rows; ++r) std::memcpy(o + r * ld, sums + r * kTile, valid * sizeof(float));
 }
 
 }  // namespace stratum_step
