@@ -18,9 +18,9 @@
 # (the prefill-* ones send ~512- and ~2,048-token prompts for one token each: prefill alone).
 # One stream runs in SS_ROUNDS rounds (4) of SS_NUM requests (2), the servers alternating (`stratum
 # bench compare --rounds`): its side by side is the median of the rounds' ratios, each comparing one
-# moment of a machine whose speed may drift. On a busy machine SS_NUM, C16_NUM and C16_TOKENS (c16's
-# requests and tokens each, 48 and 128) shorten the first two workloads; a run so shortened says it
-# in its report.
+# moment of a machine whose speed may drift; C16_ROUNDS runs c16 so too (else once, Stratum first).
+# On a busy machine SS_NUM, C16_NUM and C16_TOKENS (c16's requests and tokens each, 48 and 128)
+# shorten the first two workloads; a run so shortened says it in its report.
 # STRATUM_ARGS adds options to `stratum serve` (e.g. "--activations int8"; written to stratum-args.txt).
 # Usage: LLAMA_SERVER=/path/to/llama-server [VLLM=/path/to/vllm VLLM_MODEL=/path/to/hf-bf16] \
 #        [GGUF=/path/to/file.gguf] [WORKLOADS="name ..."] [STRATUM_ARGS="..."] scripts/bench_vs_llama_server.sh [OUT_DIR]
@@ -97,7 +97,7 @@ run() {
 
 # a seed per run: no run finds another run's prompts in Stratum's prefix cache
 run single-stream unique 1 128 ${SS_NUM:-2} --seed 1 --rounds ${SS_ROUNDS:-4}
-run unique-c16 unique 16 ${C16_TOKENS:-128} ${C16_NUM:-48} --seed 6
+run unique-c16 unique 16 ${C16_TOKENS:-128} ${C16_NUM:-48} --seed 6 ${C16_ROUNDS:+--rounds $C16_ROUNDS}
 run shared-prefix-c32 shared-prefix 32 64 64 --seed 2
 run multiturn-8x4 multiturn 8 64 32 --num-turns 4 --seed 4
 run mixed-long-c8 mixed-long 8 64 32 --seed 5
