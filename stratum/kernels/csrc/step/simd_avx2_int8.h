@@ -139,10 +139,10 @@ STRATUM_INLINE void quad_sums8(const __m256i* bb, const int8_t* x, int64_t k, in
     for (int h = 0; h < 2; ++h) a[r][h] = _mm256_add_epi32(a[r][h], _mm256_madd_epi16(acc[r][h], ones));
 }
 
-// The next tile's bytes and scales fetched while a widened tile's passes run: the passes read only the
-// widened copy, so the memory sat idle and the next widening and scales waited on it (at 16 rows
-// their loads held ~16% of a 1 B decode step's samples). Each pass fetches its share of the next
-// tile's lines, a few at each of its blocks. Measured on the 1 B file, steps alternating with and
+// The bytes and scales that follow a widened chunk of a tile (wide_rows8: its next chunk, or the next
+// tile's first) fetched while the chunk's passes run: the passes read only the widened copy, so the
+// memory sat idle and the next widening and scales waited on it (at 16 rows their loads held ~16% of
+// a 1 B decode step's samples). Each pass fetches its share of those lines, a few at each of its blocks. Measured on the 1 B file, steps alternating with and
 // without it in one process (Zen 3): a decode step of 4 / 8 / 16 / 32 rows 0.90 / 0.94 / 0.965 / 0.994
 // of the time with the bytes alone, the scales too 0.996 / - / 0.984-0.989 / 0.996 of that. (The int16
 // path's wider passes gained nothing from the bytes: 1.00-1.02.)
@@ -150,8 +150,9 @@ struct Lines {
   const char* at = nullptr;    // the share's first line
   int64_t per = 0, count = 0;  // lines fetched at each block; lines in the share
 
-  // Pass `pass` of `passes` over `blocks` blocks of `bytes` at `at`: the as many bytes right after them
-  // (past a segment's last tile, whatever follows: a prefetch never faults).
+  // The share of pass `pass` of `passes` over `blocks` blocks stored in `bytes` at `at`: of the same
+  // number of bytes right after them (past a segment's last tile, whatever is there: a prefetch never
+  // faults).
   static Lines share(const void* at, int64_t bytes, int64_t blocks, int64_t passes, int64_t pass) {
     const int64_t lines = (bytes + 63) / 64, per = (lines + passes * blocks - 1) / (passes * blocks), first = pass * per * blocks;
     return {static_cast<const char*>(at) + bytes + first * 64, per, std::clamp<int64_t>(lines - first, 0, per * blocks)};
@@ -168,7 +169,8 @@ struct Ahead {
 
 // R rows of blocks b0 .. b1 - 1 of one tile from their widened bytes (buf), their scales read from
 // `made` (tile_scales) where given; each lane's sums and float operations as tile_dot's, from the sums
-// in acc (R rows of 16, zero where `first`) and back into it; `ahead` fetches its share of what follows.
+// in acc (R rows of 16, zero where `first`) and back into it; `ahead` fetches this pass's share of what
+// follows.
 template <int R, Format kF>
 void wide_dot8(const __m256i* buf, const void* scales, const float* made, int64_t b0, int64_t b1, const QuantRows& x, int64_t row,
                float* acc, bool first, const Ahead& ahead) {
