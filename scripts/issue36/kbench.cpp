@@ -1,4 +1,4 @@
-// One core: linear() on 1B-shaped segments at several row counts; GMAC/s and weight GB/s.
+// One core: linear() on 1B- and 3B-shaped segments at several row counts; GMAC/s and weight GB/s.
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -23,7 +23,7 @@ struct Segment {
 int main(int argc, char** argv) {
   Rng rng{1};
   struct Case { const char* name; Format f; int64_t n, k; };
-  Case cases[] = {{"qkv q4k", kQ4K, 3072, 2048}, {"gate_up q4k", kQ4K, 16384, 2048}, {"down q4k", kQ4K, 2048, 8192},
+  Case cases[] = {{"3b qkv q4k", kQ4K, 5120, 3072}, {"3b gu q4k", kQ4K, 16384, 3072}, {"3b down q6k", kQ6K, 3072, 8192}, {"qkv q4k", kQ4K, 3072, 2048}, {"gate_up q4k", kQ4K, 16384, 2048}, {"down q4k", kQ4K, 2048, 8192},
                   {"down q6k", kQ6K, 2048, 8192}, {"down q5k", kQ5K, 2048, 8192}, {"o q4_0", kQ4, 2048, 2048}, {"o q5_1", kQ5M, 2048, 2048}, {"head q6k", kQ6K, 49152, 2048}};
   std::vector<int64_t> rowsv = {1, 2, 4, 8, 64};
   if (argc > 1) { rowsv.clear(); for (int i = 1; i < argc; ++i) rowsv.push_back(std::atoll(argv[i])); }
