@@ -106,7 +106,7 @@ struct Segment {
 
 void projections(Rng& rng) {
   const Format formats[] = {kQ4, kQ8, kQ4K, kF16, kBF16, kQ5, kQ5M, kQ6K, kQ5K};
-  const int64_t n = 50, k = 512;  // the last tile padded; two super-blocks
+  const int64_t n = 50, k = 768;  // the last tile padded; three super-blocks; AVX2 int8 chunks of 16 + 8 blocks
   for (Format f : formats) {
     const Segment seg(rng, f, n, k);
     for (int bits : {16, 8})  // int8: the families with an int8 kernel (kDot8) and those without agree

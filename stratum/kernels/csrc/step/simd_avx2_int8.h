@@ -142,10 +142,11 @@ STRATUM_INLINE void quad_sums8(const __m256i* bb, const int8_t* x, int64_t k, in
 // The bytes and scales that follow a widened chunk of a tile (wide_rows8: its next chunk, or the next
 // tile's first) fetched while the chunk's passes run: the passes read only the widened copy, so the
 // memory sat idle and the next widening and scales waited on it (at 16 rows their loads held ~16% of
-// a 1 B decode step's samples). Each pass fetches its share of those lines, a few at each of its blocks. Measured on the 1 B file, steps alternating with and
-// without it in one process (Zen 3): a decode step of 4 / 8 / 16 / 32 rows 0.90 / 0.94 / 0.965 / 0.994
-// of the time with the bytes alone, the scales too 0.996 / - / 0.984-0.989 / 0.996 of that. (The int16
-// path's wider passes gained nothing from the bytes: 1.00-1.02.)
+// a 1 B decode step's samples). Each pass fetches its share of those lines, a few at each of its
+// blocks. Measured on the 1 B file, steps alternating with and without it in one process (Zen 3): a
+// decode step of 4 / 8 / 16 / 32 rows 0.90 / 0.94 / 0.965 / 0.994 of the time with the bytes alone,
+// the scales too 0.996 / - / 0.984-0.989 / 0.996 of that. (The int16 path's wider passes gained
+// nothing from the bytes: 1.00-1.02.)
 struct Lines {
   const char* at = nullptr;    // the share's first line
   int64_t per = 0, count = 0;  // lines fetched at each block; lines in the share
@@ -169,11 +170,11 @@ struct Ahead {
 
 // R rows of blocks b0 .. b1 - 1 of one tile from their widened bytes (buf), their scales read from
 // `made` (tile_scales) where given; each lane's sums and float operations as tile_dot's, from the sums
-// in acc (R rows of 16, zero where `first`) and back into it; `ahead` fetches this pass's share of what
-// follows.
+// in acc (R rows of 16; from zero at the tile's first block) and back into it; `ahead` fetches this
+// pass's share of what follows.
 template <int R, Format kF>
 void wide_dot8(const __m256i* buf, const void* scales, const float* made, int64_t b0, int64_t b1, const QuantRows& x, int64_t row,
-               float* acc, bool first, const Ahead& ahead) {
+               float* acc, const Ahead& ahead) {
   constexpr int kQuads = kSpan8[high_bits(kF)] / 2;  // quads an int16 lane may sum
   const int64_t k = x.k, nb = x.blocks;
   const int8_t* x8 = x.q8.data() + row * k;
@@ -181,7 +182,7 @@ void wide_dot8(const __m256i* buf, const void* scales, const float* made, int64_
   const int32_t* xh = x.h.data() + row * 2 * nb;
   __m256 f[R][2];
   for (int r = 0; r < R; ++r)
-    for (int h = 0; h < 2; ++h) f[r][h] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * kTile + h * 8);
+    for (int h = 0; h < 2; ++h) f[r][h] = b0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + r * kTile + h * 8);
   const auto sums = [&](int64_t b, int j0, int j1, __m256i a[R][2]) {  // quads j0 .. j1 - 1, from zero
     for (int r = 0; r < R; ++r) a[r][0] = a[r][1] = _mm256_setzero_si256();
     for (int j = j0; j < j1; j += kQuads) quad_sums8<R, kQuads == 8>(buf + (b - b0) * 16, x8 + b * kBlock, k, j, std::min(j + kQuads, j1), a);
@@ -271,17 +272,17 @@ void wide_rows8(const uint8_t* wt, const void* st, int64_t blocks, const QuantRo
   float* made = reinterpret_cast<float*>(line + made_at);
   float* sums = reinterpret_cast<float*>(line + sums_at);
   const bool make = rows >= kMadeScalesRows;
-  const int64_t passes = (rows + 1) / 2, scale_bytes = block_scales(kF) * scale_size(kF);  // a block's
+  const int64_t passes = (rows + 1) / 2, block_scale_bytes = block_scales(kF) * scale_size(kF);
   for (int64_t b0 = 0; b0 < blocks; b0 += chunk) {
     const int64_t b1 = std::min(blocks, b0 + chunk), n = b1 - b0;
     const uint8_t* w = wt + b0 * block_bytes(kF);
-    const char* s = static_cast<const char*>(st) + b0 * scale_bytes;
+    const char* s = static_cast<const char*>(st) + b0 * block_scale_bytes;
     widen_tile8<kF>(w, n, buf);
     if (make) tile_scales<kF>(st, b0, b1, made);
     int64_t r = 0;
     const auto pass = [&](auto rr) {
-      const Ahead ahead{Lines::share(w, n * block_bytes(kF), n, passes, r / 2), Lines::share(s, n * scale_bytes, n, passes, r / 2)};
-      wide_dot8<decltype(rr)::value, kF>(buf, st, make ? made : nullptr, b0, b1, x, r, sums + r * kTile, b0 == 0, ahead);
+      const Ahead ahead{Lines::share(w, n * block_bytes(kF), n, passes, r / 2), Lines::share(s, n * block_scale_bytes, n, passes, r / 2)};
+      wide_dot8<decltype(rr)::value, kF>(buf, st, make ? made : nullptr, b0, b1, x, r, sums + r * kTile, ahead);
     };
     for (; r + 2 <= rows; r += 2) pass(std::integral_constant<int, 2>{});
     if (r < rows) pass(std::integral_constant<int, 1>{});
