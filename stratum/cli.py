@@ -51,7 +51,9 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: the numerics rule (fp32 on the CPU; README); bfloat16 trades precision for speed and KV memory")
     _add_activations_arg(p)
-    p.add_argument("--kv-cache-mb", type=int, default=256, help="memory for the KV pool")
+    p.add_argument("--kv-cache-mb", type=int, default=None,
+                   help="memory for the KV pool (default: room for 16,384 tokens, or the context up to 32,768, "
+                        "within a quarter of the free memory; at least 256)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="context length (default: the model's trained context; beyond it needs --rope-scaling)")
     p.add_argument("--rope-scaling", default=None, choices=["none", "linear", "yarn"],
@@ -222,7 +224,8 @@ def _say_ready(client, name: str, elapsed_s: float, where: str) -> None:
     later = "; preparing the native kernels in the background" if kernels.get("native_kernels") == "being prepared" else ""
     trade = ", int8 activations" if kernels.get("activations") == "int8" else ""
     print(f"stratum: {name} ready in {elapsed_s:.1f}s on {cfg.device}/{cfg.dtype} ({kernels['step']} "
-          f"step{trade}), {cfg.num_kv_blocks} KV blocks, {cfg.num_threads} engine threads in {where}{later}", flush=True)
+          f"step{trade}), KV pool of {cfg.num_kv_blocks * cfg.block_size:,} tokens, {cfg.num_threads} engine threads "
+          f"in {where}{later}", flush=True)
 
 
 def _start_engine(args, config, engine, starting):

@@ -48,7 +48,8 @@ def print_info(args) -> int:
     info["checkpoint"] = _checkpoint_info(checkpoint, resolved)
     info["engine"] = {"device": resolved.device, "dtype": resolved.dtype, "threads": resolved.num_threads,
                       "prefill_threads": resolved.prefill_threads, "max_model_len": resolved.max_model_len,
-                      "kv_blocks": resolved.num_kv_blocks}
+                      "kv_blocks": resolved.num_kv_blocks,
+                      "kv_tokens": resolved.num_kv_blocks * resolved.block_size}
     # the rule (kernels/numerics.py) from its inputs, then the speed choices that keep its numerics
     info["numerics"] = {"inputs": asdict(inputs), "result": resolved.numerics.describe()}
     info["kernel_plan"] = resolved.kernel_plan.describe()

@@ -482,8 +482,7 @@ def test_codex_default_tools_end_to_end(agent_server, tmp_path, model):
 def extended_real_server(real_model_path):
     """The default model with its context extended to 16,384 tokens by YaRN, as README's Codex command
     serves it: Codex's default prompt (9,215 tokens through this tokenizer) is over the trained 8,192."""
-    server = ServerProcess("smollm2-135m", "--max-model-len", "16384", "--rope-scaling", "yarn",
-                           "--kv-cache-mb", "768").wait_ready(timeout=300)
+    server = ServerProcess("smollm2-135m", "--max-model-len", "16384", "--rope-scaling", "yarn").wait_ready(timeout=300)
     yield server
     server.stop()
 

@@ -50,7 +50,9 @@ def start(config: EngineConfig, replicas: int, ray_address: str | None = None, r
     if not ray_address and config.device != "cuda":
         from stratum.engine.prepare import prepare
 
-        prepare(config)
+        resolved = prepare(config)
+        if config.kv_cache_memory_mb is None and config.num_kv_blocks is None:  # the replicas share the default pool
+            config = replace(config, num_kv_blocks=max(16, resolved.num_kv_blocks // replicas))
     sched = config.scheduler
     # Each replica's engine batches and queues by itself: Serve only has to let that many calls through.
     deployment = serve.deployment(

@@ -35,6 +35,15 @@ log = logging.getLogger("stratum.engine")
 
 HEAD_ROWS = 16384  # rows of the output projection packed at a time: 27 MB of a 2048-wide Q6_K
 
+# The KV pool when none is asked for (`kv_pool_blocks`): room for KV_POOL_TOKENS tokens (16 sequences
+# of 1,024), or the model's whole context up to twice that, within a quarter of the memory free when the
+# engine starts, and never less than KV_POOL_MIN_MB. A pool of a fixed size held 5,700 tokens of the
+# 135 M model but 1,168 of a 3 B one (fp32 K and V, 229 KB a token): 6 sequences of 175 tokens, so a
+# c=16 load queued behind them. The pool is anonymous memory (`model_runner._zeros`): the blocks no
+# sequence has written cost nothing.
+KV_POOL_TOKENS = 16384
+KV_POOL_MIN_MB = 256
+
 # the CPU features the native kernels compile to (kernels/native.py): shown among the rule's inputs
 SIMD_FEATURES = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "avx_vnni", "avx512_bf16", "amx_bf16",
                  "asimd"}
@@ -87,6 +96,36 @@ def provisional(config: EngineConfig, checkpoint: Checkpoint) -> ResolvedConfig:
                                                               basis="a cold start's provisional step"))
 
 
+def kv_pool_blocks(memory_mb: int | None, per_block: int, block_size: int, max_model_len: int, device: str) -> int:
+    """The KV pool's blocks: memory_mb's worth, or where None, the default (KV_POOL_TOKENS above)."""
+    if memory_mb is None:
+        tokens = max(KV_POOL_TOKENS, min(max_model_len, 2 * KV_POOL_TOKENS))
+        wanted = -(-tokens // block_size) * per_block
+        memory = max(KV_POOL_MIN_MB * 2**20, min(wanted, free_memory(device) // 4))
+    else:
+        memory = memory_mb * 2**20
+    return max(16, memory // per_block)
+
+
+def free_memory(device: str) -> int:
+    """Bytes free for the KV pool: the GPU's free memory; on the CPU the system's available memory, or
+    what this process's memory cgroup still allows where that is less (a container's limit)."""
+    if device.startswith("cuda"):
+        return torch.cuda.mem_get_info(torch.device(device))[0]
+    import psutil
+
+    free = psutil.virtual_memory().available
+    for limit, usage in (("memory.max", "memory.current"), ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:  # cgroup v2, then v1, each as mounted in this process's namespace
+            cap = (Path("/sys/fs/cgroup") / limit).read_text().strip()
+            if cap != "max":
+                free = min(free, int(cap) - int((Path("/sys/fs/cgroup") / usage).read_text()))
+            break
+        except (OSError, ValueError):
+            continue
+    return free
+
+
 def _platform(numerics: Numerics) -> str:
     """What else changes the bits of the step: nothing for the native step (every SIMD path and thread
     count gives the same, tests/test_simd_paths.py); PyTorch's matmuls pick kernels by torch version
@@ -103,7 +142,8 @@ def _resolved(config: EngineConfig, checkpoint: Checkpoint, numerics: Numerics, 
     prefill_threads = config.prefill_threads or max(threads, os.cpu_count() or 1)
     max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     per_block = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * config.block_size * (2 if numerics.kv_dtype == "bfloat16" else 4)
-    num_blocks = config.num_kv_blocks or max(16, config.kv_cache_memory_mb * 2**20 // per_block)
+    num_blocks = config.num_kv_blocks or kv_pool_blocks(config.kv_cache_memory_mb, per_block, config.block_size,
+                                                        max_model_len, numerics.device)
     defaults = sampling_defaults(config.model)
     return ResolvedConfig(
         model=config.model, device=numerics.device, dtype=numerics.dtype, block_size=config.block_size,

@@ -66,7 +66,7 @@ class EngineConfig:
     dtype: str = "auto"  # "float32", "bfloat16", or "auto": the numerics rule's default (kernels/numerics.py)
     block_size: int = 16
     num_kv_blocks: int | None = None  # None: sized from kv_cache_memory_mb
-    kv_cache_memory_mb: int = 256
+    kv_cache_memory_mb: int | None = None  # None: the default pool (`builder.kv_pool_blocks`)
     max_model_len: int | None = None  # None: the checkpoint's context length (or what rope_scaling reaches)
     # RoPE scaling that extends the context beyond the trained one, as llama.cpp's --rope-scaling /
     # --rope-scale / --yarn-orig-ctx (`ModelConfig.with_context`); None: the trained context, at most

@@ -14,7 +14,7 @@ import os
 import time
 import uuid
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import islice
 
 import torch
@@ -97,7 +97,8 @@ class LLMEngine:
         self.upgrade: KernelUpgrade | None = None  # a cold start's kernels, being compiled (`switch_kernels`)
         if resolved is None:
             resolved = builder.provisional(config, checkpoint)
-            self.upgrade = KernelUpgrade(config)
+            # the prepared step keeps this pool's size: a default pool is sized by the memory free now
+            self.upgrade = KernelUpgrade(replace(config, num_kv_blocks=resolved.num_kv_blocks))
         self.config = config = resolved
         torch.set_num_threads(config.num_threads)
         self._threads = config.num_threads
