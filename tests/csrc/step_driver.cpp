@@ -178,7 +178,8 @@ void attention_case(Rng& rng, int64_t heads, int64_t kv_heads, int64_t d, int64_
 }
 
 void attention(Rng& rng) {
-  const int64_t shapes[][3] = {{4, 4, 64}, {4, 2, 64}, {6, 2, 64}, {8, 2, 64}, {4, 2, 128}, {2, 1, 128}, {6, 3, 32}, {3, 1, 64}};
+  const int64_t shapes[][3] = {{4, 4, 64}, {4, 2, 64}, {6, 2, 64}, {8, 2, 64}, {4, 2, 128}, {2, 1, 128}, {6, 3, 32}, {3, 1, 64},
+                               {6, 2, 128}, {8, 2, 128}, {14, 2, 64}, {10, 1, 128}};  // and passes of four heads: 4 + 3, 4 + 4 + 2
   for (const auto& h : shapes)
     for (int64_t bs : {16, 4}) {
       attention_case<float>(rng, h[0], h[1], h[2], bs, "fp32");

@@ -64,24 +64,90 @@ inline void plain_values(const float* sc, const T* v, int64_t stride, int64_t n,
   }
 }
 
+// A KV head's query heads in passes of at most four, each pass through the family's register-blocked
+// kernel for its head count where it has one (simd.h), else the plain loops: every head's lanes are
+// computed on their own, so the passes give the same bits as one loop over the group.
+template <typename T>
+struct HeadPasses {
+  static constexpr int64_t kHeads = 4;
+  int64_t group, d, bs;
+  ScoresFn<T> scores_fn[kHeads + 1];  // by the pass's head count
+  ValuesFn<T> values_fn[kHeads + 1];
+
+  explicit HeadPasses(const Step& s) : group(s.heads / s.kv_heads), d(s.head_dim), bs(s.block_size) {
+    for (int64_t g = 1; g <= kHeads; ++g) {
+      scores_fn[g] = scores_kernel<T>(bs, g);
+      values_fn[g] = values_kernel<T>(d, g);
+    }
+  }
+  // sc [group][bs] = the scaled scores of the group's queries qr [group][d] against the block's keys kt
+  void scores(const float* qr, const T* kt, int64_t n, float scale, float* sc) const {
+    for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
+      const int64_t heads = std::min(kHeads, group - g0);
+      if (scores_fn[heads] != nullptr) {
+        scores_fn[heads](qr + g0 * d, d, kt, scale, sc + g0 * bs);
+      } else {
+        plain_scores(qr + g0 * d, heads, d, kt, bs, n, scale, sc + g0 * bs);
+      }
+    }
+  }
+  // acc [group][d] += the probabilities sc [group][bs] times the block's n values v
+  void values(const float* sc, const T* v, int64_t stride, int64_t n, float* acc) const {
+    for (int64_t g0 = 0; g0 < group; g0 += kHeads) {
+      const int64_t heads = std::min(kHeads, group - g0);
+      if (values_fn[heads] != nullptr) {
+        values_fn[heads](sc + g0 * bs, v, stride, n, acc + g0 * d, bs);
+      } else {
+        plain_values(sc + g0 * bs, v, stride, n, heads, d, bs, acc + g0 * d);
+      }
+    }
+  }
+};
+
 // One block's scores (n of them per query head, in sg) folded into a row's running softmax: the new
-// max, the scores turned into exp(score - max) in place, the sum and the accumulator rescaled.
+// max, the scores turned into exp(score - max) in place, the sum and the accumulator rescaled. Each
+// head's sum runs over t in order; four heads' sums are interleaved so their add chains overlap, and a
+// rescale of exactly 1 (the max unchanged, as in most blocks past the first) is skipped: x * 1 is x.
 inline void online_softmax(float* sc, int64_t n, int64_t group, int64_t d, int64_t bs, float* m, float* l, float* acc) {
-  for (int64_t g = 0; g < group; ++g) {
-    float* sg = sc + g * bs;
-    float new_m = m[g];
-#pragma omp simd reduction(max : new_m)
-    for (int64_t t = 0; t < n; ++t) new_m = std::max(new_m, sg[t]);
+  constexpr int64_t kChains = 4;
+  for (int64_t g0 = 0; g0 < group; g0 += kChains) {
+    const int64_t heads = std::min(kChains, group - g0);
+    float new_m[kChains], sum[kChains] = {};
+    for (int64_t g = 0; g < heads; ++g) {
+      float* sg = sc + (g0 + g) * bs;
+      float top = m[g0 + g];
+#pragma omp simd reduction(max : top)
+      for (int64_t t = 0; t < n; ++t) top = sg[t] > top ? sg[t] : top;
 #pragma omp simd
-    for (int64_t t = 0; t < n; ++t) sg[t] = exp_fp32(sg[t] - new_m);
-    float sum = 0.f;
-    for (int64_t t = 0; t < n; ++t) sum += sg[t];
-    const float rescale = exp_fp32(m[g] - new_m);
-    l[g] = l[g] * rescale + sum;
-    m[g] = new_m;
-    float* a = acc + g * d;
+      for (int64_t t = 0; t < n; ++t) sg[t] = exp_fp32(sg[t] - top);
+      new_m[g] = top;
+    }
+    if (heads == kChains) {
+      const float* a = sc + g0 * bs;
+      float s0 = 0.f, s1 = 0.f, s2 = 0.f, s3 = 0.f;
+      for (int64_t t = 0; t < n; ++t) {
+        s0 += a[t];
+        s1 += a[bs + t];
+        s2 += a[2 * bs + t];
+        s3 += a[3 * bs + t];
+      }
+      sum[0] = s0, sum[1] = s1, sum[2] = s2, sum[3] = s3;
+    } else {
+      for (int64_t g = 0; g < heads; ++g)
+        for (int64_t t = 0; t < n; ++t) sum[g] += sc[(g0 + g) * bs + t];
+    }
+    for (int64_t g = 0; g < heads; ++g) {
+      if (new_m[g] == m[g0 + g]) {
+        l[g0 + g] += sum[g];
+        continue;
+      }
+      const float rescale = exp_fp32(m[g0 + g] - new_m[g]);
+      l[g0 + g] = l[g0 + g] * rescale + sum[g];
+      m[g0 + g] = new_m[g];
+      float* a = acc + (g0 + g) * d;
 #pragma omp simd
-    for (int64_t i = 0; i < d; ++i) a[i] *= rescale;
+      for (int64_t i = 0; i < d; ++i) a[i] *= rescale;
+    }
   }
 }
 
@@ -89,7 +155,7 @@ inline void online_softmax(float* sc, int64_t n, int64_t group, int64_t d, int64
 // chunk's rows, decodes under one system prompt) read each block while it is in cache.
 template <typename T>
 void attend_rows(const Step& s, const float* q, const T* k_pool, const T* v_pool, int64_t h, int64_t r0, int64_t r1,
-                 ScoresFn<T> scores_fn, ValuesFn<T> values_fn, Softmax& st, float* out) {
+                 const HeadPasses<T>& passes, Softmax& st, float* out) {
   const int64_t group = s.heads / s.kv_heads, d = s.head_dim, bs = s.block_size, slot_stride = s.kv_heads * d;
   st.reset();
   int64_t blocks = 0;
@@ -104,17 +170,9 @@ void attend_rows(const Step& s, const float* q, const T* k_pool, const T* v_pool
       const T* v = v_pool + block * bs * slot_stride + h * d;
       const float* qr = q + (r * s.heads + h * group) * d;
       float* acc = &st.acc[rr * group * d];
-      if (scores_fn != nullptr) {
-        scores_fn(qr, d, kt, s.scale, st.sc.data());
-      } else {
-        plain_scores(qr, group, d, kt, bs, n, s.scale, st.sc.data());
-      }
+      passes.scores(qr, kt, n, s.scale, st.sc.data());
       online_softmax(st.sc.data(), n, group, d, bs, &st.m[rr * group], &st.l[rr * group], acc);
-      if (values_fn != nullptr) {
-        values_fn(st.sc.data(), v, slot_stride, n, acc, bs);
-      } else {
-        plain_values(st.sc.data(), v, slot_stride, n, group, d, bs, acc);
-      }
+      passes.values(st.sc.data(), v, slot_stride, n, acc);
     }
   }
   for (int64_t r = r0; r < r1; ++r)
@@ -132,15 +190,14 @@ void attend_rows(const Step& s, const float* q, const T* k_pool, const T* v_pool
 template <typename T>
 void attend(const Step& s, const float* q, const T* k_pool, const T* v_pool, float* out) {
   constexpr int64_t kRows = 16;
-  const int64_t group = s.heads / s.kv_heads, chunks = (s.tokens + kRows - 1) / kRows;
-  const ScoresFn<T> scores_fn = scores_kernel<T>(s.block_size, group);
-  const ValuesFn<T> values_fn = values_kernel<T>(s.head_dim, group);
+  const int64_t chunks = (s.tokens + kRows - 1) / kRows;
+  const HeadPasses<T> passes(s);
   parallel_for(0, s.kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
     FlushDenormals flush;
-    Softmax st(kRows, group, s.head_dim, s.block_size);
+    Softmax st(kRows, passes.group, s.head_dim, s.block_size);
     for (int64_t item = begin; item < end; ++item) {
       const int64_t h = item % s.kv_heads, r0 = (item / s.kv_heads) * kRows;
-      attend_rows(s, q, k_pool, v_pool, h, r0, std::min(s.tokens, r0 + kRows), scores_fn, values_fn, st, out);
+      attend_rows(s, q, k_pool, v_pool, h, r0, std::min(s.tokens, r0 + kRows), passes, st, out);
     }
   });
 }

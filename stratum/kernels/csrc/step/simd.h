@@ -9,7 +9,8 @@
 //                    widen8(p)        a part's int8 pairs of one 32-byte pair row -> int16 pairs
 //                    and the fp32 operations (fma, mul, add, fp16 and bf16 loads) the scales and sums take
 //   kWideMinRows   rows from which the family's `wide_rows` takes a tile (0: it has none; projection.h)
-//   scores_kernel, values_kernel   its register-blocked attention for the shapes it covers (attention.h)
+//   scores_kernel, values_kernel   its register-blocked attention for a pass of 1 to 4 query heads, where it
+//                                  covers the shape (nullptr: attention.h's plain loops)
 // The families must agree bit for bit: each lane's integer sums are exact, and its float operations are
 // the same ones in the same order in every family (numerics.h).
 #pragma once

@@ -212,6 +212,11 @@ inline __m256 load8(const BF16* p) {  // bf16 is the top half of an fp32
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
 }
 
+// Keeps loaded vectors in registers: GCC otherwise folds the load into every fma that uses it, and
+// the load ports, not the fma ones, set the pace.
+inline void in_register(__m256& v) { __asm__("" : "+x"(v)); }
+inline void in_register(__m256& a, __m256& b) { __asm__("" : "+x"(a), "+x"(b)); }
+
 // block_scores of the AVX-512 path in two 8-lane halves: each lane's fma chain over i, then the
 // scale, as there and in the plain loops, so the same bits.
 template <typename T, int G>
@@ -219,7 +224,8 @@ inline void block_scores(const float* q, int64_t d, const T* kt, float scale, fl
   __m256 a[G][2];
   for (int g = 0; g < G; ++g) a[g][0] = a[g][1] = _mm256_setzero_ps();
   for (int64_t i = 0; i < d; ++i) {
-    const __m256 k0 = load8(kt + i * 16), k1 = load8(kt + i * 16 + 8);
+    __m256 k0 = load8(kt + i * 16), k1 = load8(kt + i * 16 + 8);
+    in_register(k0, k1);
     for (int g = 0; g < G; ++g) {
       const __m256 qi = _mm256_set1_ps(q[g * d + i]);
       a[g][0] = _mm256_fmadd_ps(qi, k0, a[g][0]);
@@ -247,7 +253,8 @@ inline void block_values(const float* p, const T* v, int64_t stride, int64_t n, 
       for (int c = 0; c < kW; ++c) a[g][c] = _mm256_loadu_ps(acc + g * C * 16 + (c0 + c) * 8);
     for (int64_t t = 0; t < n; ++t)
       for (int c = 0; c < kW; ++c) {
-        const __m256 vv = load8(v + t * stride + (c0 + c) * 8);
+        __m256 vv = load8(v + t * stride + (c0 + c) * 8);
+        in_register(vv);
         for (int g = 0; g < G; ++g) a[g][c] = _mm256_fmadd_ps(_mm256_set1_ps(p[g * bs + t]), vv, a[g][c]);
       }
     for (int g = 0; g < G; ++g)
@@ -280,6 +287,8 @@ ValuesFn<T> values_kernel(int64_t head_dim, int64_t group) {
   if (head_dim == 128) switch (group) {
       case 1: return block_values<T, 8, 1>;
       case 2: return block_values<T, 8, 2>;
+      case 3: return block_values<T, 8, 3>;
+      case 4: return block_values<T, 8, 4>;
       default: break;
     }
   return nullptr;
