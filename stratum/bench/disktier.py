@@ -118,9 +118,9 @@ def _checkpoint(model: str):
 
 def pool_mb(checkpoint, num_tokens: int) -> int:
     """A KV pool of num_tokens tokens (float32 K and V, as the CPU's pool keeps them), in MiB."""
-    c = checkpoint.config
-    per_token = c.num_layers * c.num_kv_heads * c.head_dim * 2 * 4
-    return -(-num_tokens * per_token // 2**20)
+    from stratum.engine.builder import kv_bytes_per_token
+
+    return -(-num_tokens * kv_bytes_per_token(checkpoint.config, "float32") // 2**20)
 
 
 def agent_system_prompt(checkpoint, num_tokens: int, seed: int) -> str:

@@ -96,6 +96,11 @@ def provisional(config: EngineConfig, checkpoint: Checkpoint) -> ResolvedConfig:
                                                               basis="a cold start's provisional step"))
 
 
+def kv_bytes_per_token(mc, kv_dtype: str) -> int:
+    """One token's K and V over every layer in the pool's dtype (bf16: 2 bytes, else fp32: 4)."""
+    return 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * (2 if kv_dtype == "bfloat16" else 4)
+
+
 def kv_pool_blocks(memory_mb: int | None, per_block: int, block_size: int, max_model_len: int, device: str) -> int:
     """The KV pool's blocks: memory_mb's worth, or where None, the default (KV_POOL_TOKENS above)."""
     if memory_mb is None:
@@ -141,7 +146,7 @@ def _resolved(config: EngineConfig, checkpoint: Checkpoint, numerics: Numerics, 
     threads = plan.threads
     prefill_threads = config.prefill_threads or max(threads, os.cpu_count() or 1)
     max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
-    per_block = 2 * mc.num_layers * mc.num_kv_heads * mc.head_dim * config.block_size * (2 if numerics.kv_dtype == "bfloat16" else 4)
+    per_block = kv_bytes_per_token(mc, numerics.kv_dtype) * config.block_size
     num_blocks = config.num_kv_blocks or kv_pool_blocks(config.kv_cache_memory_mb, per_block, config.block_size,
                                                         max_model_len, numerics.device)
     defaults = sampling_defaults(config.model)
