@@ -106,8 +106,9 @@ struct HeadPasses {
 
 // One block's scores (n of them per query head, in sg) folded into a row's running softmax: the new
 // max, the scores turned into exp(score - max) in place, the sum and the accumulator rescaled. Each
-// head's sum runs over t in order; four heads' sums are interleaved so their add chains overlap, and a
-// rescale of exactly 1 (the max unchanged, as in most blocks past the first) is skipped: x * 1 is x.
+// head's sum runs over t in order; four heads' sums are interleaved so their add chains overlap (written
+// out for four: GCC turned the same loop over a variable count into gathers, slower on the Zen 3), and
+// a rescale of exactly 1 (the max unchanged, as in most blocks past the first) is skipped: x * 1 is x.
 inline void online_softmax(float* sc, int64_t n, int64_t group, int64_t d, int64_t bs, float* m, float* l, float* acc) {
   constexpr int64_t kChains = 4;
   for (int64_t g0 = 0; g0 < group; g0 += kChains) {
