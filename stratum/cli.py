@@ -240,11 +240,11 @@ def _start_engine(args, config, engine, starting):
     if engine is not None:
         starting.wait_listening()  # the server's event loop reads the engine's events
         return engine.connect(on_stage=lambda stage: setattr(starting, "stage", stage), loop=starting.loop), "a process"
-    from stratum.engine.loop import start_thread_engine
-    from stratum.engine.core import LLMEngine
+    from stratum.engine.thread_transport import start_thread_engine
+    from stratum.engine.core import EngineCore
 
     starting.stage = "loading model"
-    return start_thread_engine(LLMEngine(config)), "a thread"
+    return start_thread_engine(EngineCore(config)), "a thread"
 
 
 def _serving_app(args, client, name: str):

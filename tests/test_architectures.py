@@ -78,7 +78,7 @@ def test_family_matches_transformers(folders, family, source, tmp_path):
             ref_logits = ref(torch.tensor([full])).logits[0, :-1].float()
             generated = ref.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                      max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
-        ours = torch.stack([seq.logits[p] for p in range(len(full) - 1)])
+        ours = torch.stack([seq.readouts.logits[p] for p in range(len(full) - 1)])
         diff = (ours.log_softmax(-1) - ref_logits.log_softmax(-1)).abs().amax(-1)
         assert diff.max() <= LOGPROB_ATOL, f"{family}/{source}: position {int(diff.argmax())}: |logprob diff| {diff.max():.2e}"
         assert full[len(prompt):] == generated[0, len(prompt):].tolist(), f"{family}/{source}: greedy tokens differ"

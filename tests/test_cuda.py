@@ -29,8 +29,8 @@ def test_cuda_fp32_matches_cpu_fp32(tiny_model_dir):
     gpu = _run(tiny_model_dir, "cuda", "float32")
     for a, b in zip(cpu, gpu):
         assert a.output_token_ids == b.output_token_ids
-        for pos in a.logits:
-            assert torch.allclose(a.logits[pos], b.logits[pos], atol=1e-3), pos
+        for pos in a.readouts.logits:
+            assert torch.allclose(a.readouts.logits[pos], b.readouts.logits[pos], atol=1e-3), pos
 
 
 @pytest.mark.integration

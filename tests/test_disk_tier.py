@@ -31,9 +31,14 @@ BS = 16
 GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
 
 
+_opened: list[LLM] = []  # this test's engines, whose tiers `close_tiers` stops
+
+
 def tiny_llm(model, kv_dir, gb: float | None = 1.0, **kw) -> LLM:
     settings = dict(num_kv_blocks=64, block_size=BS, dtype="float32", device="cpu", num_threads=1, int4_max_tokens=0)
-    return LLM(str(model), kv_disk_gb=gb, kv_disk_dir=str(kv_dir), **{**settings, **kw})
+    llm = LLM(str(model), kv_disk_gb=gb, kv_disk_dir=str(kv_dir), **{**settings, **kw})
+    _opened.append(llm)
+    return llm
 
 
 def prompt(seed: int, n: int = 200) -> list[int]:
@@ -70,10 +75,8 @@ def written(model, kv_dir, p: list[int]):
 def close_tiers():
     """Each test's tiers stop their threads when it ends."""
     yield
-    from stratum.engine import disk_tier
-
-    for tier in list(disk_tier._live):
-        tier.close()
+    while _opened:
+        _opened.pop().engine.tier.close()
 
 
 @pytest.fixture(scope="module")
@@ -97,8 +100,8 @@ def test_greedy_output_is_the_same_from_compute_the_pool_and_the_disk(step, tiny
     again = tiny_llm(tiny_gguf, kv, native_step=step == "native")  # a restart: the pool is empty, the disk is not
     assert again.engine.kernel_choices["step"] == ("native, packed blocks" if step == "native" else "pytorch")
     from_disk = run(again, [p])[0]
-    assert from_disk.num_cached_tokens == from_disk.num_disk_cached_tokens == 300 // BS * BS
-    assert from_disk.disk_read_s > 0 and from_disk.num_prompt_tokens_computed == 301 - 288
+    assert from_disk.num_cached_tokens == from_disk.cache_stats.num_disk_cached_tokens == 300 // BS * BS
+    assert from_disk.cache_stats.disk_read_s > 0 and from_disk.cache_stats.num_prompt_tokens_computed == 301 - 288
     assert computed.output_token_ids == pooled[0].output_token_ids == pooled[1].output_token_ids == from_disk.output_token_ids
     report = again.engine.tier.report()["disk"]
     assert report["hit_tokens"] == 288 and report["read_bytes"] == 18 * (HEADER_BYTES + again.engine.tier.block_bytes)
@@ -113,7 +116,7 @@ def test_pool_evicted_prefix_comes_back_from_disk(tiny_model_dir, tmp_path):
     assert llm.engine.tier.report()["pool"]["evicted_blocks"] > 0
     settled(llm)
     back = run(llm, [a])[0]
-    assert back.num_disk_cached_tokens > 0 and back.num_cached_tokens == 192
+    assert back.cache_stats.num_disk_cached_tokens > 0 and back.num_cached_tokens == 192
     assert back.output_token_ids == first.output_token_ids
 
 
@@ -125,7 +128,7 @@ def test_another_tenants_prefix_is_never_a_disk_hit(tiny_model_dir, tmp_path):
     restarted = tiny_llm(tiny_model_dir, tmp_path / "kv")
     b, unsalted, a = (run(restarted, [p], salt=s)[0] for s in ("tenant-b", None, "tenant-a"))
     assert b.num_cached_tokens == 0 and unsalted.num_cached_tokens == 0  # computed: no disk read of a's blocks
-    assert a.num_disk_cached_tokens == 192
+    assert a.cache_stats.num_disk_cached_tokens == 192
     assert a.output_token_ids == b.output_token_ids
 
 
@@ -147,8 +150,8 @@ def test_blocks_written_under_other_numerics_are_never_read(tiny_gguf, tmp_path)
     assert kv_binding(bumped, native_step.engine.model) != native_step.engine.tier.binding  # a kernel change
     assert run(native_step, [p])[0].num_cached_tokens == 0
     settled(native_step)
-    assert run(tiny_llm(tiny_gguf, kv, native_step=True), [p])[0].num_disk_cached_tokens == 192
-    assert run(tiny_llm(tiny_gguf, kv, native_step=False), [p])[0].num_disk_cached_tokens == 192
+    assert run(tiny_llm(tiny_gguf, kv, native_step=True), [p])[0].cache_stats.num_disk_cached_tokens == 192
+    assert run(tiny_llm(tiny_gguf, kv, native_step=False), [p])[0].cache_stats.num_disk_cached_tokens == 192
     int8 = tiny_llm(tiny_gguf, kv, native_step=True, activations="int8")  # the native step's other numerics
     assert int8.engine.tier.binding != native_step.engine.tier.binding and run(int8, [p])[0].num_cached_tokens == 0
     # the same step and dtype on other weight kernels (packed as stored, int4 copies), or another dtype
@@ -186,13 +189,13 @@ def test_a_damaged_block_is_dropped_and_recomputed_never_served(damage, tiny_mod
     else:
         victim.unlink()
     out = run(settled_llm, [p])[0]
-    assert out.num_disk_cached_tokens == 5 * BS  # the blocks before it only
+    assert out.cache_stats.num_disk_cached_tokens == 5 * BS  # the blocks before it only
     assert out.output_token_ids == reference.output_token_ids
     assert settled_llm.engine.tier.report()["disk"]["corrupt_blocks"] == (0 if damage == "remove" else 1)
     settled(settled_llm)
     assert victim.exists() and keys[5] in settled_llm.engine.tier.index  # written again once recomputed
     again = run(tiny_llm(tiny_model_dir, kv), [p])[0]
-    assert again.num_disk_cached_tokens == 192 and again.output_token_ids == reference.output_token_ids
+    assert again.cache_stats.num_disk_cached_tokens == 192 and again.output_token_ids == reference.output_token_ids
 
 
 CHILD = """
@@ -232,7 +235,7 @@ def test_kill_9_while_writing_leaves_a_tier_that_loads_and_serves_correct_text(t
     settled(llm)
     reference = run(tiny_llm(tiny_model_dir, tmp_path / "off", gb=0), prompts)
     assert [s.output_token_ids for s in served] == [s.output_token_ids for s in reference]
-    assert sum(s.num_disk_cached_tokens for s in served) > 0
+    assert sum(s.cache_stats.num_disk_cached_tokens for s in served) > 0
     assert llm.engine.tier.report()["disk"]["corrupt_blocks"] == 0  # a killed write never left a row behind
     assert not list((kv / "tmp").iterdir())  # its temporary files were swept at the start
 
@@ -259,8 +262,8 @@ def test_the_tier_stays_within_its_bound_least_recently_used_first(tiny_model_di
     assert len(_block_files(kv)) == nblocks  # every file indexed, every row a file
     assert llm.engine.tier.report()["disk"]["evicted_blocks"] > 0
     restarted = tiny_llm(tiny_model_dir, kv, gb=limit / 2**30)
-    assert run(restarted, [prompts[0]])[0].num_disk_cached_tokens == 192  # recently used: kept
-    assert run(restarted, [prompts[1]])[0].num_disk_cached_tokens == 0  # least recently used: evicted
+    assert run(restarted, [prompts[0]])[0].cache_stats.num_disk_cached_tokens == 192  # recently used: kept
+    assert run(restarted, [prompts[1]])[0].cache_stats.num_disk_cached_tokens == 0  # least recently used: evicted
 
 
 FULL_DISK_CHILD = """
@@ -358,7 +361,7 @@ def test_requests_waiting_on_a_read_share_it_and_an_abort_mid_read_leaks_no_bloc
         engine.step()
     assert tier.num_loading == 0
     assert a.output_token_ids == b.output_token_ids == reference.output_token_ids
-    assert a.num_disk_cached_tokens == 192 and b.num_cached_tokens == 192
+    assert a.cache_stats.num_disk_cached_tokens == 192 and b.num_cached_tokens == 192
     bm = engine.block_manager
     bm.check_integrity()
     assert bm.num_used_blocks == 0 and bm.num_free_blocks + bm.num_cached_blocks == bm.num_blocks
@@ -387,7 +390,7 @@ def test_basic_mode_lets_a_read_in_flight_go_and_serves_the_same_text(tiny_model
     engine.enter_basic_mode("a test")  # its pool is let go under the read
     while engine.has_unfinished():
         engine.step()
-    assert seq.output_token_ids == reference.output_token_ids and seq.num_disk_cached_tokens == 0
+    assert seq.output_token_ids == reference.output_token_ids and seq.cache_stats.num_disk_cached_tokens == 0
     engine.block_manager.check_integrity()
     assert engine.block_manager.num_used_blocks == 0 and engine.tier.num_loading == 0
 
@@ -404,7 +407,7 @@ def test_engines_sharing_a_folder_read_each_others_blocks(tiny_model_dir, tmp_pa
         assert time.monotonic() < deadline, "the other engine's blocks never joined this one's index"
         time.sleep(0.1)
     served = run(b, [p])[0]
-    assert served.num_disk_cached_tokens == 192 and served.output_token_ids == reference.output_token_ids
+    assert served.cache_stats.num_disk_cached_tokens == 192 and served.output_token_ids == reference.output_token_ids
 
 
 def test_processes_opening_a_new_tier_together_all_get_its_index(tmp_path):

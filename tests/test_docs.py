@@ -181,10 +181,10 @@ def problems(text: str) -> list[str]:
 
 def test_the_checker_catches_what_does_not_exist():
     for made_up in ("stratum/engine/nowhere.py", "stratum.engine.nowhere", "engine/core.py:no_such_function",
-                    "no_such_function()", "LLMEngine.no_such_method", "NoSuchClass", "stratum serve --no-such-flag",
+                    "no_such_function()", "EngineCore.no_such_method", "NoSuchClass", "stratum serve --no-such-flag",
                     "stratum_no_such_metric_total", "STRATUM_NO_SUCH_VARIABLE"):
         assert problems(made_up), made_up
-    for real in ("stratum/engine/core.py", "stratum.engine.core", "engine/core.py:LLMEngine", "LLMEngine.step",
+    for real in ("stratum/engine/core.py", "stratum.engine.core", "engine/core.py:EngineCore", "EngineCore.step",
                  "stratum serve --replicas N", "STRATUM_HOME", "EngineClient"):
         assert not problems(real), real
 

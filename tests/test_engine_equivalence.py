@@ -66,11 +66,11 @@ def assert_equivalent(ref: Run, other: Run) -> float:
     for i, (r, o) in enumerate(zip(ref.seqs, other.seqs, strict=True)):
         assert o.token_ids == r.token_ids, f"prompt {i}: greedy tokens differ"
         assert other.texts[i] == ref.texts[i]
-        assert sorted(r.logits) == list(range(r.num_tokens - 1))
+        assert sorted(r.readouts.logits) == list(range(r.num_tokens - 1))
         # every position is computed except those served by the prefix cache
-        assert sorted(o.logits) == list(range(other.stats[i].num_cached_tokens, o.num_tokens - 1)), f"prompt {i}"
-        positions = sorted(o.logits)
-        diff = (torch.stack([o.logits[p] for p in positions]) - torch.stack([r.logits[p] for p in positions])).abs()
+        assert sorted(o.readouts.logits) == list(range(other.stats[i].num_cached_tokens, o.num_tokens - 1)), f"prompt {i}"
+        positions = sorted(o.readouts.logits)
+        diff = (torch.stack([o.readouts.logits[p] for p in positions]) - torch.stack([r.readouts.logits[p] for p in positions])).abs()
         worst = max(worst, float(diff.max()))
         assert worst <= TOL, f"prompt {i}: logits differ by {float(diff.max()):.2e}"
     return worst
@@ -161,7 +161,7 @@ def test_tiny_one_token_chunk_behind_a_prefill(tiny_model_dir):
     assert y.num_cached_tokens == 16
     assert y.token_ids == alone.seqs[0].token_ids
     for p in range(16, y.num_tokens - 1):
-        assert torch.allclose(y.logits[p], alone.seqs[0].logits[p], atol=TOL, rtol=0)
+        assert torch.allclose(y.readouts.logits[p], alone.seqs[0].readouts.logits[p], atol=TOL, rtol=0)
     assert d.num_output_tokens == 12
 
 

@@ -13,10 +13,12 @@ import threading
 import msgpack
 import pytest
 
+from stratum.engine.outputs import MetaState
 from stratum.engine import (
     LLM, EngineConfig, EngineDeadError, InvalidRequestError, RequestOutput, RequestStats, SamplingParams,
 )
-from stratum.engine.loop import EngineLoop, start_thread_engine
+from stratum.engine.loop import EngineLoop
+from stratum.engine.thread_transport import start_thread_engine
 from stratum.engine.process import EngineProcess, start_process_engine
 from stratum.engine.protocol import (
     Abort, Accepted, AddRequest, EngineDied, EngineInfo, EngineSnapshot, HeldKeys, KVBlocks, ListHeld, RequestFailed,
@@ -36,9 +38,10 @@ def stats() -> RequestStats:
 
 def test_outputs_round_trip_and_deltas_accumulate():
     decoder = StreamDecoder()
-    first = RequestOutput("r", "Hel", [5, 6], "Hel", [5, 6], False, stats=stats(), state="prefill_complete")
-    second = RequestOutput("r", "lo", [7], "Hello", [5, 6, 7], False, state="decode_step_2", kv_cache_efficiency=0.5)
-    last = RequestOutput("r", "!", [8], "Hello!", [5, 6, 7, 8], True, "stop", 2, stats(), "finished", 0.5)
+    first = RequestOutput("r", "Hel", [5, 6], "Hel", [5, 6], False, stats=stats(), state=MetaState.PREFILL_COMPLETE)
+    second = RequestOutput("r", "lo", [7], "Hello", [5, 6, 7], False, state=MetaState.DECODE_STEP, state_index=2,
+                           kv_cache_efficiency=0.5)
+    last = RequestOutput("r", "!", [8], "Hello!", [5, 6, 7, 8], True, "stop", 2, stats(), MetaState.FINISHED, 0, 0.5)
     got = [decoder.decode(wire(encode(o))) for o in (first, second, last)]
     assert got == [first, second, last]
     assert isinstance(got[0].stats, RequestStats) and got[0].stats.token_times == [1.7, 1.8, 1.9]
@@ -67,7 +70,7 @@ def test_every_message_round_trips_as_its_own_type(tiny_model_dir):
     assert isinstance(RequestFailed("r", "m", "invalid_request").exception(), InvalidRequestError)
     assert isinstance(RequestFailed("r", "m", "unavailable").exception(), EngineDeadError)
     engine = LLM(str(tiny_model_dir), num_kv_blocks=32).engine
-    info = EngineInfo.of(engine)
+    info = engine.info()
     assert decode(wire(encode(info))) == info  # the start-up's last message, and the event after a switch of kernels
     tokenizer = TokenizerData.of(engine.tokenizer, engine.chat_template.source)
     for message in (Starting("loading model"), tokenizer, StartFailed("ModelLoadError: no such file")):
@@ -133,7 +136,8 @@ def test_the_builder_takes_its_threads_from_the_one_rule(monkeypatch):
 def test_a_step_is_one_compact_frame():
     """Every event of a step travels in one msgpack frame; a running output costs its deltas, a tag
     of one byte and its fields, not its text so far."""
-    outputs = [RequestOutput(f"r{i}", " word", [1000 + i], "x" * 4000, list(range(1000)), False, state="decode")
+    outputs = [RequestOutput(f"r{i}", " word", [1000 + i], "x" * 4000, list(range(1000)), False,
+                             state=MetaState.DECODE_STEP)
                for i in range(16)]
     frame = msgpack.packb([encode(e) for e in [*outputs, EngineSnapshot(alive=True)]], use_bin_type=True)
     per_output = (len(frame) - len(msgpack.packb([encode(EngineSnapshot(alive=True))], use_bin_type=True))) / 16

@@ -75,7 +75,7 @@ def _logits(llm: LLM, ids: list[int]) -> torch.Tensor:
                              cache_policy=CachePolicy.bypass())
     while engine.has_unfinished():
         engine.step()
-    return torch.stack([seq.logits[p] for p in range(len(ids))])
+    return torch.stack([seq.readouts.logits[p] for p in range(len(ids))])
 
 
 def test_q4_k_m_file_loads_runs_and_stays_close_to_the_float_model(qwen_dir, tmp_path):
@@ -138,8 +138,8 @@ def assert_native_matches_pytorch(torch_engine, native_engine) -> None:
         outs.append(seq)
     a, b = outs
     assert a.output_token_ids == b.output_token_ids
-    for p in a.logits:
-        torch.testing.assert_close(b.logits[p], a.logits[p], rtol=1e-3, atol=1e-3 * float(a.logits[p].abs().max()))
+    for p in a.readouts.logits:
+        torch.testing.assert_close(b.readouts.logits[p], a.readouts.logits[p], rtol=1e-3, atol=1e-3 * float(a.readouts.logits[p].abs().max()))
 
 
 def _is_mapped(a: np.ndarray) -> bool:

@@ -235,7 +235,7 @@ def test_quality_guard_int4_agrees_with_fp32_reference(real_model_path):
         seqs = [llm.engine.add_request(x, params, request_id=f"q{i}") for i, x in enumerate(ids)]
         while llm.engine.has_unfinished():
             llm.engine.step()
-        return [int(s.logits[p].argmax()) for s in seqs for p in sorted(s.logits)]
+        return [int(s.readouts.logits[p].argmax()) for s in seqs for p in sorted(s.readouts.logits)]
 
     reference = top1(dtype="float32", int4_max_tokens=0, native_step=False)
     for config in (dict(dtype="bfloat16", int4_max_tokens=1 << 20, native_step=False),  # every matmul on int4
@@ -265,11 +265,11 @@ def test_low_latency_requests_sample_from_the_int8_output_projection(tiny_model_
     while engine.has_unfinished():
         engine.step()
     last = len(ids) - 1
-    a, b = normal.logits[last], fast.logits[last]
+    a, b = normal.readouts.logits[last], fast.readouts.logits[last]
     assert not torch.equal(a, b)  # a different kernel really ran
     assert torch.nn.functional.cosine_similarity(a, b, dim=0) > 0.999
     for pos in range(last):  # positions that only record logits use the normal projection
-        assert torch.equal(normal.logits[pos], fast.logits[pos])
+        assert torch.equal(normal.readouts.logits[pos], fast.readouts.logits[pos])
 
 
 def test_pull_prepares_the_kernels_and_the_plan_that_serve_then_loads(tmp_path, monkeypatch, capsys):
@@ -328,11 +328,11 @@ def test_roofline_pairs_each_round_of_steps_with_the_bandwidth_read_around_it(tm
     faster of the two reads around its steps, over the steps' median, and the request it decoded is
     run to its end."""
     from stratum.bench.roofline import decode_bytes, measure_paired
-    from stratum.engine import LLMEngine
+    from stratum.engine import EngineCore
     from stratum.engine.config import EngineConfig
     from tests.factories import make_tiny_gguf
 
-    engine = LLMEngine(EngineConfig(model=str(make_tiny_gguf(tmp_path / "tiny.gguf")), kv_disk_gb=0))
+    engine = EngineCore(EngineConfig(model=str(make_tiny_gguf(tmp_path / "tiny.gguf")), kv_disk_gb=0))
     weight_bytes = decode_bytes(engine)
     paired = measure_paired(engine, weight_bytes, rounds=3, steps=4, megabytes=16)
     ratios = paired["floor_over_step_by_round"]

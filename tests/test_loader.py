@@ -133,7 +133,7 @@ def run_with_logits(llm: LLM, prompt_ids: list[int], max_tokens: int = 6) -> tup
         engine.step()
     full = list(seq.token_ids)
     assert len(full) == len(prompt_ids) + max_tokens
-    return full, torch.stack([seq.logits[p] for p in range(len(full) - 1)])
+    return full, torch.stack([seq.readouts.logits[p] for p in range(len(full) - 1)])
 
 
 # ---- HF folder round trip -----------------------------------------------------------------------

@@ -157,8 +157,8 @@ def assert_logits_match(hf, seq, first_position: int = 0, atol: float = LOGIT_AT
     full = list(seq.token_ids)
     ref = reference_logits(hf, full)
     positions = range(first_position, len(full) - 1)  # the last sampled token was never run
-    assert all(p in seq.logits for p in positions)
-    ours = torch.stack([seq.logits[p] for p in positions])
+    assert all(p in seq.readouts.logits for p in positions)
+    ours = torch.stack([seq.readouts.logits[p] for p in positions])
     diff = (ours - ref[first_position : len(full) - 1]).abs().amax(-1)  # per position
     worst = int(diff.argmax())
     assert diff.max() <= atol, f"position {first_position + worst}: max |logit diff| {diff.max():.2e}"
@@ -181,7 +181,7 @@ def test_logits_match_transformers_at_every_position(llm, hf):
     # One batch: varlen prefill (chunked where the 512-token step budget runs out), then batched decodes.
     seqs = run_batch(llm, prompts, max_tokens=8)
     for seq in seqs:
-        assert len(seq.logits) == seq.num_tokens - 1
+        assert len(seq.readouts.logits) == seq.num_tokens - 1
         assert_logits_match(hf, seq)
 
 

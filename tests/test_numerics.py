@@ -112,5 +112,5 @@ def test_the_native_step_gives_the_same_bits_at_every_thread_count(tmp_path):
         out = [llm.engine.add_request(llm.engine.tokenizer.encode(p), params) for p in ("Hello there", "One two three")]
         while llm.engine.has_unfinished():
             llm.engine.step()
-        runs.append([torch.stack([s.logits[p] for p in sorted(s.logits)]) for s in out])
+        runs.append([torch.stack([s.readouts.logits[p] for p in sorted(s.readouts.logits)]) for s in out])
     assert all(torch.equal(a, b) for a, b in zip(*runs))

@@ -151,9 +151,9 @@ def test_the_native_step_computes_what_the_pytorch_model_computes(model, request
         # kv_sparsity's samples (tokens 0, 8, 16): the native step measures them in its attention
         assert x.coverage_count == y.coverage_count == 3
         assert y.coverage_sum == pytest.approx(x.coverage_sum, abs=1e-6)
-        for p in x.logits:
+        for p in x.readouts.logits:
             # int16 activations: each block rounded at 1.5e-5 of its largest value, through every layer
-            torch.testing.assert_close(y.logits[p], x.logits[p], rtol=1e-3, atol=1e-3 * float(x.logits[p].abs().max()))
+            torch.testing.assert_close(y.readouts.logits[p], x.readouts.logits[p], rtol=1e-3, atol=1e-3 * float(x.readouts.logits[p].abs().max()))
     assert native_engine.block_manager.num_used_blocks == 0  # nothing leaked
 
 
@@ -167,8 +167,8 @@ def test_greedy_outputs_are_identical_solo_batched_and_after_a_cache_hit(tiny_gg
     assert all(s.num_cached_tokens > 0 for s in again if s.num_prompt_tokens > 4)  # a one-block prompt keeps its last token
     for s, b, c in zip(solo, batched, again):
         assert s.output_token_ids == b.output_token_ids == c.output_token_ids
-        last = max(s.logits)
-        assert torch.equal(s.logits[last], b.logits[last]) and torch.equal(s.logits[last], c.logits[last])
+        last = max(s.readouts.logits)
+        assert torch.equal(s.readouts.logits[last], b.readouts.logits[last]) and torch.equal(s.readouts.logits[last], c.readouts.logits[last])
 
 
 def test_prefill_writes_the_kv_a_decode_would(tiny_gguf):
@@ -183,7 +183,7 @@ def test_prefill_writes_the_kv_a_decode_would(tiny_gguf):
     while engine.has_unfinished():
         engine.step()
     last = len(ids) - 1
-    assert torch.equal(replay.logits[last], first.logits[last])
+    assert torch.equal(replay.readouts.logits[last], first.readouts.logits[last])
 
 
 def test_the_native_step_refuses_reads_outside_the_pool(tiny_gguf):

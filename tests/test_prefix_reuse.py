@@ -85,9 +85,10 @@ def test_tenants_with_different_salts_each_compute_the_prompt(tiny_model_dir):
     seqs = [engine.add_request(system + s, SamplingParams(max_tokens=1, temperature=0.0),
                                request_id=f"r{i}", cache_salt=f"tenant-{i % 2}")
             for i, s in enumerate(suffixes)]
+    finals = {}
     while engine.has_unfinished():
-        engine.step()
-    stats = [engine.request_stats(s) for s in seqs]
+        finals.update((out.request_id, out.stats) for out in engine.step() if out.finished)
+    stats = [finals[s.request_id] for s in seqs]
     # one full computation per tenant (requests 0 and 1), every other request hits its own tenant's copy
     assert [s.num_cached_tokens for s in stats] == [0, 0] + [592] * (NUM_REQUESTS - 2)
     assert sum(s.num_prompt_tokens_computed for s in stats) == 2 * 600 + sum(map(len, suffixes)) + 18 * 8
@@ -130,7 +131,7 @@ def test_partial_matches_stay_within_a_tenant(tiny_model_dir):
         run.i += 1
         while engine.has_unfinished():
             engine.step()
-        return engine.request_stats(seq).num_cached_tokens
+        return seq.num_cached_tokens
     run.i = 0
 
     assert run(system + [7] * 20, "a") == 0
@@ -189,7 +190,7 @@ def test_forked_samples_compute_the_prompt_once(tiny_model_dir):
                     finals[out.request_id] = out
             eng.block_manager.check_integrity()
         assert eng.block_manager.num_used_blocks == 0
-        computed = [s.num_prompt_tokens_computed for s in seqs]
+        computed = [s.cache_stats.num_prompt_tokens_computed for s in seqs]
         assert computed == [size, 1, 1]
         for i, p in enumerate(params):  # the same samples as each run alone
             alone = engine()

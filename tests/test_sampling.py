@@ -129,7 +129,7 @@ def test_greedy_tokens_are_the_argmax_of_their_logits(llm):
         p = seq.num_prompt_tokens
         assert out.token_ids == seq.output_token_ids and len(out.token_ids) == 10
         for j, token in enumerate(out.token_ids):
-            assert token == int(seq.logits[p + j - 1].argmax())
+            assert token == int(seq.readouts.logits[p + j - 1].argmax())
 
 
 def test_seeded_sampling_is_reproducible_and_independent_of_batch_companions(tiny_model_dir):
@@ -256,7 +256,7 @@ def test_logprobs_match_a_recomputation_from_the_logits(llm, params):
         p = seq.num_prompt_tokens
         for j, (token, (logprob, top)) in enumerate(zip(out.token_ids, out.logprobs)):
             temperature = 1.0 if params.is_greedy else params.temperature
-            expected = torch.log_softmax(seq.logits[p + j - 1] / temperature, dim=-1)
+            expected = torch.log_softmax(seq.readouts.logits[p + j - 1] / temperature, dim=-1)
             assert logprob == pytest.approx(float(expected[token]), abs=1e-4)
             values = [v for _, v in top]
             assert len(top) == 5 and values == sorted(values, reverse=True)
@@ -296,7 +296,7 @@ def test_prompt_logprobs_score_every_prompt_token(tiny_model_dir):
         assert len(out.prompt_logprobs) == seq.num_prompt_tokens and out.prompt_logprobs[0] is None
         for p in range(1, seq.num_prompt_tokens):
             logprob, top = out.prompt_logprobs[p]
-            expected = torch.log_softmax(seq.logits[p - 1], dim=-1)
+            expected = torch.log_softmax(seq.readouts.logits[p - 1], dim=-1)
             assert logprob == pytest.approx(float(expected[seq.prompt_token_ids[p]]), abs=1e-4)
             assert [t for t, _ in top] == expected.topk(3).indices.tolist()
 

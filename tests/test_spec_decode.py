@@ -194,7 +194,7 @@ def test_verification_keeps_the_sampled_distribution():
     rows = probs.log()
     seq = make_seq("v", [1, 2, 3], max_tokens=8)
     seq.sampling = SamplingParams(temperature=1.0, max_tokens=8)
-    seq.generator = torch.Generator().manual_seed(0)
+    seq.sampler.generator = torch.Generator().manual_seed(0)
     n = 20_000
     first, second, third = torch.zeros(4), torch.zeros(4), torch.zeros(4)
     for _ in range(n):
@@ -269,8 +269,8 @@ def test_greedy_outputs_and_logits_are_identical_with_speculation(tiny_gguf):
     assert sum(o.stats.num_spec_accepted_tokens for o in spec) > 0  # proposals were verified and kept
     for a, b, sa, sb in zip(plain, spec, plain_seqs, spec_seqs):
         assert a.token_ids == b.token_ids and a.text == b.text
-        assert sorted(sa.logits) == sorted(sb.logits)
-        assert all(torch.equal(sa.logits[p], sb.logits[p]) for p in sa.logits)  # bit for bit
+        assert sorted(sa.readouts.logits) == sorted(sb.readouts.logits)
+        assert all(torch.equal(sa.readouts.logits[p], sb.readouts.logits[p]) for p in sa.readouts.logits)  # bit for bit
     steps = list(spec_engine.step_stats)
     assert any(s.num_spec_proposed_tokens for s in steps)
     assert sum(s.num_spec_accepted_tokens for s in steps) == sum(o.stats.num_spec_accepted_tokens for o in spec)
@@ -329,7 +329,7 @@ def test_a_prefix_cache_hit_after_speculation_reads_only_verified_kv(tiny_gguf):
         assert seq.num_cached_tokens >= 32
         results.append(seq)
     assert results[0].output_token_ids == results[1].output_token_ids
-    assert all(torch.equal(results[0].logits[p], results[1].logits[p]) for p in results[0].logits)
+    assert all(torch.equal(results[0].readouts.logits[p], results[1].readouts.logits[p]) for p in results[0].readouts.logits)
 
 
 @pytestmark_native
@@ -355,7 +355,8 @@ def test_aborts_between_verify_steps_leak_no_block(tiny_gguf):
     engine = _engine(tiny_gguf, "ngram")
     seqs = [engine.add_request(engine.tokenizer.encode(p), sp, request_id=f"r{i}") for i, (p, sp) in enumerate(zip(PROMPTS, params))]
     def verified(seq, rejected):
-        return seq.spec is not None and (seq.spec.num_rejected if rejected else seq.spec.num_steps) > 0
+        state = engine.speculator.states.get(seq.request_id)
+        return state is not None and (state.num_rejected if rejected else state.num_steps) > 0
 
     while engine.has_unfinished() and not (verified(seqs[0], True) and verified(seqs[2], False)):
         engine.step()
@@ -450,18 +451,18 @@ def test_real_model_greedy_is_bit_identical_with_speculation(real_model_path):
     plain, spec = engine("off"), engine("ngram")
     prompts = [_edit_ids(plain)] + [plain.tokenizer.encode_prompt(p) for p in PROMPTS[1:]]
     params = SamplingParams(max_tokens=96, temperature=0.0, return_logits=True)
-    results = []
+    results, finals = [], {}
     for e in (plain, spec):
         seqs = [e.add_request(list(p), params, request_id=f"q{i}") for i, p in enumerate(prompts)]
         while e.has_unfinished():
-            e.step()
+            finals.update((out.request_id, out) for out in e.step() if out.finished)
         assert e.block_manager.num_used_blocks == 0
         results.append(seqs)
-    assert results[1][0].spec.num_accepted > 30  # the copy was proposed, and kept
+    assert finals["q0"].stats.num_spec_accepted_tokens > 30  # the copy was proposed, and kept
     for a, b in zip(*results):
         assert a.output_token_ids == b.output_token_ids
-        assert sorted(a.logits) == sorted(b.logits)
-        assert all(torch.equal(a.logits[p], b.logits[p]) for p in a.logits)
+        assert sorted(a.readouts.logits) == sorted(b.readouts.logits)
+        assert all(torch.equal(a.readouts.logits[p], b.readouts.logits[p]) for p in a.readouts.logits)
 
 
 @pytestmark_native

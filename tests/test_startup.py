@@ -108,11 +108,12 @@ def test_a_cold_engine_switches_to_the_prepared_step_with_requests_in_flight(tin
     assert engine.kernel_choices["numerics"] == engine.config.numerics.key()  # the key follows the step
     assert engine.speculator.draft.numerics == engine.config.numerics and engine.kernel_choices["speculative"]["mode"] == "draft"
     assert engine.block_manager.num_cached_blocks == 0  # the old pool's cache is gone with it
+    finals = []
     while engine.has_unfinished():
-        engine.step()
+        finals += [out for out in engine.step() if out.finished]
     assert engine.block_manager.num_used_blocks == 0  # nothing leaked
     assert all(s.num_preemptions == 1 and s.num_output_tokens == MAX_TOKENS for s in seqs)
-    assert sum(s.spec.num_accepted for s in seqs) > 0  # the draft proposed after the switch, and was kept
+    assert sum(out.stats.num_spec_accepted_tokens for out in finals) > 0  # the draft proposed after the switch, and was kept
 
     # Up to the switch: the provisional step's tokens (another provisional engine, alone).
     alone = cold_engine(tiny_gguf)
@@ -128,7 +129,7 @@ def test_a_cold_engine_switches_to_the_prepared_step_with_requests_in_flight(tin
         ref = run(native.engine, [p + b], max_tokens=MAX_TOKENS - len(b))[0]
         assert s.output_token_ids[len(b):] == ref.output_token_ids
         for position in range(len(p) + len(b) - 1, s.num_tokens - 1):  # the logits that sampled those tokens
-            assert torch.equal(s.logits[position], ref.logits[position]), position
+            assert torch.equal(s.readouts.logits[position], ref.readouts.logits[position]), position
     # And, here, what a run entirely on the prepared step gives.
     whole = run(LLM(str(tiny_gguf), num_kv_blocks=128, block_size=4).engine, prompts)
     assert [s.output_token_ids for s in seqs] == [w.output_token_ids for w in whole]
@@ -151,8 +152,8 @@ def starting_server():
 
 
 def test_requests_during_start_up_get_503_in_their_api_shape_then_the_app_answers(starting_server, tiny_model_dir):
-    from stratum.engine.loop import start_thread_engine
-    from stratum.engine.core import LLMEngine
+    from stratum.engine.thread_transport import start_thread_engine
+    from stratum.engine.core import EngineCore
     from stratum.engine.config import EngineConfig
     from stratum.server.app import ServerSettings, create_app
 
@@ -174,7 +175,7 @@ def test_requests_during_start_up_get_503_in_their_api_shape_then_the_app_answer
     assert set(e.value.body) >= {"message", "type", "param", "code"}
     assert e.value.response.headers["retry-after"] == str(RETRY_AFTER_S)
 
-    client = start_thread_engine(LLMEngine(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64)))
+    client = start_thread_engine(EngineCore(EngineConfig(model=str(tiny_model_dir), num_kv_blocks=64)))
     try:
         starting.serve(create_app(client, ServerSettings(model_name="tiny")))
         assert httpx.get(url + "/health").json()["status"] == "ok"
@@ -213,7 +214,7 @@ def test_every_report_of_the_kernels_follows_the_switch(tiny_gguf, uncompiled, s
     """A cold start served over HTTP: once /health says the native step has taken over, a request's
     `X-Stratum-Debug: full` trace reports it and its numerics, not the provisional step the server
     started on (the engine sends its `EngineInfo` again when it switches)."""
-    from stratum.engine.loop import start_thread_engine
+    from stratum.engine.thread_transport import start_thread_engine
     from stratum.server.app import ServerSettings, create_app
     from stratum.telemetry.trace import decode_trace
 

@@ -21,6 +21,8 @@ import pytest
 import torch
 
 from stratum.client.cost import parse_stratum_cost
+from stratum.engine.output_processor import TOOL_RESERVE_TOKENS
+from stratum.engine.outputs import MetaState
 from stratum.telemetry.cost import ArticleFormula, CostFields, TokenPricing, pricing_from_spec
 from tests.conftest import ServerProcess
 from tests.factories import rereads
@@ -449,10 +451,10 @@ def test_forced_tool_stream_meta_shows_tool_use_prepared(forced_tool_stream):
 @pytest.fixture(scope="module")
 def tiny_engine(tiny_model_dir):
     from stratum.engine.config import EngineConfig
-    from stratum.engine import LLMEngine
+    from stratum.engine import EngineCore
     from stratum.models.loader import load_checkpoint
 
-    return LLMEngine(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", num_kv_blocks=64),
+    return EngineCore(EngineConfig(model=str(tiny_model_dir), device="cpu", dtype="float32", num_kv_blocks=64),
                      checkpoint=load_checkpoint(tiny_model_dir))
 
 
@@ -477,17 +479,17 @@ def test_engine_reserves_kv_for_tool_arguments(tiny_engine):
     seen = []
 
     def watch(s):
-        seen.append((s.state, s.num_computed_tokens, len(s.block_table), s.num_tool_reserved_tokens))
+        seen.append((s.num_computed_tokens, len(s.block_table), s.num_reserved_tokens))
 
     outs = run_to_end(engine, seq, watch)
     # the empty marker (a forced tool call) is seen on the first sampled token
-    state, computed, num_blocks, reserved = seen[0]
-    assert outs[0].state == "tool_use_prepared"
-    assert reserved == max_tokens - 1 == seq.num_tool_reserved_tokens
+    computed, num_blocks, reserved = seen[0]
+    assert outs[0].state is MetaState.TOOL_USE_PREPARED
+    assert reserved == max_tokens - 1 == seq.num_reserved_tokens
     assert num_blocks == math.ceil((computed + 1 + reserved) / BLOCK)
     assert num_blocks > math.ceil((computed + 1) / BLOCK)
     assert outs[-1].finished and outs[-1].stats.num_tool_reserved_tokens == reserved
-    assert [o.state for o in outs[1:]] == [f"decode_step_{n}" for n in range(1, max_tokens)]
+    assert [o.state_label for o in outs[1:]] == [f"decode_step_{n}" for n in range(1, max_tokens)]
     # every block is back: nothing in use, all free or cached
     bm = engine.block_manager
     assert bm.num_used_blocks == 0
@@ -501,12 +503,12 @@ def test_engine_reservation_is_capped_and_absent_without_a_call(tiny_engine):
     ids = engine.tokenizer.encode(long_text(10))
     seq = engine.add_request(ids, SamplingParams(max_tokens=300, temperature=0.0, ignore_eos=True), tool_marker="")
     engine.step()
-    assert seq.num_tool_reserved_tokens == engine.tool_reserve_tokens == 128
+    assert seq.num_reserved_tokens == TOOL_RESERVE_TOKENS == 128
     assert len(seq.block_table) == math.ceil((len(ids) + 1 + 128) / BLOCK)
     engine.abort(seq.request_id)
     plain = engine.add_request(ids, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), tool_marker="<tool_call>")
     outs = run_to_end(engine, plain)
-    assert plain.num_tool_reserved_tokens == 0 and "tool_use_prepared" not in [o.state for o in outs]
+    assert plain.num_reserved_tokens == 0 and MetaState.TOOL_USE_PREPARED not in [o.state for o in outs]
     assert engine.block_manager.num_used_blocks == 0
 
 

@@ -113,4 +113,4 @@ def test_greedy_output_is_the_same_whichever_threads_the_load_picks(tmp_path):
     assert quiet_threads == {2} and busy_threads == {1}
     for a, b in zip(quiet, busy):
         assert a.output_token_ids == b.output_token_ids
-        assert all(torch.equal(a.logits[p], b.logits[p]) for p in a.logits)
+        assert all(torch.equal(a.readouts.logits[p], b.readouts.logits[p]) for p in a.readouts.logits)

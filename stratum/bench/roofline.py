@@ -137,11 +137,11 @@ def measure_paired(engine, weight_bytes: int, rounds: int = 12, steps: int = 8, 
 
 
 def run(model: str, dtype: str = "auto", activations: str = "int16") -> dict:
-    from stratum.engine import LLMEngine
+    from stratum.engine import EngineCore
     from stratum.engine.config import EngineConfig
     from stratum.engine.weight_cache import wait_moves
 
-    engine = LLMEngine(EngineConfig(model=model, dtype=dtype, activations=activations, kv_disk_gb=0))
+    engine = EngineCore(EngineConfig(model=model, dtype=dtype, activations=activations, kv_disk_gb=0))
     wait_moves()  # the weights on the memory they serve from
     bw = measure_bandwidth()
     weight_bytes = decode_bytes(engine)

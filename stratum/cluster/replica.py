@@ -1,6 +1,6 @@
 """One engine replica: the body of the Ray Serve deployment that `stratum serve --replicas N` runs.
 
-A replica owns an `LLMEngine` and runs its `EngineLoop` in a thread, exactly as `--engine thread`
+A replica owns an `EngineCore` and runs its `EngineLoop` in a thread, exactly as `--engine thread`
 does; instead of an `EngineClient` it hands each request's events (outputs, `Accepted`, `Started`,
 `RequestFailed`: `stratum.engine.protocol`'s records, in its codec) back to the caller as the items
 of one streamed call, so the ingress's client applies them as it would the events of a local
@@ -33,12 +33,12 @@ class EngineReplica:
     """Args: config: an `EngineConfig` as a dict (what crosses to the replica's process)."""
 
     def __init__(self, config: dict):
-        from stratum.engine.core import LLMEngine
+        from stratum.engine.core import EngineCore
 
         settings = dict(config, scheduler=SchedulerConfig(**config["scheduler"]))
-        engine = LLMEngine(EngineConfig(**settings))
+        engine = EngineCore(EngineConfig(**settings))
         self.name = _replica_name()
-        self.description = {"pid": os.getpid(), "info": encode(EngineInfo.of(engine)),
+        self.description = {"pid": os.getpid(), "info": encode(engine.info()),
                             "tokenizer": encode(TokenizerData.of(engine.tokenizer, engine.chat_template.source))}
         self.snapshot = EngineSnapshot(alive=True)
         self.held: tuple[list[int], float] = ([], 0.0)  # the cache's recent keys, and when the loop listed them

@@ -9,9 +9,9 @@ import importlib
 
 _EXPORTS = {
     "EngineClient": "client", "EngineSnapshot": "protocol", "QueueFull": "client", "RequestStream": "client",
-    "start_thread_engine": "loop",
+    "start_thread_engine": "thread_transport",
     "EngineConfig": "config", "ResolvedConfig": "config", "SchedulerConfig": "config",
-    "LLMEngine": "core", "LLM": "llm",
+    "EngineCore": "core", "LLM": "llm",
     "EngineDeadError": "outputs", "OrchestrationError": "outputs", "RequestOutput": "outputs", "RequestStats": "outputs",
     "StepError": "outputs", "StepStats": "outputs",
     "InvalidRequestError": "sampling_params", "SamplingParams": "sampling_params",

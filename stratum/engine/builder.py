@@ -1,12 +1,12 @@
 """Settings + checkpoint -> a resolved configuration (`resolve`: the numerics by their rule, then the
-speed choices, context, KV blocks, sampling defaults) and a model whose weights are held in the forms
-the numerics name (`build_model`)."""
+speed choices, context, KV blocks, sampling defaults), a model whose weights are held in the forms
+the numerics name (`build_model`), and the two with a runner and its KV pool (`build` -> `Built`)."""
 
 from __future__ import annotations
 
 import logging
 import os
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -15,6 +15,7 @@ import torch
 
 from stratum.engine import weight_cache
 from stratum.engine.config import EngineConfig, ResolvedConfig, configured_threads, default_threads
+from stratum.engine.model_runner import ModelRunner
 from stratum.home import stratum_home
 from stratum.kernels import KernelPlan, native
 from stratum.kernels import numerics as rule
@@ -203,6 +204,54 @@ def build_model(config: ResolvedConfig, checkpoint: Checkpoint) -> tuple[LlamaFo
         model.lm_head_int8 = Int8Weight(head)
     quantized.clear()
     return model, held
+
+
+@dataclass
+class Built:
+    """An engine's model on its kernels: the configuration, the model built on it, the bytes of its
+    packed weights, and the runner with its KV pool. A kernel switch replaces it whole."""
+
+    config: ResolvedConfig
+    model: LlamaForCausalLM
+    packed_bytes: int
+    runner: ModelRunner
+
+    def kernel_choices(self, speculative: dict, preparing: bool) -> dict:
+        """What runs the model, for `EngineInfo` and `stratum info`; preparing: a cold start's kernels
+        are being prepared behind this provisional step."""
+        plan, numerics, model = self.config.kernel_plan, self.config.numerics, self.model
+        on_cpu = self.config.device == "cpu"
+        return {"numerics": numerics.key(), "dtype": numerics.dtype, "kv_dtype": numerics.kv_dtype,
+                "activations": numerics.activations,
+                "packed_mb": round(self.packed_bytes / 2**20, 1),
+                "low_latency_lm_head": "int8" if model.lm_head_int8 is not None else None,
+                "threads": plan.threads,
+                "native_kernels": ("being prepared" if preparing else native.status()) if on_cpu else "cpu only",
+                "step": "native, packed blocks" if model.packed is not None else "pytorch",
+                "native_step_refused": model.packed_refusal,
+                "step_simd": native.simd_path() if model.packed is not None else None,
+                "attention": attention_path(model, self.runner.native),
+                "speculative": speculative,
+                "source": plan.source}
+
+
+def build(config: ResolvedConfig, checkpoint: Checkpoint, use_native: bool = True) -> Built:
+    """The model for config and a runner with its KV pool (use_native False: a cold start's
+    provisional step, which must not wait for the native kernels to compile)."""
+    model, packed_bytes = build_model(config, checkpoint)
+    runner = ModelRunner(model, config.num_kv_blocks, config.block_size, torch.device(config.device),
+                         config.torch_kv_dtype, use_native=use_native)
+    return Built(config, model, packed_bytes, runner)
+
+
+def attention_path(model, native_decode: bool) -> str:
+    """How attention runs for `model`; native_decode: the native decode kernel is built (a runner on
+    the CPU with the native kernels loaded)."""
+    if model.packed is not None:
+        return "native paged, every row"
+    if model.config.has_masked_attention:  # layers.attention: sliding windows and soft-caps on PyTorch
+        return "pytorch paged gather, masked (sliding window / soft-cap), no cascade"
+    return ("native paged decode" if native_decode else "paged gather") + " + cascade, torch sdpa prefill"
 
 
 def quantize_activations(model, bits: int) -> None:

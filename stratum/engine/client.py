@@ -5,8 +5,8 @@ scheduler or the KV pool, and nothing there waits for a step.
 
 Commands and events are the typed records of `stratum.engine.protocol`. How they travel is the
 client's `Transport`: the engine loop (`stratum.engine.loop`) in a thread of this process
-(`ThreadTransport`), in a process of its own (`stratum.engine.process`) or in each of a set of Ray
-Serve replicas (`stratum.cluster`), behind the same client.
+(`stratum.engine.thread_transport`), in a process of its own (`stratum.engine.process`) or in each of a
+set of Ray Serve replicas (`stratum.cluster`), behind the same client.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ class Transport:
     """How an `EngineClient` reaches its engine: commands go out through `send`; events come back
     through `client.deliver` (from any thread) or `client.receive` (on the client's event loop).
 
-    `ThreadTransport` (`stratum.engine.loop`) and `EngineProcess` (`stratum.engine.process`) reach one
+    `ThreadTransport` (`stratum.engine.thread_transport`) and `EngineProcess` (`stratum.engine.process`) reach one
     engine loop, which publishes its own snapshots; the cluster's transport (`stratum.cluster.client`)
     reaches a set of replicas, publishes their summed snapshot as they report, and lists them
     (`replicas`).
@@ -206,7 +206,7 @@ class EngineClient:
 
     Args:
         info: the engine's resolved configuration and kernel choices (`info` and `config` follow a switch
-            of kernels: `LLMEngine.switch_kernels`).
+            of kernels: `EngineCore.switch_kernels`).
         tokenizer, chat_template: the model's, for the serving side's own tokenization.
         transport: how commands reach the engine and its events come back; bound to this client.
         engine_pid: the process that runs the engine loop (default: this one).

@@ -1,41 +1,41 @@
-"""The synchronous engine: one step is schedule -> run -> commit -> postprocess.
+"""The engine core: one step is schedule -> run -> commit.
 
-`LLMEngine` owns the model, the KV pool, the scheduler and the tokenizer of one process. The
-scheduler owns the accounting; the engine runs the model step, hands the step back to the scheduler,
-then turns sampled tokens into outputs (detokenization, stop conditions, the meta-state machine).
-It also owns the degraded basic mode.
+`EngineCore` owns the model on its kernels (`builder.Built`), the scheduler over the KV pool, the
+speculator and the disk tier of one process, and hands each step's kept tokens to its output
+processor (`output_processor.OutputProcessor`), which turns them into what clients see. It also owns
+the degraded basic mode and the switch from a cold start's provisional kernels to the prepared ones.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-import os
 import time
 import uuid
+import weakref
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from itertools import islice
 
 import torch
 
 from stratum.engine import builder
 from stratum.engine.block_manager import BlockManager
-from stratum.engine.config import EngineConfig, SchedulerConfig
-from stratum.engine.detokenizer import Detokenizer
+from stratum.engine.config import EngineConfig, ResolvedConfig, SchedulerConfig
 from stratum.engine.disk_store import open_store
 from stratum.engine.disk_tier import DiskTier
-from stratum.engine.kv_view import kv_binding
+from stratum.engine.faults import Faults
 from stratum.engine.grammar import GrammarCompiler
+from stratum.engine.kv_view import kv_binding
 from stratum.engine.model_runner import ModelRunner
-from stratum.engine.outputs import OrchestrationError, RequestOutput, RequestStats, StepError, StepStats
+from stratum.engine.output_processor import OutputProcessor
+from stratum.engine.outputs import OrchestrationError, RequestOutput, StepError, StepStats
 from stratum.engine.prepare import KernelUpgrade
-from stratum.engine.protocol import EngineSnapshot, KVBlocks
-from stratum.engine.request import CachePolicy, Sequence, SequenceStatus
+from stratum.engine.protocol import EngineInfo, EngineSnapshot, KVBlocks
+from stratum.engine.request import CachePolicy, SamplerState, Sequence, SequenceStatus
 from stratum.engine.sampling_params import InvalidRequestError, SamplingParams
 from stratum.engine.scheduler import Scheduler, SchedulerOutput
 from stratum.engine.spec_decode import SpecConfig, Speculator
-from stratum.kernels import native
 from stratum.kernels.governor import ThreadGovernor
 from stratum.models.loader import Checkpoint
 
@@ -46,42 +46,7 @@ log = logging.getLogger("stratum.engine")
 PREFILL_STEP_TOKENS = 128
 
 
-class EngineKilled(BaseException):
-    """STRATUM_FAULT_INJECT=engine_death:N: the engine loop dies outright after N steps (tests).
-
-    A BaseException, like the failures it stands for, so no handler meant for request errors keeps
-    the loop alive."""
-
-
-def parse_faults(spec: str | None) -> tuple[str | None, int | None]:
-    """STRATUM_FAULT_INJECT: "scheduler" | "cache" (orchestration faults, degrade to basic mode) or
-    "engine_death:N" (the loop dies after N steps). Returns (orchestration fault, death step)."""
-    if not spec:
-        return None, None
-    if spec.startswith("engine_death"):
-        _, _, n = spec.partition(":")
-        return None, int(n or 0)
-    return spec, None
-
-
-@dataclass(slots=True)
-class _Request:
-    seq: Sequence
-    detok: Detokenizer
-    stop_ids: set[int]
-
-
-def attention_path(model, native_decode: bool) -> str:
-    """How attention runs for `model` (for `kernel_choices` and `stratum info`); `native_decode`: the
-    native decode kernel is built (a runner on the CPU with the native kernels loaded)."""
-    if model.packed is not None:
-        return "native paged, every row"
-    if model.config.has_masked_attention:  # layers.attention: sliding windows and soft-caps on PyTorch
-        return "pytorch paged gather, masked (sliding window / soft-cap), no cascade"
-    return ("native paged decode" if native_decode else "paged gather") + " + cascade, torch sdpa prefill"
-
-
-class LLMEngine:
+class EngineCore:
     """Owns the model, the KV pool, the scheduler and the tokenizer of one process.
 
     Args:
@@ -90,58 +55,55 @@ class LLMEngine:
     """
 
     def __init__(self, config: EngineConfig, checkpoint: Checkpoint | None = None):
-        settings, spec = config, SpecConfig.of(config)
+        spec = SpecConfig.of(config)
         checkpoint = checkpoint or builder.load(config)
-        settings = config
         resolved = builder.resolve(config, checkpoint, defer=config.defer_kernels)
         self.upgrade: KernelUpgrade | None = None  # a cold start's kernels, being compiled (`switch_kernels`)
         if resolved is None:
             resolved = builder.provisional(config, checkpoint)
             # the prepared step keeps this pool's size: a default pool is sized by the memory free now
             self.upgrade = KernelUpgrade(replace(config, num_kv_blocks=resolved.num_kv_blocks))
-        self.config = config = resolved
-        torch.set_num_threads(config.num_threads)
-        self._threads = config.num_threads
-        self.governor = ThreadGovernor(max(config.num_threads, config.prefill_threads))
-        torch.manual_seed(config.seed)
+        torch.manual_seed(resolved.seed)
         self.model_config = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
         self.grammars = GrammarCompiler(checkpoint.tokenizer, checkpoint.config.vocab_size)
         self._chat_template_source = checkpoint.chat_template
-        self.device = torch.device(config.device)
-        self.kernel_plan = config.kernel_plan
-        self.dtype = config.torch_dtype
-        self.max_model_len = config.max_model_len
-        self.model, self.packed_bytes = builder.build_model(config, checkpoint)
-        self._fault, self._death_after = parse_faults(os.environ.get("STRATUM_FAULT_INJECT"))
-        self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_cache, fault=self._fault)
-        self.scheduler = Scheduler(config.scheduler, self.block_manager, fault=self._fault)
-        self.runner = ModelRunner(self.model, config.num_kv_blocks, config.block_size, self.device, config.torch_kv_dtype,
-                                  use_native=self.upgrade is None)
-        self.runner.grammars = self.grammars
+        self.built = builder.build(resolved, checkpoint, use_native=self.upgrade is None)
+        self.faults = Faults.from_env()
         draft = None
         if spec.uses_draft:
             from stratum.engine.spec_decode.draft import DraftModel
 
-            draft = DraftModel(spec.draft_model, checkpoint.tokenizer, settings, config.num_threads,
+            draft = DraftModel(spec.draft_model, checkpoint.tokenizer, config, resolved.num_threads,
                                provisional=self.upgrade is not None)
-            draft.attach(config.num_kv_blocks, config.block_size)
-        self.speculator = Speculator(spec, lambda: self.config.numerics, self.model, self.kernel_plan, draft)
-        self.requests: dict[str, _Request] = {}
+            draft.attach(resolved.num_kv_blocks, resolved.block_size)
+        self.speculator = Speculator(spec, lambda: self.config.numerics, self.model, resolved.kernel_plan, draft)
+        self.outputs = OutputProcessor(self.tokenizer, checkpoint.config.eos_token_ids, resolved.block_size,
+                                       lambda: self.kv_bytes_per_block, lambda: self.mode, self.speculator.counts)
+        self.requests: dict[str, Sequence] = {}
         self.step_stats: deque[StepStats] = deque(maxlen=1024)
         self.num_steps = 0
         self.mode = "normal"
         self.degraded_reason: str | None = None
-        self.tool_reserve_tokens = 128
-        self.kv_bytes_per_block = self._kv_cache_bytes() // config.num_kv_blocks
         self._started: list[str] = []
-        # the disk tier under the prefix cache (its figures for the pool tier too, when the disk is off)
-        self.tier = DiskTier(open_store(settings.kv_disk_gb, settings.kv_disk_dir) if config.enable_prefix_cache else None)
-        self._attach_tier()
+        # the disk tier under the prefix cache (its figures for the pool tier too, when the disk is off);
+        # a clean exit writes what it has queued (a killed process loses only that: the tier stays consistent)
+        self.tier = DiskTier(open_store(config.kv_disk_gb, config.kv_disk_dir) if resolved.enable_prefix_cache else None)
+        weakref.finalize(self, self.tier.close, 5.0)
+        self._adopt_kernels()
+        self._renew_pool([], num_preemptions=0)
 
-    def _attach_tier(self) -> None:
-        self.tier.attach(self.block_manager, self.scheduler, self.runner.kv_caches,
-                         kv_binding(self.config, self.model))
+    @property
+    def config(self) -> ResolvedConfig:
+        return self.built.config
+
+    @property
+    def model(self):
+        return self.built.model
+
+    @property
+    def runner(self) -> ModelRunner:
+        return self.built.runner
 
     @functools.cached_property
     def chat_template(self):
@@ -153,30 +115,13 @@ class LLMEngine:
 
     @property
     def kernel_choices(self) -> dict:
-        plan, numerics = self.kernel_plan, self.config.numerics
-        return {"numerics": numerics.key(), "dtype": numerics.dtype, "kv_dtype": numerics.kv_dtype,
-                "activations": numerics.activations,
-                "packed_mb": round(self.packed_bytes / 2**20, 1),
-                "low_latency_lm_head": "int8" if self.model.lm_head_int8 is not None else None,
-                "threads": plan.threads, "native_kernels": ("being prepared" if self.upgrade is not None else native.status())
-                if self.device.type == "cpu" else "cpu only",
-                "step": "native, packed blocks" if self.model.packed is not None else "pytorch",
-                "native_step_refused": self.model.packed_refusal,
-                "step_simd": native.simd_path() if self.model.packed is not None else None,
-                "attention": attention_path(self.model, self.runner.native),
-                "speculative": self.speculator.describe(),
-                "source": plan.source}
+        return self.built.kernel_choices(self.speculator.describe(), preparing=self.upgrade is not None)
 
-    def _kv_cache_bytes(self) -> int:
-        """The KV pool's memory: the target's, and the draft model's over the same blocks."""
-        draft = self.speculator.draft
-        return self.runner.kv_cache_bytes + (draft.kv_cache_bytes if draft is not None else 0)
+    def info(self) -> EngineInfo:
+        """The engine's configuration and kernel choices, as its start-up and a kernel switch report them."""
+        return EngineInfo(self.config, self.model_config.name, self.model_config.vocab_size, self.kernel_choices)
 
     # ---- requests ------------------------------------------------------------------------------
-    def check_request(self, num_prompt_tokens: int, sampling: SamplingParams) -> None:
-        """Raises InvalidRequestError when the request can never run (too long, bad params)."""
-        self.config.check_request(num_prompt_tokens, sampling)
-
     def add_request(
         self,
         prompt_token_ids: list[int],
@@ -195,7 +140,7 @@ class LLMEngine:
         Raises:
             InvalidRequestError: out-of-range parameters or too long for the context.
         """
-        self.check_request(len(prompt_token_ids), sampling)
+        self.config.check_request(len(prompt_token_ids), sampling)
         vocab_size = self.model_config.vocab_size
         if any(not 0 <= t < vocab_size for t in prompt_token_ids):  # else the step fails for the whole batch
             raise InvalidRequestError(f"prompt token ids must be in [0, {vocab_size})")
@@ -205,25 +150,20 @@ class LLMEngine:
         cache_policy = cache_policy or CachePolicy()
         if sampling.prompt_logprobs is not None:  # every prompt position is scored, so none is read from the cache
             cache_policy = CachePolicy(read=False, write=cache_policy.write)
-        seq = Sequence(
-            request_id, list(prompt_token_ids), sampling, self.config.block_size,
-            priority=priority, cache_salt=cache_salt, cache_policy=cache_policy,
-            tool_marker=tool_marker, pin_prefixes=list(pin_prefixes or []),
+        sampler = SamplerState(
+            generator=torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None,
+            matcher=self.grammars.matcher(sampling.grammar) if sampling.grammar is not None else None,
             is_low_latency=low_latency and self.model.lm_head_int8 is not None,  # only where a lossier head exists
         )
-        if sampling.seed is not None:
-            seq.generator = torch.Generator().manual_seed(sampling.seed)
-        if sampling.grammar is not None:
-            seq.matcher = self.grammars.matcher(sampling.grammar)
+        seq = Sequence(request_id, list(prompt_token_ids), sampling, self.config.block_size, priority=priority,
+                       cache_salt=cache_salt, cache_policy=cache_policy, pin_prefixes=list(pin_prefixes or []),
+                       sampler=sampler)
         parent = self.requests.get(fork_of) if fork_of else None
-        if parent is not None and parent.seq.prompt_token_ids == seq.prompt_token_ids and sampling.prompt_logprobs is None:
-            seq.fork_of = parent.seq  # a sample of n: it starts from the parent's computed prompt
+        if parent is not None and parent.prompt_token_ids == seq.prompt_token_ids and sampling.prompt_logprobs is None:
+            seq.fork_of = parent  # a sample of n: it starts from the parent's computed prompt
         self.scheduler.add(seq)
-        stop_ids = set(sampling.stop_token_ids)
-        if not sampling.ignore_eos:
-            stop_ids |= set(self.model_config.eos_token_ids)
-        detok = Detokenizer(self.tokenizer, list(sampling.stop), sampling.skip_special_tokens)
-        self.requests[request_id] = _Request(seq, detok, stop_ids)
+        self.outputs.add(seq, tool_marker)
+        self.requests[request_id] = seq
         return seq
 
     def expected_cached_tokens(self, seq: Sequence) -> int:
@@ -238,11 +178,11 @@ class LLMEngine:
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request in any state and return every block it held."""
-        req = self.requests.pop(request_id, None)
-        if req is None:
+        seq = self.requests.pop(request_id, None)
+        if seq is None:
             return None
         self.scheduler.abort(request_id)
-        return self._finish(req, "abort")
+        return self._finish(seq, "abort", running=False)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.num_unfinished > 0
@@ -251,6 +191,117 @@ class LLMEngine:
         """Requests scheduled for the first time since the last call: they have left the queue."""
         started, self._started = self._started, []
         return started
+
+    def request_ids(self) -> list[str]:
+        """Every request the engine holds, queued or running."""
+        return list(self.requests)
+
+    def recent_cache_keys(self, max_keys: int) -> list[bytes]:
+        """The prefix cache's block keys, most recently used first (none without a prefix cache)."""
+        bm = self.block_manager
+        return bm.cache.recent_keys(max_keys) if bm.enable_prefix_cache else []
+
+    # ---- the step --------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """schedule -> run -> commit; the kept tokens go through the output processor.
+
+        Raises:
+            OrchestrationError: scheduling or prefix-cache logic failed (the caller may degrade).
+            StepError: the model step failed; it names the requests that were in it.
+        """
+        self.faults.check_death(self.num_steps)
+        t0 = time.perf_counter()
+        try:
+            self.speculator.propose(self.scheduler.running, self.config.scheduler.max_num_batched_tokens,
+                                    allowed=self.mode == "normal")
+            sched = self.scheduler.schedule()
+        except Exception as e:
+            raise OrchestrationError(f"scheduler: {type(e).__name__}: {e}") from e
+        self._started += [seq.request_id for seq in sched.started]
+        if sched.is_empty and not sched.copies:  # (every request waits: on reads from the disk tier, or for blocks)
+            if self.tier.num_loading:
+                self.tier.wait(0.05)  # nothing can run before a read lands: no busy loop
+            return []
+        self._set_threads(sched.num_batched_tokens)
+        try:
+            draft_s = self.speculator.draft_proposals(sched.scheduled)
+            result = self.runner.execute(sched)
+            verified = {}  # request id -> (kept tokens, their logprobs, proposals accepted)
+            for item in sched.scheduled:
+                rows = result.verify_rows.get(item.seq.request_id)
+                if rows is not None:
+                    verified[item.seq.request_id] = kept = self.speculator.verify(item, rows, self.grammars)
+                    ModelRunner.read_verified(item.seq, item.start, rows, len(kept[0]))
+        except Exception as e:
+            raise StepError([s.seq.request_id for s in sched.scheduled], e) from e
+        try:
+            self.scheduler.commit(sched)
+            stats = StepStats(len(sched.scheduled), sched.num_decodes, sched.num_batched_tokens, 0.0, result.forward_s,
+                              result.mask_s, draft_s=draft_s)
+            outputs = self._update(sched, result.sampled, result.logprobs, verified, stats)
+        except Exception as e:
+            raise OrchestrationError(f"postprocess: {type(e).__name__}: {e}") from e
+        stats.step_s = step_s = time.perf_counter() - t0
+        if not sched.is_empty:
+            self.num_steps += 1
+            self.step_stats.append(stats)
+            self.speculator.observe_step(sched.scheduled, step_s - draft_s)
+        return outputs
+
+    def _update(self, sched: SchedulerOutput, sampled: dict, logprobs: dict, verified: dict,
+                stats: StepStats) -> list[RequestOutput]:
+        """The step's tokens through the output processor, and what it says applied to the scheduler:
+        each accepted proposal after the first makes the KV its verify row wrote the request's own."""
+        now = time.perf_counter()
+        outputs = []
+        for item in sched.scheduled:
+            seq, rid = item.seq, item.seq.request_id
+            self.outputs.scheduled(item, now)
+            if rid in verified:
+                tokens, token_logprobs, num_accepted = verified[rid]
+                stats.num_verify_seqs += 1
+                stats.num_spec_proposed_tokens += item.num_spec_tokens
+                stats.num_spec_accepted_tokens += num_accepted
+            elif rid in sampled:
+                tokens, token_logprobs = [sampled[rid]], [logprobs.get(rid)]
+            else:
+                if seq.num_computed_tokens >= seq.num_tokens and seq.sampling.max_tokens == 0:
+                    self.outputs.prefilled(seq)
+                    outputs.append(self._finish(seq, "length"))
+                continue
+            taken = self.outputs.take(seq, tokens, token_logprobs, now)
+            for _ in range(taken.num_kept - 1):
+                self.scheduler.advance(seq)
+            if taken.finish_reason is not None:
+                outputs.append(self._finish(seq, taken.finish_reason, tokens[: taken.num_kept]))
+                continue
+            if taken.num_reserve_tokens:  # a tool call began: room for its arguments, so they decode without stalls
+                self.scheduler.reserve(seq, taken.num_reserve_tokens)
+            outputs.append(self.outputs.output(seq, tokens))
+            if item.num_spec_tokens:
+                self.scheduler.end_speculation(item)
+        return outputs
+
+    def _finish(self, seq: Sequence, reason: str, new_ids: list[int] | None = None, running: bool = True) -> RequestOutput:
+        efficiency = seq.kv_cache_efficiency(self.config.block_size)
+        if running:
+            self.scheduler.finish(seq)
+            self.requests.pop(seq.request_id, None)
+        seq.status = SequenceStatus.FINISHED
+        out = self.outputs.finish(seq, reason, new_ids or [], efficiency)
+        self.speculator.forget(seq.request_id)
+        return out
+
+    def _set_threads(self, num_tokens: int) -> None:
+        """Compute-bound prefill steps use every core; decode-bound steps leave the configured ones free.
+        The native step, whose bits no thread count changes, uses no more than the cores other processes
+        leave free (`ThreadGovernor`): its barriers would otherwise wait on descheduled threads."""
+        threads = self.config.prefill_threads if num_tokens >= PREFILL_STEP_TOKENS else self.config.num_threads
+        if self.model.packed is not None:
+            threads = min(threads, self.governor.threads())
+        if threads != self._threads:
+            torch.set_num_threads(threads)
+            self._threads = threads
 
     # ---- what its loop reads (`stratum.engine.loop`) ----------------------------------------------
     def snapshot(self, rss_mb: float = 0.0, kv_blocks: KVBlocks | None = None) -> EngineSnapshot:
@@ -266,7 +317,7 @@ class LLMEngine:
             kv_blocks = KVBlocks(bm.num_blocks, bm.num_free_blocks, bm.num_cached_blocks, bm.num_used_blocks)
         steps = list(islice(reversed(self.step_stats), 64))  # the latest, not a copy of all 1,024 (every step)
         total = sum(s.step_s for s in steps)
-        gpu = round(torch.cuda.memory_allocated(self.device) / 2**20, 1) if self.device.type == "cuda" else None
+        gpu = round(torch.cuda.memory_allocated(self.runner.device) / 2**20, 1) if self.config.device == "cuda" else None
         return EngineSnapshot(
             alive=True, mode=self.mode, degraded_reason=self.degraded_reason,
             num_running=len(sched.running), num_waiting=len(sched.waiting), kv_blocks=kv_blocks,
@@ -276,15 +327,6 @@ class LLMEngine:
             gpu_memory_allocated_mb=gpu, step="native" if self.model.packed is not None else "pytorch",
             preparing=self.upgrade.stage if self.upgrade is not None else None, kv_tiers=self.tier.report(),
         )
-
-    def request_ids(self) -> list[str]:
-        """Every request the engine holds, queued or running."""
-        return list(self.requests)
-
-    def recent_cache_keys(self, max_keys: int) -> list[bytes]:
-        """The prefix cache's block keys, most recently used first (none without a prefix cache)."""
-        bm = self.block_manager
-        return bm.cache.recent_keys(max_keys) if bm.enable_prefix_cache else []
 
     @property
     def is_preparing(self) -> bool:
@@ -297,212 +339,6 @@ class LLMEngine:
         still writing (its figures on /metrics would go stale until the next request)."""
         return self.is_preparing or not self.tier.is_settled
 
-    # ---- the step --------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
-        """schedule -> run -> commit -> postprocess.
-
-        Raises:
-            OrchestrationError: scheduling or prefix-cache logic failed (the caller may degrade).
-            StepError: the model step failed; it names the requests that were in it.
-        """
-        if self._death_after is not None and self.num_steps >= self._death_after:
-            raise EngineKilled(f"injected engine death after {self.num_steps} steps (STRATUM_FAULT_INJECT)")
-        t0 = time.perf_counter()
-        try:
-            self.speculator.propose(self.scheduler.running, self.config.scheduler.max_num_batched_tokens,
-                                    allowed=self.mode == "normal")
-            sched = self.scheduler.schedule()
-        except Exception as e:
-            raise OrchestrationError(f"scheduler: {type(e).__name__}: {e}") from e
-        self._started += [item.seq.request_id for item in sched.scheduled if item.seq.first_scheduled_time >= t0]
-        if sched.is_empty and not sched.copies:  # (every request waits: on reads from the disk tier, or for blocks)
-            if self.tier.num_loading:
-                self.tier.wait(0.05)  # nothing can run before a read lands: no busy loop
-            return []
-        self._set_threads(sched.num_batched_tokens)
-        try:
-            draft_s = self.speculator.draft_proposals(sched.scheduled)
-            result = self.runner.execute(sched)
-        except Exception as e:
-            raise StepError([s.seq.request_id for s in sched.scheduled], e) from e
-        try:
-            self.scheduler.commit(sched)
-            stats = StepStats(len(sched.scheduled), sched.num_decodes, sched.num_batched_tokens, 0.0, result.forward_s,
-                              result.mask_s, draft_s=draft_s)
-            outputs = self._postprocess(sched, result, stats)
-        except Exception as e:
-            raise OrchestrationError(f"postprocess: {type(e).__name__}: {e}") from e
-        stats.step_s = step_s = time.perf_counter() - t0
-        if not sched.is_empty:
-            self.num_steps += 1
-            self.step_stats.append(stats)
-            self.speculator.observe_step(sched.scheduled, step_s - draft_s)
-        return outputs
-
-    def _set_threads(self, num_tokens: int) -> None:
-        """Compute-bound prefill steps use every core; decode-bound steps leave the configured ones free.
-        The native step, whose bits no thread count changes, uses no more than the cores other processes
-        leave free (`ThreadGovernor`): its barriers would otherwise wait on descheduled threads."""
-        threads = self.config.prefill_threads if num_tokens >= PREFILL_STEP_TOKENS else self.config.num_threads
-        if self.model.packed is not None:
-            threads = min(threads, self.governor.threads())
-        if threads != self._threads:
-            torch.set_num_threads(threads)
-            self._threads = threads
-
-    def _postprocess(self, sched: SchedulerOutput, result, stats: StepStats) -> list[RequestOutput]:
-        now = time.perf_counter()
-        outputs = []
-        for item in sched.scheduled:
-            seq = item.seq
-            if item.start < seq.num_prompt_tokens:
-                seq.num_prefill_chunks += 1
-                seq.state = f"prefill_chunk_{seq.num_prefill_chunks}"
-            if seq.prefill_done_time is None and seq.num_computed_tokens >= seq.num_prompt_tokens:
-                seq.prefill_done_time = now
-            req = self.requests[seq.request_id]
-            kept = result.accepted.get(seq.request_id)
-            if kept is not None:  # a verify step: the accepted proposals and the target's next token
-                tokens, logprobs = kept
-                stats.num_verify_seqs += 1
-                stats.num_spec_proposed_tokens += item.num_spec_tokens
-                stats.num_spec_accepted_tokens += self.speculator.settle(item, tokens)
-            elif seq.request_id in result.sampled:
-                tokens, logprobs = [result.sampled[seq.request_id]], [result.logprobs.get(seq.request_id)]
-            else:
-                if seq.num_computed_tokens >= seq.num_tokens and seq.sampling.max_tokens == 0:
-                    seq.state = "prefill_complete"
-                    seq.kv_bytes_at_first_token = len(seq.block_table) * self.kv_bytes_per_block
-                    outputs.append(self._finish(req, "length", running=True))
-                continue
-            outputs.append(self._take_tokens(req, tokens, logprobs, now))
-            if item.num_spec_tokens and not seq.is_finished:
-                self.scheduler.end_speculation(item)
-        return outputs
-
-    def _take_tokens(self, req: _Request, tokens: list[int], logprobs: list, now: float) -> RequestOutput:
-        """Append a step's tokens to the request one at a time, each through the stop conditions, the
-        grammar and the state machine as a decode's token; tokens after a stop are dropped. Each
-        accepted proposal after the first makes the KV its verify row wrote the request's own."""
-        seq = req.seq
-        for i, (token, lp) in enumerate(zip(tokens, logprobs)):
-            if i:
-                self.scheduler.advance(seq)
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-                seq.state = "prefill_complete"
-                seq.kv_bytes_at_first_token = len(seq.block_table) * self.kv_bytes_per_block
-            else:
-                seq.state = f"decode_step_{seq.num_output_tokens}"
-            seq.token_ids.append(token)
-            seq.token_times.append(now)
-            if lp is not None:
-                seq.logprobs.append(lp)
-            reason = None
-            if token in req.stop_ids:
-                reason, seq.stop_reason = "stop", token
-            else:
-                req.detok.add(token)
-                if req.detok.stop_hit is not None:
-                    reason, seq.stop_reason = "stop", req.detok.stop_hit
-                elif seq.matcher is not None and self._grammar_done(seq, token):
-                    reason = "stop"
-            if reason is None and seq.num_output_tokens >= seq.sampling.max_tokens:
-                reason = "length"
-            if reason is None and seq.tool_marker is not None and not seq.is_tool_prepared and seq.tool_marker in req.detok.text:
-                self._prepare_tool_use(seq)
-            if reason is not None:
-                return self._finish(req, reason, running=True, new_ids=tokens[: i + 1])
-        return self._output(req, tokens, finished=False)
-
-    @staticmethod
-    def _grammar_done(seq: Sequence, token: int) -> bool:
-        """Advance the request's grammar by its new token: True once the grammar is complete (the
-        sampler only offered accepted tokens, so a rejection means a bug, and also ends it)."""
-        if not seq.matcher.consume_token(token):
-            log.error("%s: grammar rejected a sampled token: %s", seq.request_id, seq.matcher.get_error())
-            return True
-        return seq.matcher.is_stopped()
-
-    def _prepare_tool_use(self, seq: Sequence) -> None:
-        """The model began a tool call: reserve KV room for its arguments now, so they decode without stalls."""
-        seq.state = "tool_use_prepared"
-        seq.is_tool_prepared = True
-        budget = seq.sampling.max_tokens - seq.num_output_tokens
-        reserve = min(budget, self.tool_reserve_tokens)
-        if reserve > 0 and self.scheduler.reserve(seq, 1 + reserve):
-            seq.num_tool_reserved_tokens = reserve
-
-    def _finish(self, req: _Request, reason: str, running: bool = False, new_ids: list[int] | None = None) -> RequestOutput:
-        seq = req.seq
-        efficiency = seq.kv_cache_efficiency(self.config.block_size)
-        if running:
-            self.scheduler.finish(seq)
-            self.requests.pop(seq.request_id, None)
-        seq.status = SequenceStatus.FINISHED
-        seq.finish_reason = reason
-        seq.finish_time = time.perf_counter()
-        req.detok.flush()
-        out = self._output(req, new_ids or [], finished=True, efficiency=efficiency)
-        seq.state = "finished"
-        return out
-
-    def _output(self, req: _Request, new_ids: list[int], finished: bool, efficiency: float | None = None) -> RequestOutput:
-        seq = req.seq
-        delta_logprobs = None
-        if seq.sampling.logprobs is not None:
-            delta_logprobs = seq.logprobs[len(seq.logprobs) - len(new_ids):] if new_ids else []
-        return RequestOutput(
-            request_id=seq.request_id,
-            delta_text=req.detok.take_delta(finished),
-            delta_token_ids=new_ids,
-            delta_logprobs=delta_logprobs,
-            logprobs=list(seq.logprobs) if finished and delta_logprobs is not None else None,
-            prompt_logprobs=self._prompt_logprobs(seq) if finished or len(new_ids) == seq.num_output_tokens else None,
-            text=req.detok.text,
-            token_ids=seq.output_token_ids,
-            finished=finished,
-            finish_reason=seq.finish_reason,
-            stop_reason=seq.stop_reason,
-            stats=self.request_stats(seq) if finished or len(new_ids) == seq.num_output_tokens else None,
-            state=seq.state,
-            kv_cache_efficiency=seq.kv_cache_efficiency(self.config.block_size) if efficiency is None else efficiency,
-            mode=self.mode,
-        )
-
-    @staticmethod
-    def _prompt_logprobs(seq: Sequence) -> list | None:
-        """Per prompt token its (logprob, top) given the tokens before it; None for the first token."""
-        if seq.sampling.prompt_logprobs is None:
-            return None
-        return [seq.prompt_logprobs.get(p) for p in range(seq.num_prompt_tokens)]
-
-    def request_stats(self, seq: Sequence) -> RequestStats:
-        return RequestStats(
-            num_prompt_tokens=seq.num_prompt_tokens,
-            num_cached_tokens=max(0, seq.num_cached_tokens),
-            num_prompt_tokens_computed=seq.num_prompt_tokens_computed,
-            num_cache_written_tokens=seq.num_cache_written_tokens,
-            num_output_tokens=seq.num_output_tokens,
-            num_disk_cached_tokens=seq.num_disk_cached_tokens,
-            disk_read_s=seq.disk_read_s,
-            num_preemptions=seq.num_preemptions,
-            arrival_time=seq.arrival_time,
-            first_scheduled_time=seq.first_scheduled_time,
-            first_token_time=seq.first_token_time,
-            prefill_done_time=seq.prefill_done_time,
-            finish_time=seq.finish_time,
-            token_times=list(seq.token_times),
-            kv_sparsity=seq.kv_sparsity,
-            num_kv_sparsity_samples=seq.coverage_count,
-            num_prefill_chunks=seq.num_prefill_chunks,
-            kv_bytes_at_first_token=seq.kv_bytes_at_first_token,
-            num_tool_reserved_tokens=seq.num_tool_reserved_tokens,
-            num_spec_proposed_tokens=seq.spec.num_proposed if seq.spec is not None else 0,
-            num_spec_accepted_tokens=seq.spec.num_accepted if seq.spec is not None else 0,
-            num_spec_steps=seq.spec.num_steps if seq.spec is not None else 0,
-        )
-
     # ---- degraded basic mode ---------------------------------------------------------------------
     def enter_basic_mode(self, reason: str) -> None:
         """Scheduler or cache logic failed: keep serving FIFO, one sequence at a time, without the prefix cache.
@@ -512,13 +348,14 @@ class LLMEngine:
         log.error("entering basic mode: %s", reason)
         self.mode = "basic"
         self.degraded_reason = reason
-        self._renew_pool()
+        self._renew_pool(self._unfinished(), self.scheduler.num_preemptions)
 
-    def _renew_pool(self) -> None:
-        """A fresh block manager and scheduler over the runner's KV pool, for the current mode; every
-        unfinished request is kept and recomputed from its tokens (nothing in the old pool is read)."""
-        pending = sorted(self.scheduler.waiting + self.scheduler.running, key=lambda s: s.arrival_order)
-        num_preemptions = self.scheduler.num_preemptions
+    def _unfinished(self) -> list[Sequence]:
+        return sorted(self.scheduler.waiting + self.scheduler.running, key=lambda s: s.arrival_order)
+
+    def _renew_pool(self, pending: list[Sequence], num_preemptions: int) -> None:
+        """A fresh block manager and scheduler over the runner's KV pool, for the current mode; the
+        pending requests are kept and recomputed from their tokens (nothing in the old pool is read)."""
         config = self.config
         if self.mode == "basic":
             self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, enable_prefix_cache=False)
@@ -526,14 +363,26 @@ class LLMEngine:
                                     max_waiting=config.scheduler.max_waiting, watermark_blocks=0)
             self.scheduler = Scheduler(basic, self.block_manager, fifo=True)
         else:
+            fault = self.faults.orchestration
             self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_cache,
-                                              fault=self._fault)
-            self.scheduler = Scheduler(config.scheduler, self.block_manager, fault=self._fault)
+                                              fault=fault)
+            self.scheduler = Scheduler(config.scheduler, self.block_manager, fault=fault)
         self.scheduler.num_preemptions = num_preemptions
         self.scheduler.adopt(pending)
-        self._attach_tier()
+        self.tier.attach(self.block_manager, self.scheduler, self.runner.kv_caches, kv_binding(config, self.model))
 
     # ---- the kernel switch: a cold start's PyTorch step, then the prepared kernels -----------------
+    def _adopt_kernels(self) -> None:
+        """What follows the model's kernels: the threads, the runner's grammars, the KV block size in bytes."""
+        config = self.config
+        self._threads = config.num_threads
+        torch.set_num_threads(self._threads)
+        self.governor = ThreadGovernor(max(config.num_threads, config.prefill_threads))
+        self.runner.grammars = self.grammars
+        draft = self.speculator.draft
+        kv_bytes = self.runner.kv_cache_bytes + (draft.kv_cache_bytes if draft is not None else 0)
+        self.kv_bytes_per_block = kv_bytes // config.num_kv_blocks
+
     def switch_kernels(self) -> bool:
         """Adopt the model `self.upgrade` prepared, once it is ready; called between steps.
 
@@ -552,23 +401,17 @@ class LLMEngine:
         self.upgrade = None
         if upgrade.prepared is None:
             return False
-        prepared = upgrade.prepared
         recomputed = [seq for seq in self.scheduler.running if seq.num_computed_tokens > 0]
         for seq in recomputed:
             seq.num_preemptions += 1
-        self.config, self.model, self.packed_bytes, self.runner = prepared.config, prepared.model, prepared.packed_bytes, prepared.runner
-        self.kernel_plan, self.dtype = self.config.kernel_plan, self.config.torch_dtype  # numerics: config.numerics
-        self.runner.grammars = self.grammars
-        if self.speculator.draft is not None:
-            self.speculator.draft.follow(provisional=False)
-            self.speculator.draft.attach(self.config.num_kv_blocks, self.config.block_size)
-        self.speculator.set_target(self.model, self.kernel_plan)
-        self.kv_bytes_per_block = self._kv_cache_bytes() // self.config.num_kv_blocks
-        self._threads = self.config.num_threads
-        torch.set_num_threads(self._threads)
-        self.governor = ThreadGovernor(max(self.config.num_threads, self.config.prefill_threads))
-        self._renew_pool()
-        self.scheduler.num_preemptions += len(recomputed)
+        self.built = upgrade.prepared
+        draft = self.speculator.draft
+        if draft is not None:
+            draft.follow(provisional=False)
+            draft.attach(self.config.num_kv_blocks, self.config.block_size)
+        self.speculator.set_target(self.model, self.config.kernel_plan)
+        self._adopt_kernels()
+        self._renew_pool(self._unfinished(), self.scheduler.num_preemptions + len(recomputed))
         log.warning("switched to the prepared kernels: %s, numerics %s", self.kernel_choices["step"],
                     self.config.numerics.key())
         return True

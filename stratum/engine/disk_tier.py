@@ -4,14 +4,12 @@ instead of recomputed -- after a restart too, and across the engine processes of
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import queue
 import sqlite3
 import threading
 import time
-import weakref
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,10 +26,9 @@ WRITE_BATCH = 32  # blocks indexed per SQLite transaction
 TOUCH_EVERY_S = 60.0  # a block's last use is recorded at most this often
 MAINTAIN_EVERY_S = 1.0  # the writer looks for other processes' blocks and the bound this often
 # While requests decode, the writer uses at most this share of one core (it sleeps in proportion to its
-# own CPU time per block): issue 34's bound is 5% on a running decode step, whose threads fill the cores.
+# own CPU time per block): the tier may cost a running decode step at most 5%, and its threads fill the cores.
 WRITE_DUTY_WHILE_DECODING = 0.02
 DECODING_RECENT_S = 0.25  # the engine stepped decodes this recently: it is decoding
-_live: "weakref.WeakSet[DiskTier]" = weakref.WeakSet()
 
 
 @dataclass(slots=True, eq=False)
@@ -113,7 +110,6 @@ class DiskTier:
         if self.enabled:
             for target, name in ((self._read_loop, "stratum-kv-read"), (self._write_loop, "stratum-kv-write")):
                 threading.Thread(target=target, name=name, daemon=True).start()
-            _live.add(self)
 
     # ---- wiring --------------------------------------------------------------------------------------
     def attach(self, bm, scheduler, kv_caches, binding: bytes) -> None:
@@ -271,7 +267,7 @@ class DiskTier:
             return
         bs = self.bm.block_size
         disk = bs * sum(1 for b in match.block_ids if b in loaded)
-        seq.num_disk_cached_tokens, seq.disk_read_s = disk, read_s
+        seq.cache_stats.num_disk_cached_tokens, seq.cache_stats.disk_read_s = disk, read_s
         pool = seq.num_cached_tokens - disk
         self.pool["hit_tokens"] += pool
         self.pool["read_bytes"] += pool * self.block_bytes // bs
@@ -531,10 +527,3 @@ def _unlink(path: Path) -> None:
         os.unlink(path)
     except FileNotFoundError:
         pass
-
-
-@atexit.register
-def _close_all() -> None:
-    """A clean exit writes what is queued (a killed process loses only that: the tier stays consistent)."""
-    for tier in list(_live):
-        tier.close(timeout_s=5.0)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 from stratum.engine.config import EngineConfig
-from stratum.engine.core import LLMEngine
+from stratum.engine.core import EngineCore
 from stratum.engine.outputs import RequestOutput
 from stratum.engine.sampling_params import SamplingParams
 from stratum.models.loader import Checkpoint
@@ -15,7 +15,7 @@ class LLM:
     """Offline generation: `LLM("smollm2-135m").generate(prompts, SamplingParams(...))`."""
 
     def __init__(self, model: str = "smollm2-135m", checkpoint: Checkpoint | None = None, **config):
-        self.engine = LLMEngine(EngineConfig(model=model, **config), checkpoint=checkpoint)
+        self.engine = EngineCore(EngineConfig(model=model, **config), checkpoint=checkpoint)
         self._ids = itertools.count()
 
     def generate(self, prompts: list[str] | list[list[int]], sampling: SamplingParams | list[SamplingParams] | None = None,

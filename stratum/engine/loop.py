@@ -1,8 +1,9 @@
-"""The engine loop: it owns an `LLMEngine`, applies commands between steps and, after every step,
+"""The engine loop: it owns an engine core, applies commands between steps and, after every step,
 emits one batch of events (outputs, requests that left the queue, a fresh snapshot).
 
-`ThreadTransport` runs it in a thread of the serving process, behind an `EngineClient`; the engine
-process (`stratum.engine.process`) and a Ray Serve replica (`stratum.cluster.replica`) run it too.
+It talks to the core through `LoopEngine`, exactly the members it uses. The engine process
+(`stratum.engine.process`), a thread of the serving process (`stratum.engine.thread_transport`) and a
+Ray Serve replica (`stratum.cluster.replica`) run it.
 """
 
 from __future__ import annotations
@@ -12,16 +13,44 @@ import os
 import threading
 import time
 from collections import deque
-from typing import Callable
+from typing import Callable, Protocol
 
-from stratum.engine.client import EngineClient, Transport
-from stratum.engine.outputs import OrchestrationError, StepError
+from stratum.engine.outputs import OrchestrationError, RequestOutput, StepError
 from stratum.engine.protocol import (
     Abort, Accepted, AddRequest, Command, EngineDied, EngineInfo, EngineSnapshot, Event, HeldKeys, KVBlocks, ListHeld,
     RequestFailed, Started,
 )
-from stratum.engine.request import short_key
-from stratum.engine.sampling_params import InvalidRequestError
+from stratum.engine.request import CachePolicy, Sequence, short_key
+from stratum.engine.sampling_params import InvalidRequestError, SamplingParams
+
+
+class LoopEngine(Protocol):
+    """What the loop asks of the engine it owns (`engine.core.EngineCore`), and nothing more."""
+
+    mode: str  # "normal" | "basic"
+
+    def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
+                    priority: int = 0, cache_salt: str | None = None, cache_policy: CachePolicy | None = None,
+                    tool_marker: str | None = None, pin_prefixes: list[tuple[int, float]] | None = None,
+                    low_latency: bool = False, fork_of: str | None = None) -> Sequence: ...
+    def expected_cached_tokens(self, seq: Sequence) -> int: ...
+    def abort(self, request_id: str) -> RequestOutput | None: ...
+    def recent_cache_keys(self, max_keys: int) -> list[bytes]: ...
+    def has_unfinished(self) -> bool: ...
+    def step(self) -> list[RequestOutput]: ...
+    def take_started(self) -> list[str]: ...
+    def request_ids(self) -> list[str]: ...
+    def enter_basic_mode(self, reason: str) -> None: ...
+    def switch_kernels(self) -> bool: ...
+    def info(self) -> EngineInfo: ...
+    def snapshot(self, rss_mb: float = 0.0, kv_blocks: KVBlocks | None = None) -> EngineSnapshot: ...
+
+    @property
+    def is_preparing(self) -> bool: ...
+
+    @property
+    def works_in_background(self) -> bool: ...
+
 
 log = logging.getLogger("stratum.engine")
 
@@ -30,7 +59,7 @@ class EngineLoop:
     """The step loop. `submit` is thread-safe; `run` blocks until `stop` or death.
 
     Args:
-        engine: the LLMEngine it owns; only this loop touches it.
+        engine: the engine it owns; only this loop touches it.
         emit: receives one list of events (`stratum.engine.protocol`) per step, or per batch of
             commands, in order: RequestOutput, RequestFailed, Accepted, Started, HeldKeys when asked,
             then the EngineSnapshot after it; once, last, EngineDied.
@@ -42,7 +71,7 @@ class EngineLoop:
     KV_COUNT_EVERY_S = 0.05
     PREPARING_POLL_S = 0.5
 
-    def __init__(self, engine, emit: Callable[[list[Event]], None]):
+    def __init__(self, engine: LoopEngine, emit: Callable[[list[Event]], None]):
         self.engine = engine
         self.emit = emit
         self._commands: deque[Command] = deque()
@@ -80,7 +109,7 @@ class EngineLoop:
         with self._wake:
             while not self._commands and not engine.has_unfinished() and not self._stopped:
                 # while a cold start's kernels are prepared, an idle loop looks in now and then: to
-                # switch to them (`LLMEngine.switch_kernels`), and to publish how far they are; and
+                # switch to them (`EngineCore.switch_kernels`), and to publish how far they are; and
                 # while the disk tier writes, to publish its figures
                 if not self._wake.wait(self.PREPARING_POLL_S if engine.works_in_background else None):
                     break
@@ -90,7 +119,7 @@ class EngineLoop:
         for command in commands:
             self._apply(command, events)
         if engine.is_preparing and engine.switch_kernels():
-            events.append(EngineInfo.of(engine))  # its configuration and kernel choices changed
+            events.append(engine.info())  # its configuration and kernel choices changed
         if engine.has_unfinished() and not self._stopped:
             self._step(events)
         events.append(self._snapshot())
@@ -170,33 +199,3 @@ def _rss_mb() -> float:
         return round(psutil.Process(os.getpid()).memory_info().rss / 2**20, 1)
     except Exception:
         return 0.0
-
-
-class ThreadTransport(Transport):
-    """The engine loop in a thread of this process: commands and events cross as the records themselves."""
-
-    def __init__(self, engine):
-        self.engine = engine
-        self.loop: EngineLoop | None = None
-        self.thread: threading.Thread | None = None
-
-    def start(self) -> None:
-        self.loop = EngineLoop(self.engine, self.client.deliver)
-        self.thread = threading.Thread(target=self.loop.run, name="stratum-engine", daemon=True)
-        self.thread.start()
-
-    def send(self, commands: list[Command]) -> None:
-        for command in commands:
-            self.loop.submit(command)
-
-    def shutdown(self) -> None:
-        self.loop.stop()
-        self.thread.join(timeout=10)
-
-
-def start_thread_engine(engine) -> EngineClient:
-    """Run engine's loop in a thread of this process, behind an EngineClient."""
-    transport = ThreadTransport(engine)
-    client = EngineClient(EngineInfo.of(engine), engine.tokenizer, engine.chat_template, transport)
-    transport.start()
-    return client

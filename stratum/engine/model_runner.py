@@ -13,7 +13,7 @@ import torch
 from stratum.kernels import native
 from stratum.layers.attention import AttentionMetadata, CoverageProbe, PrefillSpan
 from stratum.models.llama import LlamaForCausalLM
-from stratum.engine import grammar, spec_decode
+from stratum.engine import grammar
 from stratum.engine.sampler import Logprobs, sample
 from stratum.engine.scheduler import SchedulerOutput
 
@@ -27,8 +27,9 @@ COVERAGE_EVERY = 8
 @dataclass
 class RunnerOutput:
     sampled: dict[str, int] = field(default_factory=dict)  # request_id -> new token, for sequences that sampled
-    # request_id -> (tokens kept, their logprobs), for sequences that verified proposed tokens
-    accepted: dict[str, tuple[list[int], list]] = field(default_factory=dict)
+    # request_id -> the logits of its rows, [proposals + 1, V], for sequences that verify proposed tokens
+    # (`Speculator.verify` keeps what the target accepts)
+    verify_rows: dict[str, torch.Tensor] = field(default_factory=dict)
     logprobs: dict[str, Logprobs] = field(default_factory=dict)  # request_id -> its token's logprobs, where asked for
     forward_s: float = 0.0  # wall time inside the model forward and logits
     mask_s: float = 0.0  # grammar masks
@@ -87,20 +88,20 @@ class ModelRunner:
 
     def execute(self, sched: SchedulerOutput) -> RunnerOutput:
         """Run one step. Sequences whose computed tokens reach num_tokens sample their next token;
-        those verifying proposed tokens keep what the target accepts (`spec_decode.verify`)."""
+        those verifying proposed tokens get their rows' logits (`RunnerOutput.verify_rows`)."""
         for src, dst in sched.copies:  # a forked sample's last prompt block, a partial prefix match's slots
             a, b = src * self.block_size, dst * self.block_size
             for k, v in self.kv_caches:
                 k[b : b + self.block_size] = k[a : a + self.block_size]
                 v[b : b + self.block_size] = v[a : a + self.block_size]
         input_ids, positions, meta, logit_rows, samplers, recorders, verifiers = self._prepare(sched)
-        fast_rows = [j for seq, j in samplers if seq.is_low_latency]
+        fast_rows = [j for seq, j in samplers if seq.sampler.is_low_latency]
         t0 = time.perf_counter()
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
         if meta.probe is not None:
             for seq, values in zip(meta.probe.seqs, meta.probe.results):
-                seq.coverage_sum += sum(values) / len(values)
-                seq.coverage_count += 1
+                seq.readouts.coverage_sum += sum(values) / len(values)
+                seq.readouts.coverage_count += 1
         logits = self._logits(hidden, logit_rows, fast_rows) if logit_rows else None
         if self.device.type == "cuda":
             torch.cuda.synchronize()
@@ -112,39 +113,42 @@ class ModelRunner:
         for seq, index, pos in recorders:
             if seq.sampling.return_logits:
                 for j, p in zip(index, pos):
-                    seq.logits.setdefault(p, logits[j].clone())
+                    seq.readouts.logits.setdefault(p, logits[j].clone())
             if seq.sampling.prompt_logprobs is not None:
                 self._score_prompt(seq, logits, index, pos)
         if samplers:
             self._sample(logits, samplers, out, t1)
         for seq, first, k in verifiers:
-            rows = logits[first : first + k + 1]
-            tokens, logprobs = spec_decode.verify(rows, seq, seq.spec_token_ids[:k], self.grammars)
-            out.accepted[seq.request_id] = (tokens, logprobs)
-            if seq.sampling.return_logits:  # the rows whose input was kept: their positions are computed
-                for i in range(len(tokens)):
-                    seq.logits.setdefault(seq.num_computed_tokens + i, rows[i].clone())
+            out.verify_rows[seq.request_id] = logits[first : first + k + 1]
         return out
+
+    @staticmethod
+    def read_verified(seq, start: int, rows: torch.Tensor, num_kept: int) -> None:
+        """After a verify step kept num_kept tokens: with return_logits, the rows whose input was kept
+        (their positions, from start, are computed) join the request's logits."""
+        if seq.sampling.return_logits:
+            for i in range(num_kept):
+                seq.readouts.logits.setdefault(start + i, rows[i].clone())
 
     def _sample(self, logits: torch.Tensor, samplers: list, out: RunnerOutput, t1: float) -> None:
         idx = [j for _, j in samplers]
         seqs = [s for s, _ in samplers]
         allowed = None
-        constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        constrained = [i for i, s in enumerate(seqs) if s.sampler.matcher is not None]
         if constrained:
-            masks = grammar.allowed_tokens([seqs[i].matcher for i in constrained], logits.shape[-1])
+            masks = grammar.allowed_tokens([seqs[i].sampler.matcher for i in constrained], logits.shape[-1])
             allowed = {}
             for i, mask in zip(constrained, masks):
                 seq = seqs[i]
                 if (seq.sampling.max_tokens - seq.num_output_tokens <= grammar.WIND_DOWN_TOKENS
-                        and not seq.matcher.is_accepting()):
+                        and not seq.sampler.matcher.is_accepting()):
                     mask = grammar.wind_down(mask, self.grammars.closers)
                 allowed[i] = mask
             out.mask_s = time.perf_counter() - t1
         # usually every row samples: no copy, unless grammar masks will write into the rows (the
         # logits are an inference-mode tensor, not writable here)
         rows = logits if allowed is None and idx == list(range(len(logits))) else logits[idx]
-        result = sample(rows, [s.sampling for s in seqs], [s.generator for s in seqs], allowed)
+        result = sample(rows, [s.sampling for s in seqs], [s.sampler.generator for s in seqs], allowed)
         out.sampled = {s.request_id: t for s, t in zip(seqs, result.tokens)}
         out.logprobs = {s.request_id: lp for s, lp in zip(seqs, result.logprobs) if lp is not None}
 
@@ -160,7 +164,8 @@ class ModelRunner:
     def _score_prompt(seq, logits: torch.Tensor, index: range, pos: range) -> None:
         """Each prompt token's log-probability given the tokens before it, from the row one position back
         (the raw model distribution), with the top alternatives there."""
-        pairs = [(j, p + 1) for j, p in zip(index, pos) if p + 1 < seq.num_prompt_tokens and p + 1 not in seq.prompt_logprobs]
+        scored = seq.readouts.prompt_logprobs
+        pairs = [(j, p + 1) for j, p in zip(index, pos) if p + 1 < seq.num_prompt_tokens and p + 1 not in scored]
         if not pairs:
             return
         rows = torch.log_softmax(logits[[j for j, _ in pairs]], dim=-1)
@@ -170,7 +175,7 @@ class ModelRunner:
         values, ids = rows.topk(top, dim=-1) if top else (None, None)
         for k, (_, p) in enumerate(pairs):
             alternatives = list(zip(ids[k].tolist(), values[k].tolist())) if top else []
-            seq.prompt_logprobs[p] = (chosen[k], alternatives)
+            scored[p] = (chosen[k], alternatives)
 
     def _logits(self, hidden: torch.Tensor, logit_rows: list[int], fast_rows: list[int]) -> torch.Tensor:
         """Logits of the selected rows; rows of low-latency requests use the fast output projection."""

@@ -5,6 +5,7 @@ Plain data with no torch in it, so the server side can hold it without loading t
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 
@@ -22,6 +23,21 @@ class StepError(RuntimeError):
     def __init__(self, request_ids: list[str], cause: Exception):
         super().__init__(f"{type(cause).__name__}: {cause}")
         self.request_ids = request_ids
+
+
+class MetaState(enum.Enum):
+    """A request's state as its token stream drives it: the "meta tokens" of the runtime, never in the
+    output text, surfaced as telemetry (`RequestOutput.state_label`: "prefill_chunk_2", "decode_step_17")."""
+
+    QUEUED = "queued"
+    PREFILL_CHUNK = "prefill_chunk"  # numbered by chunk, from 1
+    PREFILL_COMPLETE = "prefill_complete"
+    DECODE_STEP = "decode_step"  # numbered by the output tokens before this one
+    TOOL_USE_PREPARED = "tool_use_prepared"  # the model began a tool call: KV reserved for its arguments
+    FINISHED = "finished"
+
+    def label(self, index: int) -> str:
+        return f"{self.value}_{index}" if self in (MetaState.PREFILL_CHUNK, MetaState.DECODE_STEP) else self.value
 
 
 @dataclass(slots=True)
@@ -76,7 +92,8 @@ class RequestOutput:
     finish_reason: str | None = None  # "stop" | "length" | "abort"; a failed request is a RequestFailed event
     stop_reason: str | int | None = None  # the stop string or stop token that ended it
     stats: RequestStats | None = None
-    state: str = ""  # the request's meta-token state after this output
+    state: MetaState = MetaState.QUEUED  # the request's meta-state after this output
+    state_index: int = 0  # the chunk or decode step it names
     kv_cache_efficiency: float = 0.0
     mode: str = "normal"  # "basic" when served by the degraded engine
     # With sampling.logprobs: (logprob, [(token id, logprob), ...]) per token of delta_token_ids, and
@@ -84,6 +101,11 @@ class RequestOutput:
     delta_logprobs: list | None = None
     logprobs: list | None = None
     prompt_logprobs: list | None = None  # with sampling.prompt_logprobs, on the finished output: per prompt token
+
+    @property
+    def state_label(self) -> str:
+        """The meta-state as the wire says it ("decode_step_17")."""
+        return self.state.label(self.state_index)
 
 
 @dataclass(slots=True)

@@ -11,15 +11,11 @@ import os
 import subprocess
 import sys
 import threading
-from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Callable
+from dataclasses import replace
+from typing import Callable
 
 from stratum.engine import builder
 from stratum.engine.config import EngineConfig, ResolvedConfig
-
-if TYPE_CHECKING:
-    from stratum.engine.model_runner import ModelRunner
-    from stratum.models.llama import LlamaForCausalLM
 
 log = logging.getLogger("stratum.engine")
 
@@ -48,21 +44,11 @@ def prepare(config: EngineConfig, report: Callable[[str], None] = lambda stage: 
     return resolved
 
 
-@dataclass
-class Prepared:
-    """What the engine swaps in: the configuration, the model on it, and the runner with its KV pool."""
-
-    config: ResolvedConfig
-    model: LlamaForCausalLM
-    packed_bytes: int
-    runner: ModelRunner
-
-
 class KernelUpgrade:
     """Prepares config's kernels in a child process, at a lower CPU priority so that serving keeps
     the cores it needs, then builds the model on them in a thread of this one; `prepared` holds it
     once done, `error` says why not (the engine stays on its step). The engine adopts it between two
-    steps (`LLMEngine.switch_kernels`).
+    steps (`EngineCore.switch_kernels`).
 
     `stage` names what it is doing now, for /health: "building kernels", "measuring the kernel
     plan", "repacking weights", "loading the prepared kernels".
@@ -71,7 +57,7 @@ class KernelUpgrade:
     def __init__(self, config: EngineConfig):
         self.config = config
         self.stage = "starting"
-        self.prepared: Prepared | None = None
+        self.prepared: builder.Built | None = None
         self.error: str | None = None
         self._child: subprocess.Popen | None = None
         self._cancelled = False
@@ -107,11 +93,8 @@ class KernelUpgrade:
         if child.wait() != 0:
             raise RuntimeError(f"preparing the kernels failed (the child exited with code {child.returncode})")
 
-    def _build(self) -> Prepared:
+    def _build(self) -> builder.Built:
         """The engine's parts on what the child cached: reading them takes a second, measuring nothing."""
-        import torch
-
-        from stratum.engine.model_runner import ModelRunner
         from stratum.kernels import native
 
         config = replace(self.config, remeasure_plan=False)  # the plan is the one the child just measured
@@ -119,11 +102,7 @@ class KernelUpgrade:
         if not native.available():  # loads the libraries the child built (or learns, fast, that they cannot be)
             raise RuntimeError(f"the native kernels did not load: {native.status()}")
         # the plan the child measured (the CPU family's defaults where serving kept the machine busy)
-        resolved = builder.resolve(config, checkpoint, measure=False)
-        model, packed_bytes = builder.build_model(resolved, checkpoint)
-        runner = ModelRunner(model, resolved.num_kv_blocks, resolved.block_size, torch.device(resolved.device),
-                             resolved.torch_kv_dtype)
-        return Prepared(resolved, model, packed_bytes, runner)
+        return builder.build(builder.resolve(config, checkpoint, measure=False), checkpoint)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
             loop.stop()
 
     from stratum.engine import builder
-    from stratum.engine.core import LLMEngine
+    from stratum.engine.core import EngineCore
 
     def send(message) -> None:
         _write_all(ev_fd, _pack(encode(message)))
@@ -247,11 +247,11 @@ def main(argv: list[str] | None = None) -> int:
         config = EngineConfig.from_json(args.config)
         checkpoint = builder.load(config)
         send(TokenizerData.of(checkpoint.tokenizer, checkpoint.chat_template))
-        engine = LLMEngine(config, checkpoint)
+        engine = EngineCore(config, checkpoint)
     except Exception as e:  # the serving side prints this and exits
         send(StartFailed(f"{type(e).__name__}: {e}"))
         return 1
-    send(EngineInfo.of(engine))
+    send(engine.info())
     loop = EngineLoop(engine, emit)
 
     def read_commands() -> None:

@@ -9,11 +9,12 @@ The thread transport hands the records over as they are; the process transport (
 
 from __future__ import annotations
 
+import enum
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any, Callable, Literal, Union
 
 from stratum.engine.config import ResolvedConfig, SchedulerConfig
-from stratum.engine.outputs import EngineDeadError, RequestOutput, RequestStats
+from stratum.engine.outputs import EngineDeadError, MetaState, RequestOutput, RequestStats
 from stratum.engine.request import CachePolicy
 from stratum.engine.sampling_params import InvalidRequestError, SamplingParams
 
@@ -31,7 +32,7 @@ class KVBlocks:
 class EngineSnapshot:
     """What the engine looked like after its last step, published by the engine, read by anyone.
 
-    A field added here is filled in by `LLMEngine.snapshot`; a replica set's snapshot (`summed`)
+    A field added here is filled in by `EngineCore.snapshot`; a replica set's snapshot (`summed`)
     adds it up across the replicas (numbers, records of numbers) or names it per replica (text)."""
 
     alive: bool
@@ -111,18 +112,15 @@ def _total(values: list):
 
 @dataclass(frozen=True)
 class EngineInfo:
-    """The engine's resolved configuration and kernel choices: its start-up's last message (it is
-    ready), and an event when a cold start switches to its prepared kernels (`LLMEngine.switch_kernels`),
-    the one time they change."""
+    """The engine's resolved configuration and kernel choices (`EngineCore.info`): its start-up's last
+    message (it is ready), and an event when a cold start switches to its prepared kernels
+    (`EngineCore.switch_kernels`), the one time they change."""
 
     config: ResolvedConfig
     model_name: str  # the checkpoint's own name
     vocab_size: int
     kernel_choices: dict[str, Any]
 
-    @classmethod
-    def of(cls, engine) -> "EngineInfo":
-        return cls(engine.config, engine.model_config.name, engine.model_config.vocab_size, engine.kernel_choices)
 
 
 # ---- start-up: an engine process or replica -> serving side, before EngineInfo -------------------------
@@ -173,7 +171,7 @@ class StartFailed:
 # ---- commands: serving side -> engine loop -----------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class AddRequest:
-    """Queue one request; the fields after `sampling` are `LLMEngine.add_request`'s options."""
+    """Queue one request; the fields after `sampling` are `EngineCore.add_request`'s options."""
 
     request_id: str
     prompt_token_ids: list[int]
@@ -282,7 +280,7 @@ def _config(d: dict) -> ResolvedConfig:
 
 # A message's tag is its index here (both sides run the same code), with how its nested fields are rebuilt.
 _MESSAGES: dict[type, dict[str, Callable]] = {
-    RequestOutput: {"stats": _record(RequestStats)},
+    RequestOutput: {"stats": _record(RequestStats), "state": MetaState},
     EngineSnapshot: {"kv_blocks": _record(KVBlocks)},
     Accepted: {}, Started: {}, RequestFailed: {}, HeldKeys: {}, EngineDied: {}, Routed: {},
     EngineInfo: {"config": _config},
@@ -315,6 +313,8 @@ def encode(message: Command | Event | StartupMessage) -> list:
             value = [getattr(value, f) for f in nested]
         elif type(value) is ResolvedConfig:  # records nested in it too: as a dict
             value = asdict(value)
+        elif isinstance(value, enum.Enum):
+            value = value.value
         values.append(value)
     if cls is RequestOutput and not message.finished:
         for i in _SENT_TEXT:

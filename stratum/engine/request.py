@@ -12,10 +12,14 @@ import enum
 import hashlib
 import itertools
 import struct
-import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from stratum.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    import llguidance
+    import torch
 
 _arrival_counter = itertools.count()
 
@@ -70,56 +74,74 @@ def root_hash(salt: str | None) -> bytes:
 
 
 @dataclass(slots=True)
+class CacheStats:
+    """What the prefix cache did for one request's prompt, counted where it happened: tokens computed
+    (the scheduler), tokens written to the cache (the block manager), tokens the disk tier served and
+    the wait for them (the disk tier)."""
+
+    num_prompt_tokens_computed: int = 0  # prompt tokens that went through the forward (recompute included)
+    num_cache_written_tokens: int = 0  # prompt tokens this request added to the prefix cache
+    num_disk_cached_tokens: int = 0  # of Sequence.num_cached_tokens, those read from the disk tier
+    disk_read_s: float = 0.0  # how long the request waited for those reads
+
+
+@dataclass(slots=True)
+class SamplerState:
+    """What sampling a request's rows reads besides its params: set when the request is added; the
+    grammar's matcher is advanced by the output processor, one accepted token at a time."""
+
+    generator: "torch.Generator | None" = None  # a seeded request's own
+    matcher: "llguidance.LLMatcher | None" = None  # a constrained request's grammar state
+    is_low_latency: bool = False  # latency over accuracy: sampled from the fast (int8) output projection
+
+
+@dataclass(slots=True)
+class Readouts:
+    """What the model runner reads out of the forward for a request, beyond its sampled tokens."""
+
+    logits: "dict[int, torch.Tensor]" = field(default_factory=dict)  # position -> fp32 logits (return_logits)
+    prompt_logprobs: dict[int, tuple] = field(default_factory=dict)  # prompt position -> (logprob, top)
+    coverage_sum: float = 0.0  # attention coverage samples (kv_sparsity: layers.attention.attention_coverage)
+    coverage_count: int = 0
+
+    @property
+    def kv_sparsity(self) -> float | None:
+        return self.coverage_sum / self.coverage_count if self.coverage_count else None
+
+
+@dataclass(slots=True)
 class Sequence:
+    """A request's scheduling state. Its records hang off it: what sampling reads (`SamplerState`),
+    what the forward reads out (`Readouts`), what the cache did (`CacheStats`). The output side's state
+    (detokenizer, stop rules, meta-state, times) is the output processor's (`OutputState`), and
+    speculation's the speculator's (`SpecState`)."""
+
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingParams
     block_size: int
     priority: int = 0  # lower runs first, as in vLLM
-    is_low_latency: bool = False  # latency over accuracy: sampled from the fast (int8) output projection
     cache_salt: str | None = None
     cache_policy: CachePolicy = field(default_factory=CachePolicy)
     token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = -1  # prompt tokens served from the prefix cache at first schedule; -1 until then
-    num_cache_written_tokens: int = 0  # prompt tokens this request added to the prefix cache
-    num_disk_cached_tokens: int = 0  # of num_cached_tokens, those read from the disk tier (`disk_tier`)
-    disk_read_s: float = 0.0  # how long the request waited for those reads
-    num_prompt_tokens_computed: int = 0  # prompt tokens that went through the forward (recompute included)
     block_table: list[int] = field(default_factory=list)
     block_hashes: list[bytes] = field(default_factory=list)
     num_inserted_blocks: int = 0  # leading blocks already offered to the prefix cache
+    num_reserved_tokens: int = 0  # tokens past the next one whose blocks are held ahead (a tool call's arguments)
     status: SequenceStatus = SequenceStatus.WAITING
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
     num_preemptions: int = 0
     arrival_order: int = field(default_factory=lambda: next(_arrival_counter))
-    arrival_time: float = field(default_factory=time.perf_counter)
     first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    prefill_done_time: float | None = None  # the step that computed the last prompt token ended
-    token_times: list[float] = field(default_factory=list)
-    finish_time: float | None = None
-    # Telemetry, produced by the code that does the work:
-    state: str = "queued"  # the meta-token state machine: queued, prefill_chunk_k, prefill_complete, decode_step_N, tool_use_prepared, finished
-    num_prefill_chunks: int = 0
-    coverage_sum: float = 0.0  # attention coverage samples (kv_sparsity), see layers.attention.attention_coverage
-    coverage_count: int = 0
-    kv_bytes_at_first_token: int = 0
-    tool_marker: str | None = None  # text that starts a tool call; seen in the output -> tool_use_prepared
-    is_tool_prepared: bool = False
-    num_tool_reserved_tokens: int = 0
-    pin_prefixes: list[tuple[int, float]] = field(default_factory=list)  # (prompt tokens, ttl seconds) to pin once computed
-    logits: dict[int, object] = field(default_factory=dict)  # position -> fp32 logits, only with return_logits
-    generator: object | None = None  # torch.Generator for seeded sampling
+    pin_prefixes: list[tuple[int, float]] = field(default_factory=list)  # (prompt tokens, ttl seconds) to pin
     fork_of: "Sequence | None" = None  # a sample of n: starts from this request's computed prompt (scheduler._fork)
-    matcher: object | None = None  # the grammar's state (llguidance LLMatcher), for constrained requests
-    logprobs: list = field(default_factory=list)  # per output token, when sampling.logprobs is set
-    prompt_logprobs: dict = field(default_factory=dict)  # prompt position -> (logprob, top), with sampling.prompt_logprobs
-    # Speculative decoding (engine.spec_decode): the tokens proposed for the coming step, verified
-    # after the last token in the same forward (empty: a plain decode), and the request's proposer state
+    # speculative decoding (engine.spec_decode): the tokens proposed for the coming step, verified after
+    # the last one in the same forward (empty: a plain decode)
     spec_token_ids: list[int] = field(default_factory=list)
-    spec: object | None = None
+    sampler: SamplerState = field(default_factory=SamplerState)
+    readouts: Readouts = field(default_factory=Readouts)
+    cache_stats: CacheStats = field(default_factory=CacheStats)
 
     def __post_init__(self):
         if not self.token_ids:
@@ -140,10 +162,6 @@ class Sequence:
     @property
     def output_token_ids(self) -> list[int]:
         return self.token_ids[len(self.prompt_token_ids):]
-
-    @property
-    def kv_sparsity(self) -> float | None:
-        return self.coverage_sum / self.coverage_count if self.coverage_count else None
 
     def kv_cache_efficiency(self, block_size: int) -> float:
         """Tokens held in KV ÷ slots in the blocks allocated to this request."""

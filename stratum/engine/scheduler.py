@@ -36,6 +36,7 @@ class SchedulerOutput:
     """What runs this step: decodes first, then prefill chunks."""
 
     scheduled: list[ScheduledSeq] = field(default_factory=list)
+    started: list[Sequence] = field(default_factory=list)  # scheduled for the first time: they left the queue
     preempted: list[Sequence] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) KV blocks, before the step
 
@@ -105,7 +106,7 @@ class Scheduler:
         for item in out.scheduled:
             seq = item.seq
             prompt_left = max(0, seq.num_prompt_tokens - item.start)
-            seq.num_prompt_tokens_computed += min(item.num_new_tokens, prompt_left)
+            seq.cache_stats.num_prompt_tokens_computed += min(item.num_new_tokens, prompt_left)
             # a verify step's proposals count once accepted (`advance`)
             seq.num_computed_tokens = item.start + item.num_new_tokens - item.num_spec_tokens
             policy = seq.cache_policy
@@ -127,8 +128,8 @@ class Scheduler:
         seq held before and those its next decode writes. They were never full of computed tokens, so
         the prefix cache never saw them."""
         seq = item.seq
-        ahead = seq.num_tool_reserved_tokens if seq.is_tool_prepared else 0  # a tool call's reserve (`reserve`)
-        self.bm.truncate(seq, max(item.num_blocks_kept, self.bm.num_blocks_needed_for(seq.num_computed_tokens + 1 + ahead)))
+        needed = self.bm.num_blocks_needed_for(seq.num_computed_tokens + 1 + seq.num_reserved_tokens)  # (`reserve`)
+        self.bm.truncate(seq, max(item.num_blocks_kept, needed))
 
     def _speculate(self, item: ScheduledSeq, budget: int) -> int:
         """Rows for a decode's proposed tokens after its own: as many as the step's token budget and
@@ -148,9 +149,13 @@ class Scheduler:
         return k
 
     def reserve(self, seq: Sequence, num_tokens: int) -> bool:
-        """Allocate blocks now for num_tokens that seq will decode (a tool call's arguments), so they
-        decode without stalls. False, changing nothing, when the pool cannot spare them."""
-        return self.bm.allocate(seq, num_tokens)
+        """Hold blocks from now on for num_tokens positions past seq's next one, which it will decode
+        (a tool call's arguments), so they decode without stalls; a verify step keeps them
+        (`end_speculation`). False, changing nothing, when the pool cannot spare them."""
+        if not self.bm.allocate(seq, 1 + num_tokens):
+            return False
+        seq.num_reserved_tokens = num_tokens
+        return True
 
     def adopt(self, seqs: list[Sequence]) -> None:
         """Take over requests from another scheduler whose KV pool is gone (basic mode): each is
@@ -252,6 +257,7 @@ class Scheduler:
     def _start(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = time.perf_counter()
+            out.started.append(seq)
         seq.status = SequenceStatus.RUNNING
         self.running.append(seq)
         out.add(seq, n)

@@ -49,7 +49,7 @@ class Numerics:
 
     `key()` is a digest of it: two engines with equal keys write the same KV and compute the same
     logits for the same tokens. A cold start's provisional step and the native step it switches to
-    (`LLMEngine.switch_kernels`) have different keys: `ResolvedConfig.numerics` follows the step.
+    (`EngineCore.switch_kernels`) have different keys: `ResolvedConfig.numerics` follows the step.
     """
 
     model: str  # the checkpoint's identity (loader.file_identity: path, size, modification time)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Iterable
 
-from stratum.engine.outputs import RequestOutput
+from stratum.engine.outputs import MetaState, RequestOutput
 from stratum.server.errors import APIError, sse_error
 from stratum.server.render import RenderContext, answer_splitter, new_id, split_output, stream_meta, to_json
 from stratum.server.tools import AnswerEvent, CallArguments, CallEnd, CallStart, TextPiece
@@ -69,7 +69,7 @@ class Messages:
             "stop_reason": None, "stop_sequence": None, "usage": usage}})
 
     def output(self, out: RequestOutput, choice: int) -> Iterable[bytes]:
-        if out.state == "tool_use_prepared":
+        if out.state is MetaState.TOOL_USE_PREPARED:
             self.call_meta = stream_meta(out)
         if out.delta_text:
             yield from self._blocks(self.splitter.feed(out.delta_text), stream_meta(out))

@@ -88,4 +88,4 @@ def to_json(data: Any) -> str:
 
 def stream_meta(out: RequestOutput) -> dict[str, Any]:
     """The runtime's state for a streamed delta's `meta`: the meta-token state and the KV efficiency."""
-    return {"stratum_state": out.state, "kv_cache_efficiency": round(out.kv_cache_efficiency, 4)}
+    return {"stratum_state": out.state_label, "kv_cache_efficiency": round(out.kv_cache_efficiency, 4)}

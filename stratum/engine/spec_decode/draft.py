@@ -104,12 +104,13 @@ class DraftModel:
     def kv_cache_bytes(self) -> int:
         return self.runner.kv_cache_bytes if self.runner is not None else 0
 
-    def propose(self, items: list[ScheduledSeq]) -> float:
+    def propose(self, items: list[ScheduledSeq], states: dict) -> float:
         """Fill each item's proposals (item.num_spec_tokens of them) with the draft's greedy tokens.
 
         The first forward catches the draft's KV up to the request's last token and proposes after
         it; each further forward takes the previous proposal. Every request's state says up to where
-        the draft pool holds its KV (`SpecState.draft_computed`). Returns the seconds it took."""
+        the draft pool holds its KV (`SpecState.draft_computed`, in `states` by request id). Returns
+        the seconds it took."""
         t_start = time.perf_counter()
         for item in items:
             item.seq.spec_token_ids.clear()
@@ -120,10 +121,10 @@ class DraftModel:
                 return time.perf_counter() - t_start
             sched = SchedulerOutput()
             for item in batch:
-                seq = item.seq
-                if seq.spec.draft_preemptions != seq.num_preemptions:  # its blocks were given up since
-                    seq.spec.draft_computed, seq.spec.draft_preemptions = 0, seq.num_preemptions
-                first = min(seq.spec.draft_computed, item.start) if level == 0 else item.start + level
+                seq, state = item.seq, states[item.seq.request_id]
+                if state.draft_preemptions != seq.num_preemptions:  # its blocks were given up since
+                    state.draft_computed, state.draft_preemptions = 0, seq.num_preemptions
+                first = min(state.draft_computed, item.start) if level == 0 else item.start + level
                 sched.scheduled.append(ScheduledSeq(seq, item.start + level + 1 - first, first, False))
             t0 = time.perf_counter()
             tokens = argmax_rows(self.runner.last_logits(sched))
@@ -134,7 +135,7 @@ class DraftModel:
             level += 1
 
     @staticmethod
-    def settle(seq, start: int, num_proposed: int, num_kept: int) -> None:
-        """After a verify step that kept num_kept tokens: the draft pool holds seq's KV at the
+    def settle(state, start: int, num_proposed: int, num_kept: int) -> None:
+        """After a verify step that kept num_kept tokens: the draft pool holds the request's KV at the
         positions whose input was kept (it wrote start .. start + num_proposed - 1)."""
-        seq.spec.draft_computed = start + min(num_kept, num_proposed)
+        state.draft_computed = start + min(num_kept, num_proposed)

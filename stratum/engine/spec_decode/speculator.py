@@ -12,6 +12,7 @@ from typing import Callable
 
 from stratum.engine.spec_decode.ngram import NgramIndex
 from stratum.engine.spec_decode.policy import DRAFT_BUCKET, Acceptance, StepCost, bucket_of, choose
+from stratum.engine.spec_decode.verify import verify
 
 MODES = ("auto", "off", "ngram", "draft")
 
@@ -95,6 +96,7 @@ class Speculator:
         self.numerics = numerics
         self.draft = draft
         self.acceptance = Acceptance()
+        self.states: dict[str, SpecState] = {}  # by request id, from its first proposal to `forget`
         self.set_target(model, plan)
 
     def set_target(self, model, plan) -> None:
@@ -140,10 +142,11 @@ class Speculator:
             most = min(self.config.num_tokens, seq.sampling.max_tokens - seq.num_output_tokens - 1)
             if most <= 0:
                 continue
-            state = seq.spec
+            state = self.states.get(seq.request_id)
             if state is None:
                 cfg = self.config
-                state = seq.spec = SpecState(None if self.draft is not None else NgramIndex(cfg.lookup_min, cfg.lookup_max))
+                state = self.states[seq.request_id] = SpecState(
+                    None if self.draft is not None else NgramIndex(cfg.lookup_min, cfg.lookup_max))
             if self.draft is not None:
                 proposal, state.bucket = [-1] * most, DRAFT_BUCKET
             else:
@@ -168,24 +171,40 @@ class Speculator:
         """Once the step is scheduled: the draft model fills the proposals it was given room for.
         Returns the seconds the draft model took."""
         items = [item for item in scheduled if item.num_spec_tokens] if self.draft is not None else []
-        return self.draft.propose(items) if items else 0.0
+        return self.draft.propose(items, self.states) if items else 0.0
 
-    def settle(self, item, kept: list[int]) -> int:
-        """After a verify step: count what it proposed and kept. Returns the proposals accepted."""
+    def verify(self, item, rows, grammars) -> tuple[list[int], list, int]:
+        """After a verify step: the tokens item's request keeps from its rows' logits (`verify`), with
+        what it proposed and kept counted.
+
+        Returns:
+            (the accepted proposals and the target's next token, their log-probabilities, how many
+            proposals were accepted).
+        """
         seq, k = item.seq, item.num_spec_tokens
+        kept, logprobs = verify(rows, seq, seq.spec_token_ids[:k], grammars)
         proposals = seq.spec_token_ids
         accepted = 0
         while accepted < min(k, len(kept)) and kept[accepted] == proposals[accepted]:
             accepted += 1
-        state = seq.spec
+        state = self.states[seq.request_id]
         state.num_proposed += k
         state.num_accepted += accepted
         state.num_rejected += accepted < k
         state.num_steps += 1
         self.acceptance.record(state.bucket, accepted, k)
         if self.draft is not None:
-            self.draft.settle(seq, item.start, k, len(kept))
-        return accepted
+            self.draft.settle(state, item.start, k, len(kept))
+        return kept, logprobs, accepted
+
+    def counts(self, request_id: str) -> tuple[int, int, int]:
+        """A request's proposed and accepted tokens, and its verify steps."""
+        state = self.states.get(request_id)
+        return (state.num_proposed, state.num_accepted, state.num_steps) if state is not None else (0, 0, 0)
+
+    def forget(self, request_id: str) -> None:
+        """The request ended."""
+        self.states.pop(request_id, None)
 
     def observe_step(self, scheduled: list, step_s: float) -> None:
         """A step ran: a decode-only step's time calibrates the cost model (`StepCost.observe`)."""

@@ -41,7 +41,7 @@ def verify(rows: torch.Tensor, seq, proposals: list[int], grammars) -> tuple[lis
         None where the request does not ask for them).
     """
     params = seq.sampling
-    if seq.matcher is None and params.is_greedy and params.logprobs is None:
+    if seq.sampler.matcher is None and params.is_greedy and params.logprobs is None:
         target = argmax_rows(rows)  # the argmax each row's own decode would take
         n = 0
         while n < len(proposals) and target[n] == proposals[n]:
@@ -53,31 +53,31 @@ def verify(rows: torch.Tensor, seq, proposals: list[int], grammars) -> tuple[lis
     try:
         for i in range(len(proposals) + 1):
             allowed = None
-            if seq.matcher is not None:
+            if seq.sampler.matcher is not None:
                 mask = _mask(seq, seq.num_output_tokens + i, grammars, rows.shape[-1])
                 if i and not bool(mask.any()):  # the grammar ended with the last accepted proposal
                     break
                 allowed = {0: mask}
-            out = sample(rows[i : i + 1].clone(), [params], [seq.generator], allowed)
+            out = sample(rows[i : i + 1].clone(), [params], [seq.sampler.generator], allowed)
             tokens.append(out.tokens[0])
             logprobs.append(out.logprobs[0])
             if i == len(proposals) or out.tokens[0] != proposals[i]:
                 break
-            if seq.matcher is not None:
-                if not seq.matcher.consume_token(proposals[i]):
+            if seq.sampler.matcher is not None:
+                if not seq.sampler.matcher.consume_token(proposals[i]):
                     break
                 consumed += 1
     finally:
         if consumed:  # the engine consumes the kept tokens itself, one by one, as for a decode
-            seq.matcher.rollback(consumed)
+            seq.sampler.matcher.rollback(consumed)
     return tokens, logprobs
 
 
 def _mask(seq, num_output_tokens: int, grammars, vocab_size: int) -> torch.Tensor:
     """The tokens the grammar allows next, steered to close what is open near max_tokens, as the
     model runner computes them for a decode with num_output_tokens generated."""
-    mask = grammar.allowed_tokens([seq.matcher], vocab_size)[0]
+    mask = grammar.allowed_tokens([seq.sampler.matcher], vocab_size)[0]
     if (seq.sampling.max_tokens - num_output_tokens <= grammar.WIND_DOWN_TOKENS
-            and not seq.matcher.is_accepting()):
+            and not seq.sampler.matcher.is_accepting()):
         mask = grammar.wind_down(mask, grammars.closers)
     return mask
