@@ -319,7 +319,7 @@ def _listening_tier(tmp_path, staging_limit: int | None = None):
     bm = BlockManager(4, 2)
     kv = [(torch.arange(8 * 3, dtype=torch.float32).view(8, 1, 3), torch.zeros(8, 1, 3))]
     tier = DiskTier(DiskStore(tmp_path / "kv", 1 << 30))
-    tier.attach(bm, type("S", (), {})(), kv, b"b" * 32)
+    tier.attach(bm, kv, b"b" * 32)
     if staging_limit is not None:
         tier.staging_limit = staging_limit
     return tier, bm, kv
@@ -374,7 +374,7 @@ def test_a_new_pool_over_the_same_memory_never_gets_the_old_pools_pending_writes
     key = b"k" * 32
     with tier._lock:  # the writer cannot take the job yet
         bm.cache.insert([key], [1])
-        tier.attach(BlockManager(4, 2, enable_prefix_cache=False), type("S", (), {})(), kv, b"b" * 32)
+        tier.attach(BlockManager(4, 2, enable_prefix_cache=False), kv, b"b" * 32)
         kv[0][0][2:4] = -1.0  # the new pool's first request writes block 1
     assert tier.flush()
     assert key not in tier.index and not tier.store.path(b"b" * 32, key).exists()

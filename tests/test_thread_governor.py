@@ -99,7 +99,7 @@ def test_greedy_output_is_the_same_whichever_threads_the_load_picks(tmp_path):
         engine = LLM(str(path), native_step=True, num_threads=2, num_kv_blocks=128, block_size=4, dtype="float32",
                      int4_max_tokens=0, enable_prefix_cache=False).engine
         load = _Load(tmp_path / "stat")
-        engine.governor = ThreadGovernor(2, stat_path=load.path, interval_s=0)
+        engine.threads.governor = ThreadGovernor(2, stat_path=load.path, interval_s=0)
         seqs = [engine.add_request(engine.tokenizer.encode(p), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
                                                                               return_logits=True), request_id=p)
                 for p in ("The capital of Japan is", "def add(a, b):", "Once upon a time")]

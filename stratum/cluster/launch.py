@@ -46,7 +46,7 @@ def start(config: EngineConfig, replicas: int, ray_address: str | None = None, r
     # Each replica starts on the prepared kernels (no PyTorch-first start and switch per replica):
     # on this machine they are prepared once, here, rather than by every replica at once, each
     # disturbing the others' measurements; a replica on another node measures its own as it starts.
-    config = replace(config, num_threads=threads, defer_kernels=False)
+    config = replace(config, num_threads=threads, replicas=replicas, defer_kernels=False)
     if not ray_address and config.device != "cuda":
         from stratum.engine.prepare import prepare
 

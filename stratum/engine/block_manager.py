@@ -16,8 +16,13 @@ from __future__ import annotations
 import math
 from collections import deque
 
+from typing import TYPE_CHECKING
+
 from stratum.engine.radix_cache import MatchResult, RadixCache
 from stratum.engine.request import Sequence
+
+if TYPE_CHECKING:
+    from stratum.engine.disk_tier import DiskTier
 
 
 class BlockManager:
@@ -39,6 +44,8 @@ class BlockManager:
         self.free_blocks: deque[int] = deque(range(num_blocks))
         self.cache = RadixCache(self.ref_counts, clock) if clock else RadixCache(self.ref_counts)
         self._locked = {}  # request_id -> (radix node it holds references through, how many blocks that is)
+        # the tier under the prefix cache that continues a match the pool misses (`DiskTier.attach`)
+        self.tier: DiskTier | None = None
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -80,6 +87,30 @@ class BlockManager:
         bs, start = self.block_size, match.num_blocks * self.block_size
         block, n = self.cache.match_partial(match.node, seq.token_ids[start : min(start + bs, seq.num_tokens - 1)])
         return match._replace(partial_block=block, partial_tokens=n) if n else match
+
+    def expected_cached_tokens(self, seq: Sequence) -> int:
+        """Prompt tokens the cache would serve seq now, its lower tier's included: what it will read when
+        it is scheduled, unless blocks are evicted or computed meanwhile."""
+        match = self.match_prefix(seq)
+        if match is None:
+            return 0
+        on_disk = self.tier.expected_blocks(seq, match) if self.tier is not None else 0
+        return (match.num_blocks + on_disk) * self.block_size if on_disk else match.num_tokens(self.block_size)
+
+    def is_loading(self, seq: Sequence, match: MatchResult | None, reserve: int) -> bool:
+        """Whether seq waits for its prefix to be read from the tier under the cache: a read of the
+        blocks after match is in flight, or has just started (keeping `reserve` blocks free)."""
+        return self.tier is not None and self.tier.holds_back(seq, match, reserve)
+
+    def poll_tiers(self) -> None:
+        """Blocks the tier under the cache has read since the last step join the tree."""
+        if self.tier is not None:
+            self.tier.poll()
+
+    def admitted(self, seq: Sequence, match: MatchResult | None, first: bool) -> None:
+        """seq was given its blocks for match (at its first admission when first)."""
+        if self.tier is not None:
+            self.tier.admitted(seq, match, first)
 
     # ---- changes -------------------------------------------------------------------------------
     def allocate(self, seq: Sequence, num_new_tokens: int, match: MatchResult | None = None) -> bool:
@@ -160,7 +191,10 @@ class BlockManager:
             self.cache.pin(keys, pin_ttl_s)
 
     def free(self, seq: Sequence) -> None:
-        """Return every block of seq. Blocks the cache holds stay cached; the rest go to the free list."""
+        """Return every block of seq. Blocks the cache holds stay cached; the rest go to the free list;
+        nothing the tier under the cache reads stays held for it."""
+        if self.tier is not None:
+            self.tier.forget(seq)
         node, num_locked = self._locked.pop(seq.request_id, (None, 0))
         if node is not None:  # the cached prefix: references held through the tree path
             self.cache.unlock(node)

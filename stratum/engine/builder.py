@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from stratum.engine import weight_cache
-from stratum.engine.config import EngineConfig, ResolvedConfig, configured_threads, default_threads
+from stratum.engine.config import EngineConfig, ResolvedConfig, configured_threads, default_prefill_threads, default_threads
 from stratum.engine.model_runner import ModelRunner
 from stratum.home import stratum_home
 from stratum.kernels import KernelPlan, native
@@ -145,7 +145,7 @@ def _platform(numerics: Numerics) -> str:
 def _resolved(config: EngineConfig, checkpoint: Checkpoint, numerics: Numerics, plan: KernelPlan) -> ResolvedConfig:
     mc = checkpoint.config
     threads = plan.threads
-    prefill_threads = config.prefill_threads or max(threads, os.cpu_count() or 1)
+    prefill_threads = config.prefill_threads or default_prefill_threads(threads, config.replicas)
     max_model_len = min(config.max_model_len or mc.max_position_embeddings, mc.max_position_embeddings)
     per_block = kv_bytes_per_token(mc, numerics.kv_dtype) * config.block_size
     num_blocks = config.num_kv_blocks or kv_pool_blocks(config.kv_cache_memory_mb, per_block, config.block_size,

@@ -41,6 +41,12 @@ def default_threads(serving: bool, native_step: bool = False, replicas: int = 1)
     return max(1, (cores - 1 if spare else cores) // replicas)
 
 
+def default_prefill_threads(threads: int, replicas: int = 1) -> int:
+    """Threads for prefill-heavy steps when `--prefill-threads` is not given: every core of this
+    engine's share of the machine (the replicas of one machine share it), never fewer than `threads`."""
+    return max(threads, (os.cpu_count() or 1) // replicas)
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """Limits of one engine step.
@@ -79,7 +85,8 @@ class EngineConfig:
     kv_disk_gb: float | None = None
     kv_disk_dir: str | None = None
     num_threads: int | None = None  # torch threads for decode-bound steps; None: `default_threads`
-    prefill_threads: int | None = None  # for steps with at least PREFILL_STEP_TOKENS tokens; None: every core
+    prefill_threads: int | None = None  # for steps of PREFILL_STEP_TOKENS tokens or more; None: `default_prefill_threads`
+    replicas: int = 1  # engines of this machine that share its cores (`--replicas`)
     int4_max_tokens: int | None = None  # None: the numerics rule; 0: no packed weights (dense); N > 0: int4 copies
     native_step: bool | None = None  # None: the numerics rule; True/False: the native step where the checkpoint allows / never
     # the native step's activation blocks: "int16" (the rule) or "int8" (llama.cpp's precision, faster where the

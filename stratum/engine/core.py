@@ -36,14 +36,10 @@ from stratum.engine.request import CachePolicy, SamplerState, Sequence, Sequence
 from stratum.engine.sampling_params import InvalidRequestError, SamplingParams
 from stratum.engine.scheduler import Scheduler, SchedulerOutput
 from stratum.engine.spec_decode import SpecConfig, Speculator
-from stratum.kernels.governor import ThreadGovernor
+from stratum.kernels.governor import StepThreads
 from stratum.models.loader import Checkpoint
 
 log = logging.getLogger("stratum.engine")
-
-# A step with this many tokens is prefill-heavy: its large matmuls are compute-bound and gain from
-# every core, while small decode steps lose more to thread synchronisation than they gain.
-PREFILL_STEP_TOKENS = 128
 
 
 class EngineCore:
@@ -169,12 +165,7 @@ class EngineCore:
     def expected_cached_tokens(self, seq: Sequence) -> int:
         """Prompt tokens the prefix cache would serve seq now: what it will read when it is scheduled,
         unless blocks are evicted or computed meanwhile."""
-        match = self.block_manager.match_prefix(seq)
-        if match is None:
-            return 0
-        on_disk = self.tier.expected_blocks(seq, match)
-        bs = self.config.block_size
-        return (match.num_blocks + on_disk) * bs if on_disk else match.num_tokens(bs)
+        return self.block_manager.expected_cached_tokens(seq)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request in any state and return every block it held."""
@@ -218,11 +209,13 @@ class EngineCore:
         except Exception as e:
             raise OrchestrationError(f"scheduler: {type(e).__name__}: {e}") from e
         self._started += [seq.request_id for seq in sched.started]
+        if sched.num_decodes:
+            self.tier.decoding()
         if sched.is_empty and not sched.copies:  # (every request waits: on reads from the disk tier, or for blocks)
             if self.tier.num_loading:
                 self.tier.wait(0.05)  # nothing can run before a read lands: no busy loop
             return []
-        self._set_threads(sched.num_batched_tokens)
+        self.threads.set_for(sched.num_batched_tokens)
         try:
             draft_s = self.speculator.draft_proposals(sched.scheduled)
             result = self.runner.execute(sched)
@@ -292,17 +285,6 @@ class EngineCore:
         self.speculator.forget(seq.request_id)
         return out
 
-    def _set_threads(self, num_tokens: int) -> None:
-        """Compute-bound prefill steps use every core; decode-bound steps leave the configured ones free.
-        The native step, whose bits no thread count changes, uses no more than the cores other processes
-        leave free (`ThreadGovernor`): its barriers would otherwise wait on descheduled threads."""
-        threads = self.config.prefill_threads if num_tokens >= PREFILL_STEP_TOKENS else self.config.num_threads
-        if self.model.packed is not None:
-            threads = min(threads, self.governor.threads())
-        if threads != self._threads:
-            torch.set_num_threads(threads)
-            self._threads = threads
-
     # ---- what its loop reads (`stratum.engine.loop`) ----------------------------------------------
     def snapshot(self, rss_mb: float = 0.0, kv_blocks: KVBlocks | None = None) -> EngineSnapshot:
         """The engine's state now, as its loop publishes it after a step.
@@ -369,15 +351,13 @@ class EngineCore:
             self.scheduler = Scheduler(config.scheduler, self.block_manager, fault=fault)
         self.scheduler.num_preemptions = num_preemptions
         self.scheduler.adopt(pending)
-        self.tier.attach(self.block_manager, self.scheduler, self.runner.kv_caches, kv_binding(config, self.model))
+        self.tier.attach(self.block_manager, self.runner.kv_caches, kv_binding(config, self.model))
 
     # ---- the kernel switch: a cold start's PyTorch step, then the prepared kernels -----------------
     def _adopt_kernels(self) -> None:
         """What follows the model's kernels: the threads, the runner's grammars, the KV block size in bytes."""
         config = self.config
-        self._threads = config.num_threads
-        torch.set_num_threads(self._threads)
-        self.governor = ThreadGovernor(max(config.num_threads, config.prefill_threads))
+        self.threads = StepThreads(config.num_threads, config.prefill_threads, governed=self.model.packed is not None)
         self.runner.grammars = self.grammars
         draft = self.speculator.draft
         kv_bytes = self.runner.kv_cache_bytes + (draft.kv_cache_bytes if draft is not None else 0)

@@ -61,7 +61,7 @@ class _Load:
 
 
 class DiskTier:
-    """The engine's side of the disk tier, and the pool tier's figures (it listens to the radix cache).
+    """The tier under the pool's prefix tree, and the pool tier's figures.
 
     Writes are write-through from the pool's own memory (no copy on the engine thread): each block has
     an epoch the pool bumps when it evicts the block, and a write whose block was evicted while it was
@@ -70,9 +70,11 @@ class DiskTier:
     never waits on the disk. Blocks are keyed by the pool's own salted chain (`request.hash_block`) and
     bound to the numerics that wrote them (`kv_view.kv_binding`): no tenant or kernel reads another's.
 
-    The engine thread calls the radix-cache listener (`inserted`, `evicted`, `pinned`) and the
-    scheduler's hooks (`poll`, `holds_back`, `admitted`, `forget`); a reader and a writer thread do the
-    I/O. With no store (the tier off) it only counts the pool's figures.
+    On the engine thread, the radix cache hands it what enters and leaves the tree (`put`,
+    `evicting`: `radix_cache.LowerTier`), and the block manager asks it to continue a match that
+    missed the pool (`poll`, `holds_back`, `admitted`, `forget`, `expected_blocks`); nothing else sees
+    it but the engine's figures (`report`). A reader and a writer thread do the I/O. With no store
+    (the tier off) it only counts the pool's figures.
     """
 
     def __init__(self, store: DiskStore | None):
@@ -98,7 +100,6 @@ class DiskTier:
         self._staged = 0
         self._busy = False  # the writer holds a batch it took from the queue
         self._reading: _Load | None = None  # the load the reader is reading now
-        self._scheduler = None
         self._decoded_at = float("-inf")  # when the engine last stepped a decode (the writer paces itself then)
         self._clocks: dict[str, int] = {}  # the I/O threads' CPU clocks: their CPU time, read from any thread
         self._version = self._reported = 0  # batches written; of them, those a report has seen
@@ -112,7 +113,7 @@ class DiskTier:
                 threading.Thread(target=target, name=name, daemon=True).start()
 
     # ---- wiring --------------------------------------------------------------------------------------
-    def attach(self, bm, scheduler, kv_caches, binding: bytes) -> None:
+    def attach(self, bm, kv_caches, binding: bytes) -> None:
         """Serve the pool `bm` manages (at start, after a kernel switch, in basic mode): what was in
         flight for the previous pool is let go (its reads land in memory nobody uses; its writes finish
         under their own binding)."""
@@ -125,13 +126,12 @@ class DiskTier:
                     old.epochs[b] += 1  # a write still pending, and not copied, is of bytes that will change
                 while self._reading is not None and self._reading.view is old:
                     self._lock.wait(0.01)  # a read into the old pool stops at its next block
-        self.bm, self._scheduler = bm, scheduler
+        self.bm = bm
         self.view = PoolView(kv_caches, bm.num_blocks)
         self.max_pending = bm.num_blocks
         self.staging_limit = min(256 << 20, max(32 << 20, self.view.block_bytes * bm.num_blocks // 4))
-        active = bm.enable_prefix_cache
-        bm.cache.listener = self
-        scheduler.tier = self if active else None
+        bm.cache.lower = self
+        bm.tier = self if bm.enable_prefix_cache else None
         if self.enabled and binding != self.binding:
             try:  # the index of this binding, read whole: a key set, no block's data
                 conn = self.store.connect()
@@ -147,17 +147,15 @@ class DiskTier:
     def block_bytes(self) -> int:
         return self.view.block_bytes if self.view is not None else 0
 
-    # ---- the radix cache's listener (engine thread) ----------------------------------------------------
-    def inserted(self, keys: list[bytes], blocks: list[int]) -> None:
-        """Blocks entered the prefix tree: write each that is not on disk yet."""
-        self.pool["written_bytes"] += len(blocks) * self.block_bytes
-        self._queue(keys, blocks)
+    # ---- the tier under the pool's tree (`radix_cache.LowerTier`; engine thread) --------------------------
+    def put(self, keys: list[bytes], blocks: list[int], first: bool = False) -> None:
+        """Blocks entered the prefix tree: write each that is not on disk yet. first: a pinned prefix
+        (warm-up, cache_control), written before any other."""
+        if not first:
+            self.pool["written_bytes"] += len(blocks) * self.block_bytes
+        self._queue(keys, blocks, first)
 
-    def pinned(self, keys: list[bytes], blocks: list[int]) -> None:
-        """A prefix was pinned (warm-up, cache_control): its blocks are written before any other."""
-        self._queue(keys, blocks, first=True)
-
-    def evicted(self, keys: list[bytes], blocks: list[int]) -> None:
+    def evicting(self, keys: list[bytes], blocks: list[int]) -> None:
         """The pool evicts these blocks (they may be overwritten from the next step on): a write still
         pending keeps a copy, as long as the staging budget allows."""
         self.pool["evicted_blocks"] += len(blocks)
@@ -190,14 +188,15 @@ class DiskTier:
                 self._writes.appendleft(job) if first else self._writes.append(job)
             self._lock.notify_all()
 
-    # ---- the scheduler's hooks (engine thread) ----------------------------------------------------------
+    # ---- the block manager's side (engine thread) ----------------------------------------------------------
     def poll(self) -> None:
-        """Loads that finished reading enter the prefix tree, held for their requests until admitted;
-        the writer learns whether requests are decoding."""
-        if any(not s.is_prefilling for s in self._scheduler.running):
-            self._decoded_at = time.monotonic()
+        """Loads that finished reading enter the prefix tree, held for their requests until admitted."""
         while self._done:
             self._complete(self._done.popleft())
+
+    def decoding(self) -> None:
+        """The engine stepped decodes: while it does, the writer paces itself (`WRITE_DUTY_WHILE_DECODING`)."""
+        self._decoded_at = time.monotonic()
 
     def holds_back(self, seq: Sequence, match: MatchResult | None, reserve: int) -> bool:
         """Whether seq waits on the disk tier now: a read of its next blocks is in flight (its own or

@@ -9,6 +9,10 @@ unreferenced and its pin has expired; eviction takes least-recently-used leaves 
 
     root ── [h0 h1 h2] ──┬── [h3 h4]        a request that matched h0..h4 holds refs on 5 blocks
                          └── [h3' ]         a sibling branch, evictable once nobody uses it
+
+Its interface is the one every prefix cache has: `match_prefix`, `insert`, `lock` / `unlock`,
+`evict`, `check_integrity` (and `pin`, for cache_control). A tier may sit under it (`LowerTier`, the
+disk tier): it is given every block that enters the tree and told of every block that leaves it.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from __future__ import annotations
 import heapq
 import time
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 
 @dataclass(eq=False)
@@ -49,6 +53,17 @@ class MatchResult(NamedTuple):
         return self.num_blocks * block_size + self.partial_tokens
 
 
+class LowerTier(Protocol):
+    """A tier under the pool's tree (`disk_tier.DiskTier`): what enters the tree is stored there too;
+    what leaves it may still be read there."""
+
+    def put(self, keys: list[bytes], blocks: list[int], first: bool = False) -> None:
+        """These blocks entered the tree (first: a pinned prefix, stored before anything else)."""
+
+    def evicting(self, keys: list[bytes], blocks: list[int]) -> None:
+        """These blocks leave the tree; they may be handed out again from the next step on."""
+
+
 class RadixCache:
     """The prefix tree. Reference counts live in the block manager and are shared here by reference."""
 
@@ -57,8 +72,7 @@ class RadixCache:
         self.ref_counts = ref_counts
         self.clock = clock
         self.block_node: dict[int, RadixNode] = {}  # every cached block -> its node
-        # told of blocks that enter the tree, leave it, or are pinned (the disk tier: `disk_tier.DiskTier`)
-        self.listener = None
+        self.lower: LowerTier | None = None  # the tier under this one, if any
 
     @property
     def num_cached_blocks(self) -> int:
@@ -103,8 +117,8 @@ class RadixCache:
                 for b in leaf.blocks:
                     assert b not in self.block_node, f"block {b} cached twice"
                     self.block_node[b] = leaf
-                if self.listener is not None:
-                    self.listener.inserted(leaf.keys, leaf.blocks)
+                if self.lower is not None:
+                    self.lower.put(leaf.keys, leaf.blocks)
                 return i
             n = _common_length(child.keys, keys[i:])
             if n < len(child.keys):
@@ -140,8 +154,8 @@ class RadixCache:
         match = self.match_prefix(keys)
         if match.num_blocks:
             match.node.pin_until = max(match.node.pin_until, self.clock() + ttl_s)
-            if self.listener is not None:
-                self.listener.pinned(keys[: match.num_blocks], match.block_ids)
+            if self.lower is not None:
+                self.lower.put(keys[: match.num_blocks], match.block_ids, first=True)
         return match.num_blocks
 
     def is_evictable(self, node: RadixNode, now: float) -> bool:
@@ -185,8 +199,8 @@ class RadixCache:
         freed: list[int] = []
         while heap and len(freed) < num_blocks:
             _, _, node = heapq.heappop(heap)
-            if self.listener is not None:  # before the blocks can be handed out again
-                self.listener.evicted(node.keys, node.blocks)
+            if self.lower is not None:  # before the blocks can be handed out again
+                self.lower.evicting(node.keys, node.blocks)
             freed += reversed(node.blocks)
             for b in node.blocks:
                 del self.block_node[b]

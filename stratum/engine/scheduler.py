@@ -71,7 +71,6 @@ class Scheduler:
         self.waiting: list[Sequence] = []  # sorted by (priority, arrival)
         self.running: list[Sequence] = []
         self.num_preemptions = 0
-        self.tier = None  # the disk tier under the prefix cache (`disk_tier.DiskTier`), when the engine has one
 
     @property
     def num_unfinished(self) -> int:
@@ -89,8 +88,6 @@ class Scheduler:
                 if seq.request_id == request_id:
                     del queue[i]
                     self.bm.free(seq)
-                    if self.tier is not None:
-                        self.tier.forget(seq)
                     return seq
         return None
 
@@ -179,8 +176,7 @@ class Scheduler:
         if self.fault == "scheduler":
             raise RuntimeError("injected scheduler fault (STRATUM_FAULT_INJECT=scheduler)")
         out = SchedulerOutput()
-        if self.tier is not None:  # prefix blocks read from disk since the last step join the tree
-            self.tier.poll()
+        self.bm.poll_tiers()
         budget = self.config.max_num_batched_tokens
         self.running.sort(key=self.sort_key)
         decodes = [s for s in self.running if not s.is_prefilling]
@@ -226,7 +222,7 @@ class Scheduler:
             # the watermark keeps room for running requests to grow; with none running it would only
             # stall a request that fits the pool forever
             watermark = self.config.watermark_blocks if self.running else 0
-            if self.tier is not None and self.tier.holds_back(seq, match, watermark):
+            if self.bm.is_loading(seq, match, watermark):
                 i += 1  # its next blocks are being read from disk: hit them once they are in the pool
                 continue
             hit = match.num_tokens(self.bm.block_size) if match is not None else 0
@@ -246,8 +242,7 @@ class Scheduler:
             first = seq.num_cached_tokens < 0
             if first:  # the first admission's hit is what the cache served
                 seq.num_cached_tokens = hit
-            if self.tier is not None:
-                self.tier.admitted(seq, match, first)
+            self.bm.admitted(seq, match, first)
             del self.waiting[i]
             self._start(seq, n, out)
             budget -= n

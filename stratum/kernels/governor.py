@@ -113,3 +113,34 @@ class ThreadGovernor:
                 self.current = decide(self.current, self.limit, sample.cores, other)
             self._last = sample
         return self.current
+
+
+# A step with this many tokens is prefill-heavy: its large matmuls are compute-bound and gain from
+# every core, while small decode steps lose more to thread synchronisation than they gain.
+PREFILL_STEP_TOKENS = 128
+
+
+class StepThreads:
+    """The threads each engine step runs on: a prefill-heavy step `prefill_threads`, any other
+    `threads`; a step whose bits no thread count changes (the native one: `governed`) no more than the
+    cores other processes leave free (`ThreadGovernor`), since its barriers would wait on descheduled
+    threads."""
+
+    def __init__(self, threads: int, prefill_threads: int, governed: bool):
+        import torch
+
+        self.threads, self.prefill_threads, self.governed = threads, prefill_threads, governed
+        self.governor = ThreadGovernor(max(threads, prefill_threads))
+        self.current = threads
+        torch.set_num_threads(threads)
+
+    def set_for(self, num_tokens: int) -> None:
+        """Set torch's threads for a step of num_tokens tokens."""
+        import torch
+
+        threads = self.prefill_threads if num_tokens >= PREFILL_STEP_TOKENS else self.threads
+        if self.governed:
+            threads = min(threads, self.governor.threads())
+        if threads != self.current:
+            torch.set_num_threads(threads)
+            self.current = threads
