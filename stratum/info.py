@@ -65,7 +65,7 @@ def _checkpoint_info(checkpoint, resolved) -> dict:
     from dataclasses import fields
 
     from stratum.engine import builder
-    from stratum.engine.core import attention_path
+    from stratum.engine.builder import attention_path
     from stratum.kernels import native
     from stratum.layers.linear import Linear
     from stratum.models.config import rope_type

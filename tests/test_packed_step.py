@@ -149,8 +149,8 @@ def test_the_native_step_computes_what_the_pytorch_model_computes(model, request
     for x, y in zip(a, b):
         assert x.output_token_ids == y.output_token_ids
         # kv_sparsity's samples (tokens 0, 8, 16): the native step measures them in its attention
-        assert x.coverage_count == y.coverage_count == 3
-        assert y.coverage_sum == pytest.approx(x.coverage_sum, abs=1e-6)
+        assert x.readouts.coverage_count == y.readouts.coverage_count == 3
+        assert y.readouts.coverage_sum == pytest.approx(x.readouts.coverage_sum, abs=1e-6)
         for p in x.readouts.logits:
             # int16 activations: each block rounded at 1.5e-5 of its largest value, through every layer
             torch.testing.assert_close(y.readouts.logits[p], x.readouts.logits[p], rtol=1e-3, atol=1e-3 * float(x.readouts.logits[p].abs().max()))
