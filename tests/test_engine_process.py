@@ -21,8 +21,9 @@ from stratum.engine.loop import EngineLoop
 from stratum.engine.thread_transport import start_thread_engine
 from stratum.engine.process import EngineProcess, start_process_engine
 from stratum.engine.protocol import (
-    Abort, Accepted, AddRequest, EngineDied, EngineInfo, EngineSnapshot, HeldKeys, KVBlocks, ListHeld, RequestFailed,
-    Routed, StartFailed, Started, Starting, Stop, StreamDecoder, TokenizerData, decode, encode,
+    Abort, Accepted, AddRequest, EngineDied, EngineInfo, EngineSnapshot, HeldKeys, KVBlocks, ListHeld, ReplicaDescription,
+    ReplicaReport, RequestFailed, Routed, StartFailed, Started, Starting, Stop, StreamDecoder, TokenizerData, decode,
+    encode,
 )
 from stratum.engine.request import CachePolicy
 
@@ -75,6 +76,10 @@ def test_every_message_round_trips_as_its_own_type(tiny_model_dir):
     tokenizer = TokenizerData.of(engine.tokenizer, engine.chat_template.source)
     for message in (Starting("loading model"), tokenizer, StartFailed("ModelLoadError: no such file")):
         assert decode(wire(encode(message))) == message
+    # a replica's messages carry the engine's, each in its own encoding
+    for message in (ReplicaDescription(4321, info, tokenizer, snap), ReplicaReport(4321, 99.5, 2, snap, [7, 8], 98.0)):
+        got = decode(wire(encode(message)))
+        assert type(got) is type(message) and got == message and type(got.snapshot) is EngineSnapshot
     rebuilt, template = decode(wire(encode(tokenizer))).build()
     assert rebuilt.encode("hello there") == engine.tokenizer.encode("hello there")
     assert template.source == engine.chat_template.source
