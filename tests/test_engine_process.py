@@ -124,18 +124,19 @@ def test_the_builder_takes_its_threads_from_the_one_rule(monkeypatch):
     --threads, else $STRATUM_NUM_THREADS, is taken as set."""
     from stratum.engine import builder
     from stratum.engine.config import EngineConfig
+    from stratum.kernels import PlanSource
     from stratum.kernels.numerics import PYTORCH, Numerics
 
     numerics = Numerics("m", "cpu", PYTORCH, "float32", "float32", (), "pytorch", None)
     monkeypatch.delenv("STRATUM_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 9)
     plan = builder._plan(EngineConfig(serving=True), None, numerics, measure=False)
-    assert (plan.threads, plan.source) == (8, "rule")
+    assert (plan.threads, plan.source) == (8, PlanSource.RULE)
     assert builder._plan(EngineConfig(), None, numerics, measure=False).threads == 9
-    assert builder._plan(EngineConfig(num_threads=5), None, numerics, measure=False).source == "configured"
+    assert builder._plan(EngineConfig(num_threads=5), None, numerics, measure=False).source is PlanSource.CONFIGURED
     monkeypatch.setenv("STRATUM_NUM_THREADS", "3")
     plan = builder._plan(EngineConfig(serving=True), None, numerics, measure=False)
-    assert (plan.threads, plan.source) == (3, "configured")
+    assert (plan.threads, plan.source) == (3, PlanSource.CONFIGURED)
 
 
 def test_a_step_is_one_compact_frame():

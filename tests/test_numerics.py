@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from stratum.kernels import KernelPlan
+from stratum.kernels import KernelPlan, PlanSource
 from stratum.kernels import numerics as rule
 
 Q4KM = ("Q4_K", "Q6_K")
@@ -85,7 +85,7 @@ def test_an_engines_numerics_do_not_follow_the_plans_threads(tmp_path, monkeypat
     config = EngineConfig(model=str(path))
     keys = set()
     for threads in (1, 2):
-        monkeypatch.setattr(builder, "select_plan", lambda *a, t=threads, **k: KernelPlan("cpu", t, source="measured"))
+        monkeypatch.setattr(builder, "select_plan", lambda *a, t=threads, **k: KernelPlan("cpu", t, source=PlanSource.MEASURED))
         resolved = builder.resolve(config, builder.load(config))
         assert resolved.num_threads == threads and resolved.numerics.step == "native"
         keys.add(resolved.numerics.key())

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from stratum.kernels import KernelPlan, native
+from stratum.kernels import KernelPlan, PlanSource, native
 from stratum.kernels.cpu import cpu_family, cpu_flags, cpu_name
 from stratum.kernels.packed import FUSED, PACKED_QTYPES, PackedWeight
 from stratum.kernels.packed import pack as packed_weight
@@ -198,7 +198,7 @@ def decide(timings: dict[str, dict[int, float]], default: int) -> int:
 def defaults(threads: int, why: str) -> KernelPlan:
     """The plan known good for this CPU family without a measurement: the native step on every core
     (measured on 2-core machines, Intel and AMD: 1.3-1.7x the tokens/s of one thread)."""
-    return KernelPlan("cpu", threads, cpu_name(), source="defaults", quiet=False,
+    return KernelPlan("cpu", threads, cpu_name(), source=PlanSource.DEFAULTS, quiet=False,
                       basis=f"defaults for {cpu_family()}: {why}")
 
 
@@ -290,6 +290,6 @@ def _read(path: Path) -> KernelPlan | None:
     try:
         data = json.loads(path.read_text())
         data["timings_us"] = {k: {int(m): t for m, t in v.items()} for k, v in data["timings_us"].items()}
-        return KernelPlan(**{**data, "source": "cache"})
+        return KernelPlan(**{**data, "source": PlanSource.CACHE})
     except (OSError, ValueError, TypeError, KeyError):
         return None  # missing, stale or corrupt: measured again
