@@ -9,13 +9,14 @@ from starlette.requests import Request
 
 from stratum.engine.request import CachePolicy
 from stratum.engine.sampling_params import SamplingParams
-from stratum.server.batches import BATCH_PRIORITY
 from stratum.server.errors import InvalidRequest
 
 HINT_AGGRESSIVE = "use aggressive caching for repeated queries"
 HINT_LOW_LATENCY = "prioritize low-latency over accuracy"
 HINT_HIGH_VALUE = "this is a high-value request; spare no resources"
-TOP_PRIORITY = -100
+# request priorities: lower runs first
+TOP_PRIORITY = -100  # a high-value request
+BATCH_PRIORITY = 100  # a Message Batches request: below interactive requests (0)
 
 
 @dataclass(frozen=True, slots=True)
