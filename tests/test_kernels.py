@@ -159,9 +159,9 @@ def test_plan_times_the_native_step_on_the_files_own_formats(tmp_path, plan_dir)
 def test_the_thread_count_needs_a_margin():
     """A near tie goes to the default (every core) however the noise falls."""
     t = {"native_1_threads": {1: 98.0, 16: 980.0}, "native_2_threads": {1: 100.0, 16: 1000.0}}  # 2% faster: not enough
-    assert kernels.decide(t, 2) == 2
+    assert kernels.choose_threads(t, 2) == 2
     t["native_1_threads"] = {1: 80.0, 16: 800.0}
-    assert kernels.decide(t, 2) == 1
+    assert kernels.choose_threads(t, 2) == 1
     assert kernels.thread_counts(6) == [1, 2, 4, 6] and kernels.thread_counts(1) == [1]
 
 
