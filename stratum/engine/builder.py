@@ -81,7 +81,7 @@ def resolve(config: EngineConfig, checkpoint: Checkpoint, measure: bool = True, 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if defer and device == "cpu" and not native.is_built():
         return None
-    numerics = rule.decide(rule_inputs(config, checkpoint, device), checkpoint.identity)
+    numerics = rule.choose_numerics(rule_inputs(config, checkpoint, device), checkpoint.identity)
     numerics = replace(numerics, platform=_platform(numerics))
     return _resolved(config, checkpoint, numerics, _plan(config, checkpoint, numerics, measure))
 
