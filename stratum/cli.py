@@ -7,9 +7,14 @@ import json
 import os
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from stratum.home import stratum_home
+
+if TYPE_CHECKING:
+    from stratum.engine.client import EngineClient
 
 
 def _engine_config(args, serving: bool = False):
@@ -121,6 +126,15 @@ def prepare(model: str) -> None:
 LARGE_TEXT_CHARS = 256 * 1024
 
 
+@dataclass(slots=True)
+class StartUp:
+    """What `serve`'s start-up thread brought up, read by the main thread once the server stops: the
+    engine's client (shut down then, even if a later stage failed), and why the start-up failed."""
+
+    client: EngineClient | None = None
+    error: str | None = None
+
+
 def cmd_serve(args) -> int:
     """The port opens at once and answers 503 while the engine starts (`server.startup`); a cold
     engine serves on the PyTorch step while it prepares its kernels (`engine.prepare`)."""
@@ -144,7 +158,7 @@ def cmd_serve(args) -> int:
     name = args.served_model_name or args.model
     starting = StartingApp(name)
     server = _http_server(args, starting)
-    up: dict = {}  # what the start-up thread brought up: "client", or "error"
+    up = StartUp()
     stopped = threading.Event()
 
     def bring_up() -> None:
@@ -152,7 +166,7 @@ def cmd_serve(args) -> int:
             import stratum.server.app  # noqa: F401  (the web stack's imports, while the engine loads)
 
             client, where = _start_engine(args, config, engine, starting)
-            up["client"] = client
+            up.client = client
             starting.stage = "starting server"
             app = _serving_app(args, client, name)
             starting.wait_listening()
@@ -160,11 +174,11 @@ def cmd_serve(args) -> int:
             server.rt = app.state.runtime
             client.tokenizer.plain  # noqa: B018  (built now rather than by the first request)
         except (PullError, ValueError, EngineStartError) as e:  # a bad model, a failed engine: said, and the server stops
-            up["error"] = str(e)
+            up.error = str(e)
         except Exception as e:
             logging.getLogger("stratum.server").exception("start-up failed")
-            up["error"] = f"{type(e).__name__}: {e}"
-        if "error" in up:
+            up.error = f"{type(e).__name__}: {e}"
+        if up.error is not None:
             server.should_exit = True
             return
         _say_ready(client, name, time.perf_counter() - t0, where)
@@ -180,14 +194,13 @@ def cmd_serve(args) -> int:
         server.run()
     finally:
         stopped.set()
-        client = up.get("client")
-        if client is not None:
-            client.shutdown()
-            client.tokenizer.close()
+        if up.client is not None:
+            up.client.shutdown()
+            up.client.tokenizer.close()
         elif engine is not None:
             engine.shutdown()
-    if "error" in up:
-        print(f"error: {up['error']}", file=sys.stderr)
+    if up.error is not None:
+        print(f"error: {up.error}", file=sys.stderr)
         return 1
     return 0
 

@@ -38,20 +38,20 @@ class FakeClock:
 def test_cost_admission_windows_and_settlement():
     clock = FakeClock()
     adm = CostAdmission(100, window_s=10, clock=clock)
-    d = adm.admit("a", 60)
+    d = adm.reserve("a", 60)
     assert d.is_admitted and d.remaining == 40 and d.limit == 100 and d.reset_at == 1010.0
     clock.t = 1003.2
-    d = adm.admit("a", 41)  # over by one: rejected, nothing charged
+    d = adm.reserve("a", 41)  # over by one: rejected, nothing charged
     assert not d.is_admitted and d.remaining == 40 and d.retry_after_s == 7
     assert adm.check("a", 40).is_admitted and adm.check("a").remaining == 40  # check reserves nothing
     assert not adm.check("a", 41).is_admitted
-    assert adm.admit("a", 40).is_admitted  # exactly the remainder fits
-    assert not adm.admit("a", 1).is_admitted
-    assert adm.admit("b", 100).is_admitted  # tenants are separate
+    assert adm.reserve("a", 40).is_admitted  # exactly the remainder fits
+    assert not adm.reserve("a", 1).is_admitted
+    assert adm.reserve("b", 100).is_admitted  # tenants are separate
     adm.settle("a", 40, 10)  # measured cost replaces the estimate
-    assert adm.admit("a", 30).remaining == 0
+    assert adm.reserve("a", 30).remaining == 0
     clock.t = 1010.0  # a new window
-    d = adm.admit("a", 100)
+    d = adm.reserve("a", 100)
     assert d.is_admitted and d.reset_at == 1020.0
     assert not CostAdmission(None).is_enabled
 
@@ -442,9 +442,9 @@ def test_settlement_never_touches_a_later_window():
     """docs: the estimate is replaced by the measured cost "in the window it was charged in, if still open"."""
     clock = FakeClock(1000.0)
     adm = CostAdmission(100, window_s=10, clock=clock)
-    first = adm.admit("a", 60)  # a long request, charged in the first window
+    first = adm.reserve("a", 60)  # a long request, charged in the first window
     clock.t = 1012.0
-    assert adm.admit("a", 70).remaining == 30  # a new window, charged 70
+    assert adm.reserve("a", 70).remaining == 30  # a new window, charged 70
     adm.settle("a", 60, 5, first.reset_at)  # the first request finishes now: its window is closed
-    d = adm.admit("a", 31)
+    d = adm.reserve("a", 31)
     assert not d.is_admitted and d.remaining == 30

@@ -264,13 +264,13 @@ def test_decide_maps_each_reason_to_its_action_only():
     params = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
     policy = RetryPolicy(session_keys=["k"], rng=random.Random(0))
     cost = Failure(429, "rate_limit_error", "cost_threshold_exceeded", retry_after_s=2, remaining_tokens=0)
-    assert policy.decide(cost, 1, params).action == "wait"
-    assert policy.decide(Failure(429, "rate_limit_error"), 1, params) is None  # a 429 without the Stratum reason
-    assert policy.decide(Failure(418, "invalid_request_error", "cache_pollution"), 1, params).action == "session"
-    assert policy.decide(Failure(418), 1, params, is_session_switched=True).action == "give_up"
-    assert policy.decide(Failure(529, "overloaded_error"), 1, params).action == "backoff"
+    assert policy.next_action(cost, 1, params).action == "wait"
+    assert policy.next_action(Failure(429, "rate_limit_error"), 1, params) is None  # a 429 without the Stratum reason
+    assert policy.next_action(Failure(418, "invalid_request_error", "cache_pollution"), 1, params).action == "session"
+    assert policy.next_action(Failure(418), 1, params, is_session_switched=True).action == "give_up"
+    assert policy.next_action(Failure(529, "overloaded_error"), 1, params).action == "backoff"
     for status in (400, 401, 404, 413, 500, 503):
-        assert policy.decide(Failure(status, "api_error"), 1, params) is None
+        assert policy.next_action(Failure(status, "api_error"), 1, params) is None
 
 
 def test_the_servers_count_scales_the_trim_target():
@@ -283,7 +283,7 @@ def test_the_servers_count_scales_the_trim_target():
     # the client estimates 2 x 100 + 1 = 201 tokens; the server counted 800: 400 left is 100 in the estimate's units
     params = {"max_tokens": 1, "messages": [{"role": "user", "content": "a" * 400}, {"role": "assistant", "content": "ok"},
                                             {"role": "user", "content": "b" * 396}]}
-    decision = RetryPolicy(trim=DropOldestTurns(), max_wait_s=1).decide(failure, 1, params)
+    decision = RetryPolicy(trim=DropOldestTurns(), max_wait_s=1).next_action(failure, 1, params)
     assert decision.action == "trim" and decision.params["messages"] == params["messages"][2:]
     assert "400 remaining" in decision.detail
 

@@ -21,8 +21,9 @@ from stratum.engine.loop import EngineLoop
 from stratum.engine.thread_transport import start_thread_engine
 from stratum.engine.process import EngineProcess, start_process_engine
 from stratum.engine.protocol import (
-    Abort, Accepted, AddRequest, EngineDied, EngineInfo, EngineSnapshot, HeldKeys, KVBlocks, ListHeld, RequestFailed,
-    Routed, StartFailed, Started, Starting, Stop, StreamDecoder, TokenizerData, decode, encode,
+    Abort, Accepted, AddRequest, EngineDied, EngineInfo, EngineSnapshot, HeldKeys, KVBlocks, ListHeld, ReplicaDescription,
+    ReplicaReport, RequestFailed, Routed, StartFailed, Started, Starting, Stop, StreamDecoder, TokenizerData, decode,
+    encode,
 )
 from stratum.engine.request import CachePolicy
 
@@ -75,6 +76,10 @@ def test_every_message_round_trips_as_its_own_type(tiny_model_dir):
     tokenizer = TokenizerData.of(engine.tokenizer, engine.chat_template.source)
     for message in (Starting("loading model"), tokenizer, StartFailed("ModelLoadError: no such file")):
         assert decode(wire(encode(message))) == message
+    # a replica's messages carry the engine's, each in its own encoding
+    for message in (ReplicaDescription(4321, info, tokenizer, snap), ReplicaReport(4321, 99.5, 2, snap, [7, 8], 98.0)):
+        got = decode(wire(encode(message)))
+        assert type(got) is type(message) and got == message and type(got.snapshot) is EngineSnapshot
     rebuilt, template = decode(wire(encode(tokenizer))).build()
     assert rebuilt.encode("hello there") == engine.tokenizer.encode("hello there")
     assert template.source == engine.chat_template.source
@@ -119,18 +124,19 @@ def test_the_builder_takes_its_threads_from_the_one_rule(monkeypatch):
     --threads, else $STRATUM_NUM_THREADS, is taken as set."""
     from stratum.engine import builder
     from stratum.engine.config import EngineConfig
+    from stratum.kernels import PlanSource
     from stratum.kernels.numerics import PYTORCH, Numerics
 
     numerics = Numerics("m", "cpu", PYTORCH, "float32", "float32", (), "pytorch", None)
     monkeypatch.delenv("STRATUM_NUM_THREADS", raising=False)
     monkeypatch.setattr(os, "cpu_count", lambda: 9)
     plan = builder._plan(EngineConfig(serving=True), None, numerics, measure=False)
-    assert (plan.threads, plan.source) == (8, "rule")
+    assert (plan.threads, plan.source) == (8, PlanSource.RULE)
     assert builder._plan(EngineConfig(), None, numerics, measure=False).threads == 9
-    assert builder._plan(EngineConfig(num_threads=5), None, numerics, measure=False).source == "configured"
+    assert builder._plan(EngineConfig(num_threads=5), None, numerics, measure=False).source is PlanSource.CONFIGURED
     monkeypatch.setenv("STRATUM_NUM_THREADS", "3")
     plan = builder._plan(EngineConfig(serving=True), None, numerics, measure=False)
-    assert (plan.threads, plan.source) == (3, "configured")
+    assert (plan.threads, plan.source) == (3, PlanSource.CONFIGURED)
 
 
 def test_a_step_is_one_compact_frame():

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import torch
 
+from stratum.kernels import PlanSource
 from stratum.kernels import plan as kernels
 from stratum.kernels.quant import Int4Weight, dequantize_q4, unpack_q4
 from stratum.models.config import ModelConfig
@@ -84,22 +85,35 @@ def test_plan_is_measured_once_then_cached_busy_or_not(tmp_path, plan_dir, monke
     measure again; `remeasure` does."""
     _native()
     first = kernels.select_plan(tmp_path, SMALL, 2)
-    assert first.source in ("measured", "defaults") and first.runs >= 1 and first.threads in (1, 2)
+    assert first.source in (PlanSource.MEASURED, PlanSource.DEFAULTS) and first.runs >= 1 and first.threads in (1, 2)
     assert set(first.timings_us) == {"native_1_threads", "native_2_threads"}
     assert all(t > 0 for v in first.timings_us.values() for t in v.values())
     files = list(plan_dir.glob("*.json"))
-    assert len(files) == 1 and json.loads(files[0].read_text())["threads"] == first.threads
+    written = json.loads(files[0].read_text())
+    assert len(files) == 1 and written["threads"] == first.threads and written["source"] == first.source.value
     monkeypatch.setattr(kernels, "measure_plan", lambda *a, **k: pytest.fail("measured again at a later start"))
     second = kernels.select_plan(tmp_path, SMALL, 2)
-    assert second.source == "cache" and second.threads == first.threads and second.quiet == first.quiet
+    assert second.source is PlanSource.CACHE and second.threads == first.threads and second.quiet == first.quiet
     monkeypatch.undo()
     third = kernels.select_plan(tmp_path, SMALL, 2, remeasure=True)
-    assert third.source in ("measured", "defaults")
+    assert third.source in (PlanSource.MEASURED, PlanSource.DEFAULTS)
+
+
+def test_the_plan_cache_reads_files_written_before(tmp_path, plan_dir):
+    """A cached plan is plain JSON, its source a string: files written by earlier versions read back."""
+    path = kernels.plan_cache_path(tmp_path, SMALL, 2)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"device": "cpu", "threads": 1, "cpu": "x", "timings_us": {"native_1_threads": {"1": 5.0}},
+                                "source": "measured", "quiet": True, "runs": 2, "other_load": [0.0, 0.1],
+                                "basis": "measured: 2 quiet runs of 2"}))
+    plan = kernels.select_plan(tmp_path, SMALL, 2, measure=False)
+    assert plan.source is PlanSource.CACHE and plan.threads == 1 and plan.timings_us == {"native_1_threads": {1: 5.0}}
+    assert plan.describe()["source"] == "cache" and type(plan.describe()["source"]) is str
 
 
 def test_without_a_measurement_the_plan_is_the_families_defaults(tmp_path, plan_dir):
     plan = kernels.select_plan(tmp_path, SMALL, 2, measure=False)
-    assert plan.source == "defaults" and plan.threads == 2 and "not measured yet" in plan.basis
+    assert plan.source is PlanSource.DEFAULTS and plan.threads == 2 and "not measured yet" in plan.basis
     assert not list(plan_dir.glob("*.json"))  # nothing cached: the next start that may measure does
 
 
@@ -145,9 +159,9 @@ def test_plan_times_the_native_step_on_the_files_own_formats(tmp_path, plan_dir)
 def test_the_thread_count_needs_a_margin():
     """A near tie goes to the default (every core) however the noise falls."""
     t = {"native_1_threads": {1: 98.0, 16: 980.0}, "native_2_threads": {1: 100.0, 16: 1000.0}}  # 2% faster: not enough
-    assert kernels.decide(t, 2) == 2
+    assert kernels.choose_threads(t, 2) == 2
     t["native_1_threads"] = {1: 80.0, 16: 800.0}
-    assert kernels.decide(t, 2) == 1
+    assert kernels.choose_threads(t, 2) == 1
     assert kernels.thread_counts(6) == [1, 2, 4, 6] and kernels.thread_counts(1) == [1]
 
 
@@ -171,12 +185,12 @@ def test_a_plan_measured_on_a_busy_machine_holds_the_defaults_and_is_not_measure
     with busy_cores():
         busy = kernels.select_plan(tmp_path, SMOLLM2, 1)
     assert min(busy.other_load) > kernels.BUSY_CORES and not busy.quiet, busy.other_load
-    assert busy.source == "defaults" and busy.threads == 1 and busy.basis.startswith("defaults for ")
+    assert busy.source is PlanSource.DEFAULTS and busy.threads == 1 and busy.basis.startswith("defaults for ")
     assert busy.other_load and busy.runs <= kernels.MAX_RUNS  # the loads that were not trusted, kept to show why
     monkeypatch.setattr(kernels, "measure_plan", lambda *a, **k: pytest.fail("measured again at a later start"))
     for _ in range(3):
         cached = kernels.select_plan(tmp_path, SMOLLM2, 1)
-        assert cached.source == "cache" and cached.describe() == {**busy.describe(), "source": "cache"}
+        assert cached.source is PlanSource.CACHE and cached.describe() == {**busy.describe(), "source": "cache"}
 
 
 def test_a_measurement_never_runs_past_its_budget(tmp_path, plan_dir):
@@ -185,7 +199,7 @@ def test_a_measurement_never_runs_past_its_budget(tmp_path, plan_dir):
     why, and is cached as such."""
     _native()
     plan = kernels.measure_plan(SMOLLM2, 2, budget_s=0.0)
-    assert plan.source == "defaults" and plan.threads == 2 and not plan.quiet
+    assert plan.source is PlanSource.DEFAULTS and plan.threads == 2 and not plan.quiet
     assert plan.runs == 0 and len(plan.other_load) == 1 and "ran past its 0 s" in plan.basis, plan.basis
 
 

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from stratum.kernels import KernelPlan
+from stratum.kernels import KernelPlan, PlanSource
 from stratum.kernels import numerics as rule
 
 Q4KM = ("Q4_K", "Q6_K")
@@ -15,28 +15,28 @@ INPUTS = rule.RuleInputs("cpu", "auto", None, None, Q4KM, None, True, ("avx2", "
 
 
 def test_a_quantized_file_runs_the_native_step_in_fp32():
-    n = rule.decide(INPUTS, "file")
+    n = rule.choose_numerics(INPUTS, "file")
     assert (n.step, n.dtype, n.kv_dtype, n.low_latency_head) == ("native", "float32", "float32", None)
     assert dict(n.weights) == {"Q4_K": rule.AS_STORED, "Q6_K": rule.AS_STORED} and n.is_batch_invariant
-    assert rule.decide(replace(INPUTS, dtype="bfloat16"), "file").kv_dtype == "bfloat16"  # the user's trade: KV only
+    assert rule.choose_numerics(replace(INPUTS, dtype="bfloat16"), "file").kv_dtype == "bfloat16"  # the user's trade: KV only
 
 
 def test_the_pytorch_step_holds_blocks_as_stored_unless_told_otherwise():
     refused = replace(INPUTS, native_refusal="sliding-window attention")
-    n = rule.decide(refused, "file")
+    n = rule.choose_numerics(refused, "file")
     assert (n.step, n.dtype, n.attention) == ("pytorch", "float32", "native paged decode") and not n.is_batch_invariant
     assert set(dict(n.weights).values()) == {rule.PACKED}
-    assert dict(rule.decide(replace(refused, int4_max_tokens=0), "file").weights) == {
+    assert dict(rule.choose_numerics(replace(refused, int4_max_tokens=0), "file").weights) == {
         "Q4_K": "dense float32", "Q6_K": "dense float32"}  # the dequantized reference, when asked for
-    asked = rule.decide(replace(refused, int4_max_tokens=64, dtype="bfloat16"), "file")
+    asked = rule.choose_numerics(replace(refused, int4_max_tokens=64, dtype="bfloat16"), "file")
     assert dict(asked.weights) == {"Q4_K": rule.INT4, "Q6_K": rule.PACKED} and asked.low_latency_head == "int8"
-    bare = rule.decide(replace(refused, native_kernels=False), "file")  # no compiler: dense fp32, PyTorch attention
+    bare = rule.choose_numerics(replace(refused, native_kernels=False), "file")  # no compiler: dense fp32, PyTorch attention
     assert set(dict(bare.weights).values()) == {"dense float32"} and bare.attention == "pytorch"
 
 
 def test_the_rule_never_depends_on_anything_timed():
     """Whatever the plan measured, the same inputs give the same record and key; every field moves the key."""
-    a, b = rule.decide(INPUTS, "file"), rule.decide(INPUTS, "file")
+    a, b = rule.choose_numerics(INPUTS, "file"), rule.choose_numerics(INPUTS, "file")
     assert a == b and a.key() == b.key() and len(a.key()) == 32
     for change in (dict(model="other"), dict(kv_dtype="bfloat16"), dict(step="pytorch"), dict(platform="torch x"),
                    dict(activations="int8"),
@@ -49,16 +49,16 @@ def test_int8_activations_are_the_users_choice_and_only_the_native_steps():
     """--activations int8 quantizes the native step's activation blocks as llama.cpp does: never the
     rule's default, a numerics of its own (its own key: KV saved under int16 is never read under int8),
     and refused with the reason where the start would run the PyTorch step."""
-    default, asked = rule.decide(INPUTS, "file"), rule.decide(replace(INPUTS, activations="int8"), "file")
+    default, asked = rule.choose_numerics(INPUTS, "file"), rule.choose_numerics(replace(INPUTS, activations="int8"), "file")
     assert default.activations == "int16" and asked.activations == "int8" and asked.step == "native"
     assert asked.key() != default.key() and rule.Numerics.from_dict(asked.describe()) == asked
     for inputs, why in ((replace(INPUTS, device="cuda"), "on cuda"), (replace(INPUTS, native_step=False), "turned off"),
                         (replace(INPUTS, native_refusal="sliding-window attention"), "sliding-window attention"),
                         (replace(INPUTS, native_kernels=False), "not built")):
         with pytest.raises(ValueError, match=why):
-            rule.decide(replace(inputs, activations="int8"), "file")
+            rule.choose_numerics(replace(inputs, activations="int8"), "file")
     with pytest.raises(ValueError, match="int16, int8"):
-        rule.decide(replace(INPUTS, activations="int4"), "file")
+        rule.choose_numerics(replace(INPUTS, activations="int4"), "file")
     # a cold start's provisional step refuses what the native step it switches to would
     with pytest.raises(ValueError, match="sliding-window"):
         rule.provisional(replace(INPUTS, activations="int8", native_kernels=False, native_refusal="sliding-window"), "file")
@@ -66,11 +66,11 @@ def test_int8_activations_are_the_users_choice_and_only_the_native_steps():
 
 
 def test_dense_files_cuda_and_the_provisional_step():
-    assert rule.decide(replace(INPUTS, tensor_types=()), "file").step == "pytorch"  # F32: nothing stored packed
-    cuda = rule.decide(replace(INPUTS, device="cuda"), "file")
+    assert rule.choose_numerics(replace(INPUTS, tensor_types=()), "file").step == "pytorch"  # F32: nothing stored packed
+    cuda = rule.choose_numerics(replace(INPUTS, device="cuda"), "file")
     assert (cuda.step, cuda.dtype) == ("pytorch", "bfloat16")
     p = rule.provisional(replace(INPUTS, tensor_types=("Q4_0", "Q8_0")), "file")
-    assert dict(p.weights) == {"Q4_0": rule.INT4, "Q8_0": "dense bfloat16"} and p.key() != rule.decide(INPUTS, "file").key()
+    assert dict(p.weights) == {"Q4_0": rule.INT4, "Q8_0": "dense bfloat16"} and p.key() != rule.choose_numerics(INPUTS, "file").key()
 
 
 def test_an_engines_numerics_do_not_follow_the_plans_threads(tmp_path, monkeypatch):
@@ -85,7 +85,7 @@ def test_an_engines_numerics_do_not_follow_the_plans_threads(tmp_path, monkeypat
     config = EngineConfig(model=str(path))
     keys = set()
     for threads in (1, 2):
-        monkeypatch.setattr(builder, "select_plan", lambda *a, t=threads, **k: KernelPlan("cpu", t, source="measured"))
+        monkeypatch.setattr(builder, "select_plan", lambda *a, t=threads, **k: KernelPlan("cpu", t, source=PlanSource.MEASURED))
         resolved = builder.resolve(config, builder.load(config))
         assert resolved.num_threads == threads and resolved.numerics.step == "native"
         keys.add(resolved.numerics.key())

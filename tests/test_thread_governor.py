@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from stratum.kernels import native
-from stratum.kernels.governor import ThreadGovernor, decide, other_busy_cores, parse_stat, spans_idle
+from stratum.kernels.governor import ThreadGovernor, next_threads, other_busy_cores, parse_stat, spans_idle
 from tests.factories import make_tiny_gguf
 
 TICKS = 100
@@ -26,7 +26,7 @@ def _threads_after(busy_cores: float, own_cores: float = 0.0, current: int = 2, 
     busy = round((busy_cores + own_cores) * TICKS)
     before = parse_stat(_stat(10_000, 10_000), own_s=5.0)
     after = parse_stat(_stat(10_000 + busy, 10_000 + 2 * TICKS - busy), own_s=5.0 + own_cores)
-    return decide(current, limit, after.cores, other_busy_cores(before, after, TICKS))
+    return next_threads(current, limit, after.cores, other_busy_cores(before, after, TICKS))
 
 
 def test_parse_reads_busy_total_and_cores():

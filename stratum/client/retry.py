@@ -9,7 +9,7 @@
 
 Every retry takes a token from a RetryBudget (a token bucket shared by all requests of a client), so a
 client in trouble cannot turn into a retry storm. The decision is a pure function of the failure and the
-request (`RetryPolicy.decide`); the clients only sleep and resend.
+request (`RetryPolicy.next_action`); the clients only sleep and resend.
 """
 
 from __future__ import annotations
@@ -266,7 +266,7 @@ class RetryPolicy:
     on_retry: Callable[[RetryEvent], None] | None = None
     rng: random.Random = field(default_factory=random.Random)
 
-    def decide(self, failure: Failure, attempt: int, params: Mapping[str, Any],
+    def next_action(self, failure: Failure, attempt: int, params: Mapping[str, Any],
                session_keys: Mapping[str, Any] | Sequence[Any] | str | None = None,
                is_session_switched: bool = False) -> Decision | None:
         """What to do after `attempt` failed with `failure`. None: not this policy's failure (raise it as is).

@@ -309,7 +309,7 @@ class _Call:
         if not self.is_stratum:
             return None
         failure = Failure.from_response(e.status_code, e.body, e.response.headers)
-        d = self.policy.decide(failure, self.attempt, self.params, self.session_keys, self.session_id is not None)
+        d = self.policy.next_action(failure, self.attempt, self.params, self.session_keys, self.session_id is not None)
         if d is None:
             return None
         event = RetryEvent(self.attempt, failure.status, failure.reason or "", d.action, d.delay_s, d.detail,

@@ -16,7 +16,9 @@ import logging
 from dataclasses import dataclass, field
 
 from stratum.engine.client import EngineClient, ReplicaView, Transport
-from stratum.engine.protocol import AddRequest, EngineSnapshot, RequestFailed, StreamDecoder, decode, encode
+from stratum.engine.protocol import (
+    AddRequest, EngineSnapshot, ReplicaDescription, RequestFailed, StreamDecoder, decode, encode,
+)
 from stratum.engine.request import prompt_block_keys
 
 log = logging.getLogger("stratum.cluster")
@@ -33,19 +35,19 @@ class _Call:
     decoder: StreamDecoder = field(default_factory=StreamDecoder)
 
 
-def connect(handle, description: dict, deployment: str, on_shutdown=None) -> EngineClient:
+def connect(handle, description: ReplicaDescription, deployment: str, on_shutdown=None) -> EngineClient:
     """The client of a running deployment.
 
     Args:
         handle: the replicas' DeploymentHandle.
-        description: a replica's `describe()` (configuration, tokenizer, chat template, snapshot).
+        description: a replica's `describe()`, decoded (configuration, tokenizer, chat template, snapshot).
         deployment: the deployment's name (which router in this process routes it).
         on_shutdown: stops the deployment.
     """
-    tokenizer, template = decode(description["tokenizer"]).build()
+    tokenizer, template = description.tokenizer.build()
     transport = ReplicaSetTransport(handle, deployment, on_shutdown)
-    client = EngineClient(decode(description["info"]), tokenizer, template, transport, engine_pid=description["pid"])
-    client.deliver([decode(description["snapshot"])])  # what a replica described itself with, until they report
+    client = EngineClient(description.info, tokenizer, template, transport, engine_pid=description.pid)
+    client.deliver([description.snapshot])  # what a replica described itself with, until they report
     transport.start()
     return client
 

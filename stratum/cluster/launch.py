@@ -29,6 +29,7 @@ def start(config: EngineConfig, replicas: int, ray_address: str | None = None, r
     from stratum.cluster.client import connect
     from stratum.cluster.replica import EngineReplica
     from stratum.cluster.routing import POLICIES
+    from stratum.engine.protocol import decode
 
     if ray_address and ray_address.startswith("ray://"):  # Serve streams no handle calls through Ray Client
         raise ValueError("--ray-address: Ray Client addresses (ray://) are not supported; run the server on a "
@@ -67,7 +68,7 @@ def start(config: EngineConfig, replicas: int, ray_address: str | None = None, r
     )
     serve.start(proxy_location="Disabled")
     handle = serve.run(deployment.bind(asdict(config)), name=app_name, route_prefix=None)
-    description = handle.describe.remote().result(timeout_s=120)
+    description = decode(handle.describe.remote().result(timeout_s=120))
 
     def shutdown() -> None:
         try:

@@ -20,8 +20,8 @@ from stratum.engine.config import EngineConfig, SchedulerConfig
 from stratum.engine.loop import EngineLoop
 from stratum.engine.outputs import RequestOutput
 from stratum.engine.protocol import (
-    Abort, Accepted, EngineDied, EngineInfo, EngineSnapshot, Event, HeldKeys, ListHeld, RequestFailed, Routed, Started,
-    TokenizerData, decode, encode,
+    ROUTING_STATS_KEY, Abort, Accepted, EngineDied, EngineSnapshot, Event, HeldKeys, ListHeld, ReplicaDescription,
+    ReplicaReport, RequestFailed, Routed, Started, TokenizerData, decode, encode,
 )
 
 # Block keys a replica reports: the most recently used first. 4096 keys of 16-token blocks cover
@@ -38,8 +38,8 @@ class EngineReplica:
         settings = dict(config, scheduler=SchedulerConfig(**config["scheduler"]))
         engine = EngineCore(EngineConfig(**settings))
         self.name = _replica_name()
-        self.description = {"pid": os.getpid(), "info": encode(engine.info()),
-                            "tokenizer": encode(TokenizerData.of(engine.tokenizer, engine.chat_template.source))}
+        self.info = engine.info()
+        self.tokenizer = TokenizerData.of(engine.tokenizer, engine.chat_template.source)
         self.snapshot = EngineSnapshot(alive=True)
         self.held: tuple[list[int], float] = ([], 0.0)  # the cache's recent keys, and when the loop listed them
         self.calls = 0  # generate calls being served
@@ -49,9 +49,9 @@ class EngineReplica:
         threading.Thread(target=self.loop.run, name="stratum-engine", daemon=True).start()
 
     # ---- Serve calls these --------------------------------------------------------------------------
-    def describe(self) -> dict:
-        """What the ingress needs before its first request: configuration, tokenizer, chat template."""
-        return dict(self.description, snapshot=encode(self.snapshot))
+    def describe(self) -> list:
+        """What the ingress needs before its first request: an encoded `ReplicaDescription`."""
+        return encode(ReplicaDescription(os.getpid(), self.info, self.tokenizer, self.snapshot))
 
     async def generate(self, payload: dict):
         """Run one request, or one group (n samples forked from a prompt), streaming lists of encoded events.
@@ -95,13 +95,13 @@ class EngineReplica:
             for rid in open_:
                 self.loop.submit(Abort(rid))
 
-    def record_routing_stats(self) -> dict:
-        """This replica's report: what its cache holds (listed by the loop since the last report), how
-        many calls it serves, and its engine's snapshot (the router's `update_replicas` reads it)."""
+    def record_routing_stats(self) -> dict[str, list]:
+        """This replica's `ReplicaReport`, encoded, as Serve's routing stats: what its cache holds (listed
+        by the loop since the last report), how many calls it serves, and its engine's snapshot."""
         self.loop.submit(ListHeld(MAX_HELD_KEYS))  # fresh for the next report
         keys, held_at = self.held
-        return {"pid": os.getpid(), "at": time.time(), "calls": self.calls, "snapshot": encode(self.snapshot),
-                "held": keys, "held_at": held_at}
+        report = ReplicaReport(os.getpid(), time.time(), self.calls, self.snapshot, keys, held_at)
+        return {ROUTING_STATS_KEY: encode(report)}
 
     def check_health(self) -> None:
         if not self.snapshot.alive:

@@ -11,13 +11,13 @@ ingress's transport what each replica reported (`listen`), for /health, /metrics
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+from typing import Callable
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
 from stratum.cluster.routing import make_policy
 from stratum.engine.client import ReplicaView
-from stratum.engine.protocol import EngineSnapshot, decode
+from stratum.engine.protocol import ROUTING_STATS_KEY, EngineSnapshot, ReplicaReport, decode
 
 Listener = Callable[[list[ReplicaView]], None]
 _LISTENERS: dict[str, Listener] = {}  # deployment name -> what the ingress's transport is told
@@ -54,19 +54,24 @@ class StratumRouter(RequestRouter):
     def update_replicas(self, replicas: list[RunningReplica]) -> None:
         super().update_replicas(replicas)
         self.policy.set_replicas(sorted(r.replica_id.unique_id for r in replicas))
-        views = [self._report(r.replica_id.unique_id, dict(r.routing_stats or {})) for r in replicas]
+        views = []
+        for r in replicas:
+            encoded = (r.routing_stats or {}).get(ROUTING_STATS_KEY)  # none until its first report
+            views.append(self._report(r.replica_id.unique_id, decode(encoded) if encoded is not None else None))
         self._registry.publish(self._deployment_id.name, sorted(views, key=lambda v: v.name))
 
-    def _report(self, name: str, stats: dict[str, Any]) -> ReplicaView:
-        """A replica's routing stats (`EngineReplica.record_routing_stats`), told to the policy once."""
-        snapshot = EngineSnapshot(alive=True)  # until its first report
-        if "snapshot" in stats:
-            snapshot = decode(stats["snapshot"])
+    def _report(self, name: str, report: ReplicaReport | None) -> ReplicaView:
+        """A replica's routing stats (`EngineReplica.record_routing_stats`), told to the policy once;
+        None before its first."""
+        if report is not None:
+            snapshot = report.snapshot
             free = snapshot.kv_blocks.free if snapshot.kv_blocks.total else None
-            self.policy.report(name, stats["at"], stats["calls"], free, stats["held"], stats["held_at"], snapshot.alive)
+            self.policy.report(name, report.at, report.calls, free, report.held, report.held_at, snapshot.alive)
         state = self.policy.replicas.get(name)
-        return ReplicaView(name, stats.get("pid"), snapshot, state.load if state else 0, len(stats.get("held", ())),
-                           stats.get("at", 0.0))
+        load = state.load if state else 0
+        if report is None:
+            return ReplicaView(name, None, EngineSnapshot(alive=True), load, 0, 0.0)
+        return ReplicaView(name, report.pid, report.snapshot, load, len(report.held), report.at)
 
     async def choose_replicas(self, candidate_replicas: list[RunningReplica],
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:

@@ -17,7 +17,7 @@ from stratum.engine import weight_cache
 from stratum.engine.config import EngineConfig, ResolvedConfig, configured_threads, default_prefill_threads, default_threads
 from stratum.engine.model_runner import ModelRunner
 from stratum.home import stratum_home
-from stratum.kernels import KernelPlan, native
+from stratum.kernels import KernelPlan, PlanSource, native
 from stratum.kernels import numerics as rule
 from stratum.kernels.cpu import cpu_flags, cpu_name
 from stratum.kernels.numerics import ACTIVATION_BITS, INT4, NATIVE, PACKED, Numerics, RuleInputs
@@ -81,7 +81,7 @@ def resolve(config: EngineConfig, checkpoint: Checkpoint, measure: bool = True, 
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if defer and device == "cpu" and not native.is_built():
         return None
-    numerics = rule.decide(rule_inputs(config, checkpoint, device), checkpoint.identity)
+    numerics = rule.choose_numerics(rule_inputs(config, checkpoint, device), checkpoint.identity)
     numerics = replace(numerics, platform=_platform(numerics))
     return _resolved(config, checkpoint, numerics, _plan(config, checkpoint, numerics, measure))
 
@@ -93,7 +93,7 @@ def provisional(config: EngineConfig, checkpoint: Checkpoint) -> ResolvedConfig:
     numerics = rule.provisional(inputs, checkpoint.identity)
     numerics = replace(numerics, platform=_platform(numerics))
     threads = config.num_threads or default_threads(config.serving)
-    return _resolved(config, checkpoint, numerics, KernelPlan("cpu", threads, cpu_name(), source="rule",
+    return _resolved(config, checkpoint, numerics, KernelPlan("cpu", threads, cpu_name(), source=PlanSource.RULE,
                                                               basis="a cold start's provisional step"))
 
 
@@ -165,10 +165,10 @@ def _plan(config: EngineConfig, checkpoint: Checkpoint, numerics: Numerics, meas
     the PyTorch step's fp32 matmuls may sum in another order at another thread count."""
     configured = configured_threads(config.num_threads)
     if configured:
-        return KernelPlan(numerics.device, configured, cpu_name(), source="configured", basis="set by the user")
+        return KernelPlan(numerics.device, configured, cpu_name(), source=PlanSource.CONFIGURED, basis="set by the user")
     threads = default_threads(config.serving, native_step=numerics.step == NATIVE)
     if numerics.step != NATIVE:
-        return KernelPlan(numerics.device, threads, cpu_name(), source="rule", basis="config.default_threads")
+        return KernelPlan(numerics.device, threads, cpu_name(), source=PlanSource.RULE, basis="config.default_threads")
     # the rule's count (every core) is the plan's default and the most it tries
     return select_plan(stratum_home(), Shapes.of(checkpoint.config, checkpoint.quantized), threads,
                        remeasure=config.remeasure_plan, measure=measure)

@@ -307,8 +307,8 @@ class EngineClient:
         """Admitted requests that have not started running (what --max-waiting bounds)."""
         return len(self._queued)
 
-    def admit(self, request_id: str) -> None:
-        """Count a request against the waiting queue from this moment on.
+    def take_queue_slot(self, request_id: str) -> None:
+        """Count a request against the waiting queue from this moment on (`release` gives it back).
 
         Raises:
             EngineDeadError: the engine loop is gone.

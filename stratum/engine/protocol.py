@@ -1,6 +1,6 @@
 """The engine boundary's language: every command the serving side sends an engine loop, every event the
-loop sends back and every message of an engine's start-up, as typed records, and the one codec that
-turns them into plain lists and back.
+loop sends back, every message of an engine's start-up and what a replica of several tells the
+ingress, as typed records, and the one codec that turns them into plain lists and back.
 
 The thread transport hands the records over as they are; the process transport (msgpack frames,
 `stratum.engine.process`) and the Ray transport (`stratum.cluster`) send `encode(message)` and read
@@ -257,14 +257,51 @@ class Routed:
     replica: str
 
 
+# ---- a replica of several -> the ingress, through Ray Serve's calls (`stratum.cluster`) -----------------
+@dataclass(frozen=True, slots=True)
+class ReplicaDescription:
+    """What the ingress needs before its first request (`EngineReplica.describe`): the engine's process,
+    its configuration and kernel choices, its tokenizer and chat template, and how it looks now."""
+
+    pid: int
+    info: EngineInfo
+    tokenizer: TokenizerData
+    snapshot: EngineSnapshot
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaReport:
+    """A replica's routing stats (`EngineReplica.record_routing_stats`, read by the router's
+    `update_replicas`): when it reported, the calls it serves, its engine's snapshot, and the block keys
+    its prefix cache holds, most recent first, as its engine listed them at `held_at` (its clock)."""
+
+    pid: int
+    at: float
+    calls: int
+    snapshot: EngineSnapshot
+    held: list[int]
+    held_at: float
+
+
+# Serve's routing stats are a dict: the replica's `ReplicaReport`, encoded, is its one entry.
+ROUTING_STATS_KEY = "report"
+
 Command = Union[AddRequest, Abort, ListHeld, Stop]
 Event = Union[RequestOutput, EngineSnapshot, Accepted, Started, RequestFailed, HeldKeys, EngineDied, Routed, EngineInfo]
 StartupMessage = Union[Starting, TokenizerData, StartFailed, EngineInfo]
+ReplicaMessage = Union[ReplicaDescription, ReplicaReport]
+Message = Union[Command, Event, StartupMessage, ReplicaMessage]
 
 
-# ---- the codec: [tag, field, field, ...], nested records as lists of their fields ----------------------
+# ---- the codec: [tag, field, field, ...], nested records as lists of their fields, nested messages as
+# their own encoding ----------------------------------------------------------------------------------
 def _record(cls) -> Callable[[list | None], Any]:
     return lambda values: None if values is None else cls(*values)
+
+
+def _message(data: list) -> Any:
+    """A message nested in another (`decode`, defined below)."""
+    return decode(data)
 
 
 def _config(d: dict) -> ResolvedConfig:
@@ -288,6 +325,8 @@ _MESSAGES: dict[type, dict[str, Callable]] = {
                  "pin_prefixes": lambda prefixes: [tuple(p) for p in prefixes]},
     Abort: {}, ListHeld: {}, Stop: {},
     Starting: {}, TokenizerData: {}, StartFailed: {},
+    ReplicaDescription: {"info": _message, "tokenizer": _message, "snapshot": _message},
+    ReplicaReport: {"snapshot": _message},
 }
 _TAGS = {cls: tag for tag, cls in enumerate(_MESSAGES)}
 _FIELDS = {cls: tuple(f.name for f in fields(cls)) for cls in _MESSAGES}
@@ -298,8 +337,9 @@ _DECODERS = [(cls, [(_FIELDS[cls].index(name), rebuild) for name, rebuild in nes
 _SENT_TEXT = [1 + _FIELDS[RequestOutput].index(name) for name in ("text", "token_ids")]  # positions in a message
 
 
-def encode(message: Command | Event | StartupMessage) -> list:
-    """[tag, field values...] with nested records as lists of their field values (msgpack-ready).
+def encode(message: Message) -> list:
+    """[tag, field values...] with nested records as lists of their field values, and nested messages
+    (a replica's description carries its engine's) as their own encoding (msgpack-ready).
 
     A running RequestOutput carries only its deltas (`text` and `token_ids` are None): the reader
     assembles them (`StreamDecoder`). A finished one also carries its full text and tokens.
@@ -315,6 +355,8 @@ def encode(message: Command | Event | StartupMessage) -> list:
             value = asdict(value)
         elif isinstance(value, enum.Enum):
             value = value.value
+        elif type(value) in _TAGS:
+            value = encode(value)
         values.append(value)
     if cls is RequestOutput and not message.finished:
         for i in _SENT_TEXT:
@@ -322,7 +364,7 @@ def encode(message: Command | Event | StartupMessage) -> list:
     return values
 
 
-def decode(data: list) -> Command | Event | StartupMessage:
+def decode(data: list) -> Message:
     """The message `encode` made (a running output as it was sent: deltas only)."""
     cls, nested = _DECODERS[data[0]]
     values = data[1:]

@@ -59,7 +59,7 @@ def spans_idle(before: CpuSample, after: CpuSample, clock_ticks: int) -> bool:
     return seconds > IDLE_WINDOW_S and after.own_s - before.own_s < 0.5 * seconds
 
 
-def decide(current: int, limit: int, cores: int, other: float) -> int:
+def next_threads(current: int, limit: int, cores: int, other: float) -> int:
     """The threads to use next: the free cores (`cores - other`), rounded with hysteresis around
     `current`, within [1, limit]."""
     free = cores - other
@@ -110,7 +110,7 @@ class ThreadGovernor:
         if sample is not None:
             if not spans_idle(self._last, sample, self._ticks):  # else a new window starts, the count kept
                 other = other_busy_cores(self._last, sample, self._ticks)
-                self.current = decide(self.current, self.limit, sample.cores, other)
+                self.current = next_threads(self.current, self.limit, sample.cores, other)
             self._last = sample
         return self.current
 

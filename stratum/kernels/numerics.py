@@ -90,7 +90,7 @@ class Numerics:
         return {**asdict(self), "weights": dict(self.weights), "key": self.key()}
 
 
-def decide(inputs: RuleInputs, model: str) -> Numerics:
+def choose_numerics(inputs: RuleInputs, model: str) -> Numerics:
     """The numerics a start of `model` runs with, given `inputs`.
 
     On the CPU:
@@ -173,7 +173,7 @@ def provisional(inputs: RuleInputs, model: str) -> Numerics:
     size. Its numerics differ from the native step's (int4's sums run in another order, without
     int16 activation blocks): answers may change at the switch, and `Numerics.key` says so. Settings
     the native step it switches to would refuse are refused now, not at the switch."""
-    decide(replace(inputs, native_kernels=True), model)
+    choose_numerics(replace(inputs, native_kernels=True), model)
     dtype = "float32" if inputs.dtype == "auto" else inputs.dtype
     forms = tuple((t, INT4 if t in INT4_TYPES else dense("bfloat16")) for t in inputs.tensor_types)
     return Numerics(model, "cpu", PYTORCH, dtype, dtype, forms, PYTORCH, None)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from stratum.kernels import KernelPlan, native
+from stratum.kernels import KernelPlan, PlanSource, native
 from stratum.kernels.cpu import cpu_family, cpu_flags, cpu_name
 from stratum.kernels.packed import FUSED, PACKED_QTYPES, PackedWeight
 from stratum.kernels.packed import pack as packed_weight
@@ -187,7 +187,7 @@ def _measure_once(steps: list, candidates: list[int], deadline: float) -> dict[s
     return timings
 
 
-def decide(timings: dict[str, dict[int, float]], default: int) -> int:
+def choose_threads(timings: dict[str, dict[int, float]], default: int) -> int:
     """The thread count: the fastest over ROWS where it beats `default` by MARGIN, else `default`,
     so a near tie goes the same way however the noise falls."""
     totals = {int(name.split("_")[1]): sum(v.values()) for name, v in timings.items()}
@@ -198,7 +198,7 @@ def decide(timings: dict[str, dict[int, float]], default: int) -> int:
 def defaults(threads: int, why: str) -> KernelPlan:
     """The plan known good for this CPU family without a measurement: the native step on every core
     (measured on 2-core machines, Intel and AMD: 1.3-1.7x the tokens/s of one thread)."""
-    return KernelPlan("cpu", threads, cpu_name(), source="defaults", quiet=False,
+    return KernelPlan("cpu", threads, cpu_name(), source=PlanSource.DEFAULTS, quiet=False,
                       basis=f"defaults for {cpu_family()}: {why}")
 
 
@@ -231,7 +231,7 @@ def measure_plan(shapes: Shapes, cores: int, max_runs: int = MAX_RUNS, busy_core
             every.append(run)
             if load.cores <= busy_cores:
                 quiet.append(run)
-                if len(quiet) >= 2 and decide(quiet[-1], cores) == decide(quiet[-2], cores):
+                if len(quiet) >= 2 and choose_threads(quiet[-1], cores) == choose_threads(quiet[-2], cores):
                     break
     finally:
         torch.set_num_threads(threads_before)
@@ -241,7 +241,7 @@ def measure_plan(shapes: Shapes, cores: int, max_runs: int = MAX_RUNS, busy_core
                if out_of_time else f"other processes kept {min(loads)}+ cores busy in every run of the measurement")
         plan = defaults(cores, why)
         return KernelPlan(**{**plan.describe(), "timings_us": timings, "runs": len(every), "other_load": loads})
-    return KernelPlan("cpu", decide(timings, cores), cpu_name(), timings, runs=len(every), other_load=loads,
+    return KernelPlan("cpu", choose_threads(timings, cores), cpu_name(), timings, runs=len(every), other_load=loads,
                       basis=f"measured: {len(quiet)} quiet runs of {len(every)}")
 
 
@@ -290,6 +290,6 @@ def _read(path: Path) -> KernelPlan | None:
     try:
         data = json.loads(path.read_text())
         data["timings_us"] = {k: {int(m): t for m, t in v.items()} for k, v in data["timings_us"].items()}
-        return KernelPlan(**{**data, "source": "cache"})
+        return KernelPlan(**{**data, "source": PlanSource.CACHE})
     except (OSError, ValueError, TypeError, KeyError):
         return None  # missing, stale or corrupt: measured again

@@ -43,7 +43,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("stratum.batches")
 
 BATCHES_PATH = "/v1/messages/batches"
-BATCH_PRIORITY = 100  # below interactive requests (0); lower runs first
 INTERNAL_HEADER = "x-stratum-internal"  # the runner's calls: the per-process secret
 TENANT_HEADER = "x-stratum-batch-tenant"  # the tenant the batch belongs to, honoured with the secret only
 FINAL = ("succeeded", "errored", "canceled", "expired")

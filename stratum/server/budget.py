@@ -51,7 +51,7 @@ class CostAdmission:
     def is_enabled(self) -> bool:
         return self.budget is not None
 
-    def admit(self, tenant: str, tokens: int) -> Decision:
+    def reserve(self, tenant: str, tokens: int) -> Decision:
         """Reserve `tokens` if they fit in the tenant's window, else reject. Never partially reserves."""
         return self._decide(tenant, tokens, reserve=True)
 
@@ -142,7 +142,7 @@ class Reservation:
         if not self.admission.is_enabled:
             return
         bound = num_prompt_tokens + max_tokens
-        d = self.admission.admit(self.tenant, bound)
+        d = self.admission.reserve(self.tenant, bound)
         if not d.is_admitted:
             raise self._refusal(d, bound, f"{what} may cost up to {bound} tokens ({num_prompt_tokens} prompt tokens + "
                                           f"max_tokens {max_tokens})")

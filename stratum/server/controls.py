@@ -3,26 +3,37 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 from starlette.requests import Request
 
 from stratum.engine.request import CachePolicy
 from stratum.engine.sampling_params import SamplingParams
-from stratum.server.batches import BATCH_PRIORITY
 from stratum.server.errors import InvalidRequest
 
 HINT_AGGRESSIVE = "use aggressive caching for repeated queries"
 HINT_LOW_LATENCY = "prioritize low-latency over accuracy"
 HINT_HIGH_VALUE = "this is a high-value request; spare no resources"
-TOP_PRIORITY = -100
+# request priorities: lower runs first
+TOP_PRIORITY = -100  # a high-value request
+BATCH_PRIORITY = 100  # a Message Batches request: below interactive requests (0)
+
+
+class CacheMode(enum.Enum):
+    """How a request uses the prefix cache (X-Stratum-Mode, or the aggressive-caching hint); its value
+    is what the X-Stratum-Cache-Mode header and the trace say."""
+
+    DEFAULT = "default"
+    AGGRESSIVE = "aggressive"  # pins the prompt and the output
+    BYPASS = "bypass"  # reads and writes nothing
 
 
 @dataclass(frozen=True, slots=True)
 class Controls:
     """What a request's X-Stratum-* headers and system-prompt hints ask of the runtime."""
 
-    cache_mode: str = "default"  # default | aggressive | bypass
+    cache_mode: CacheMode = CacheMode.DEFAULT
     priority: int = 0
     is_low_latency: bool = False
     is_high_value: bool = False
@@ -32,9 +43,9 @@ class Controls:
     def cache_policy(self, sampling: SamplingParams, aggressive_ttl_s: float, warmup_ttl_s: float) -> CachePolicy:
         """Bypass reads and writes nothing; aggressive mode pins the prompt and the output; a warm-up
         (max_tokens 0, nothing scored) pins the prompt."""
-        if self.cache_mode == "bypass":
+        if self.cache_mode is CacheMode.BYPASS:
             return CachePolicy.bypass()
-        if self.cache_mode == "aggressive":
+        if self.cache_mode is CacheMode.AGGRESSIVE:
             return CachePolicy(pin_ttl_s=aggressive_ttl_s, pin_output=True)
         if sampling.max_tokens == 0 and sampling.prompt_logprobs is None:
             return CachePolicy(pin_ttl_s=warmup_ttl_s)
@@ -44,7 +55,7 @@ class Controls:
 def check_control_headers(request: Request) -> None:
     """Reject malformed X-Stratum-* control headers before admission charges anything."""
     mode = request.headers.get("x-stratum-mode", "").strip().lower()
-    if mode and mode not in ("aggressive", "bypass", "default"):
+    if mode and mode not in {m.value for m in CacheMode}:
         raise InvalidRequest(f"X-Stratum-Mode must be aggressive, bypass or default, not {mode!r}")
     context = request.headers.get("x-stratum-context-mode", "").strip().lower()
     if context and context != "compressive":
@@ -54,12 +65,12 @@ def check_control_headers(request: Request) -> None:
 def controls_of(request: Request, system_text: str, is_batch: bool) -> Controls:
     """System-prompt hints first, then headers, which override them; a batch request runs at the batch priority."""
     lowered = system_text.lower()
-    cache_mode = "aggressive" if HINT_AGGRESSIVE in lowered else "default"
+    cache_mode = CacheMode.AGGRESSIVE if HINT_AGGRESSIVE in lowered else CacheMode.DEFAULT
     is_high_value = HINT_HIGH_VALUE in lowered
     priority = TOP_PRIORITY if is_high_value else 0
     mode = request.headers.get("x-stratum-mode", "").strip().lower()
-    if mode:
-        cache_mode = mode
+    if mode:  # checked at admission (`check_control_headers`)
+        cache_mode = CacheMode(mode)
     if is_batch:
         priority = BATCH_PRIORITY
     debug = request.headers.get("x-stratum-debug", "").strip().lower()

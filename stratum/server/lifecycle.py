@@ -131,7 +131,7 @@ class RequestLifecycle:
         reservation.check(max_tokens or 0)
         lc = cls(rt, request, request.state.request_id, endpoint, who, reservation)
         try:
-            rt.engine.admit(lc.request_id)
+            rt.engine.take_queue_slot(lc.request_id)
         except QueueFull as e:
             rt.metrics.rejections.labels("queue_full").inc()
             raise Overloaded(str(e), headers={"retry-after": str(e.retry_after_s), **reservation.headers()}) from None

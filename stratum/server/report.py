@@ -38,7 +38,7 @@ class Report:
 
 
 def _headers(mode: str, facts: Facts) -> dict[str, str]:
-    headers = {"x-stratum-mode": mode, "x-stratum-cache-mode": facts.controls.cache_mode}
+    headers = {"x-stratum-mode": mode, "x-stratum-cache-mode": facts.controls.cache_mode.value}
     if facts.replica:
         headers["x-stratum-replica"] = facts.replica
     return headers
@@ -75,7 +75,7 @@ def final_report(rt: Runtime, final: RequestOutput, usage: dict[str, int], facts
                             "final_cost_estimate": round(usd, 10), "mode": final.mode,
                             "cache_written_tokens": stats.num_cache_written_tokens}
     if controls.debug:
-        extra: dict[str, Any] = {"engine_mode": final.mode, "cache_mode": controls.cache_mode,
+        extra: dict[str, Any] = {"engine_mode": final.mode, "cache_mode": controls.cache_mode.value,
                                  "priority": controls.priority,
                                  "low_latency": controls.is_low_latency and ran_low_latency_head(rt),
                                  "low_latency_asked": controls.is_low_latency}

@@ -13,6 +13,7 @@ format the model answers in.
 
 from __future__ import annotations
 
+import enum
 import json
 import re
 from dataclasses import dataclass, replace
@@ -254,6 +255,18 @@ class CallEnd:
 AnswerEvent = TextPiece | CallStart | CallArguments | CallEnd
 
 
+class SplitState(enum.Enum):
+    """Where an `AnswerSplitter` is in its answer: TEXT -> HEAD -> ARGS (or RAW, to the end) ->
+    BETWEEN -> HEAD ...; or PLAIN."""
+
+    TEXT = enum.auto()  # before any call: text that may yet turn out to begin one
+    HEAD = enum.auto()  # the first call's head, up to its arguments
+    ARGS = enum.auto()  # a call's JSON arguments
+    RAW = enum.auto()  # a raw (custom) tool's input: the rest of the answer
+    BETWEEN = enum.auto()  # after a call: the next call's head, or the end
+    PLAIN = enum.auto()  # no calls in this answer: all of it is text
+
+
 class AnswerSplitter:
     """Splits a streamed answer into text and tool calls as it arrives, in one family's format.
 
@@ -272,8 +285,7 @@ class AnswerSplitter:
         self.fmt = fmt
         self.raw = raw
         self.held = ""
-        # text -> head -> args (or raw, to the end) -> between -> head ...; or plain (no calls in this answer)
-        self.state = "text"
+        self.state = SplitState.TEXT
         self.calls = 0
         self.args: _Arguments | None = None
         self.skip = 0  # in a raw call, leading whitespace still to drop
@@ -282,25 +294,25 @@ class AnswerSplitter:
 
     def feed(self, text: str) -> list[AnswerEvent]:
         events, self._pending = self._pending, []
-        if not self.has_tools or self.state == "plain":
+        if not self.has_tools or self.state is SplitState.PLAIN:
             return events + ([TextPiece(text)] if text else [])
         self.held += text
         while self.held:
             before = (self.state, len(self.held))
-            if self.state == "text":
+            if self.state is SplitState.TEXT:
                 events += self._find_calls()
-            elif self.state in ("head", "between"):
-                pattern = self.fmt.first_head if self.state == "head" else self.fmt.next_head
+            elif self.state in (SplitState.HEAD, SplitState.BETWEEN):
+                pattern = self.fmt.first_head if self.state is SplitState.HEAD else self.fmt.next_head
                 m = pattern.match(self.held)
                 if m is not None:
                     events.append(CallStart(m.group(1)))
-                    state = "raw" if m.group(1) in self.raw else "args"
+                    state = SplitState.RAW if m.group(1) in self.raw else SplitState.ARGS
                     self.held, self.state, self.args = self.held[m.end():], state, _Arguments()
                     # the space the format writes after `arguments` is not input, whether or not the head read it
                     head = m.group(0)
                     self.skip = max(0, len(self.fmt.arguments) - len(self.fmt.arguments.rstrip())
                                     - (len(head) - len(head.rstrip())))
-            elif self.state == "raw":
+            elif self.state is SplitState.RAW:
                 if self.skip:
                     n = min(self.skip, len(self.held) - len(self.held.lstrip()))
                     self.held, self.skip = self.held[n:], 0
@@ -308,7 +320,7 @@ class AnswerSplitter:
                 if cut:
                     events.append(CallArguments(self.held[:cut]))
                     self.held = self.held[cut:]
-            elif self.state == "args":
+            elif self.state is SplitState.ARGS:
                 if not self.args.started:  # whitespace before the arguments is not part of them
                     self.held = self.held.lstrip()
                 end = self.args.scan(self.held)
@@ -317,10 +329,10 @@ class AnswerSplitter:
                 self.held = self.held[end:]
                 if self.args.done:
                     events.append(CallEnd())
-                    self.state, self.calls = "between", self.calls + 1
-            if (self.state, len(self.held)) == before or self.state == "plain":
+                    self.state, self.calls = SplitState.BETWEEN, self.calls + 1
+            if (self.state, len(self.held)) == before or self.state is SplitState.PLAIN:
                 break
-        if self.state == "plain" and self.held:
+        if self.state is SplitState.PLAIN and self.held:
             events.append(TextPiece(self.held))
             self.held = ""
         return events
@@ -331,7 +343,7 @@ class AnswerSplitter:
         if fmt.text_before:
             cut = self.held.find(fmt.open)
             if cut >= 0:
-                text, self.held, self.state = self.held[:cut], self.held[cut:], "head"
+                text, self.held, self.state = self.held[:cut], self.held[cut:], SplitState.HEAD
                 return [TextPiece(text)] if text else []
             keep = partial_suffix(self.held, fmt.open)
             text, self.held = self.held[: len(self.held) - keep], self.held[len(self.held) - keep:]
@@ -340,19 +352,19 @@ class AnswerSplitter:
         if not begin:
             return []
         if any(begin.startswith(s) for s in fmt.starts):
-            self.state = "head"
+            self.state = SplitState.HEAD
         elif not any(s.startswith(begin) for s in fmt.starts):
-            self.state = "plain"
+            self.state = SplitState.PLAIN
         return []
 
     def flush(self) -> list[AnswerEvent]:
         """The end of the answer: held-back text that never became a call."""
         events, self._pending = self._pending, []
-        if self.state == "raw":
+        if self.state is SplitState.RAW:
             closed = self.fmt.stop and self.held.strip() == self.fmt.stop
             events += ([CallArguments(self.held)] if self.held and not closed else []) + [CallEnd()]
-            self.state, self.calls = "between", self.calls + 1
-        elif self.held and not self.calls and self.state in ("text", "head", "plain"):
+            self.state, self.calls = SplitState.BETWEEN, self.calls + 1
+        elif self.held and not self.calls and self.state in (SplitState.TEXT, SplitState.HEAD, SplitState.PLAIN):
             events.append(TextPiece(self.held))
         self.held = ""
         return events
