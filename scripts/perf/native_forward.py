@@ -1,5 +1,5 @@
 """The native step's forward on one checkout: a `context`-token prefill (best of 2) and 1-row decodes (median).
-Usage: prefill.py MODEL CONTEXT CALLS [int16|int8]"""
+Usage: python scripts/perf/native_forward.py MODEL CONTEXT CALLS [int16|int8]"""
 import json, statistics, sys, time, torch
 from stratum.engine import LLM
 from stratum.layers.attention import AttentionMetadata

@@ -2,8 +2,8 @@
 // over a random fp32 pool; ms a call, ns per row, block and KV head, and a hash of the output (the same
 // bits before and after a kernel change). Default shape the 1 B's: 32 heads, 8 KV heads, head size 64.
 //   c++ -std=c++17 -O3 -fno-math-errno -fno-trapping-math -ffp-contract=off -fopenmp -march=native \
-//       -Istratum/kernels/csrc/step scripts/issue36/attbench.cpp -o /tmp/attbench
-//   /tmp/attbench P0 R iterations [heads kv_heads head_dim]
+//       -Istratum/kernels/csrc/step scripts/perf/attention_bench.cpp -o /tmp/attention_bench
+//   /tmp/attention_bench P0 R iterations [heads kv_heads head_dim]
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>

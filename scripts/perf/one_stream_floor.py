@@ -9,7 +9,7 @@ Both engines read the same weights a token (the roofline's decode_weight_bytes, 
 of their TPOTs is bounded by how far the slower one is from the floor: a goal of k times the peer at
 one stream needs the peer's floor ÷ TPOT below 1/k of ours.
 
-Usage: python scripts/issue36/one_stream_floor.py GGUF LLAMA_SERVER WEIGHT_BYTES [ROUNDS] > out.json
+Usage: python scripts/perf/one_stream_floor.py GGUF LLAMA_SERVER WEIGHT_BYTES [ROUNDS] > out.json
 """
 
 from __future__ import annotations
