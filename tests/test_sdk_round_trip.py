@@ -1,6 +1,6 @@
 """What the official SDKs give back is accepted when sent back: every content block and output item type
 their own response types define, built with a value in every field and dumped with `model_dump()`, is
-accepted in a later request (issue 31).
+accepted in a later request.
 
 The types are not listed here: they are found by walking the SDKs' unions (`anthropic.types.ContentBlock`,
 its beta twin, `openai.types.responses.ResponseOutputItem` and `ResponseInputItem`, and chat completions'
