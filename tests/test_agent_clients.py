@@ -65,7 +65,7 @@ def user(content) -> dict:
 
 # ---- the Messages API as Claude Code sends it ------------------------------------------------------
 def test_claude_code_first_request_is_served(client, tiny_server):
-    """The request the issue saw refused: every field accepted. Its max_tokens (64000) is above what the
+    """The request Claude Code sends first, once refused: every field accepted. Its max_tokens (64000) is above what the
     2048-token model can hold: a 400 naming both numbers in Anthropic's words, which Claude Code reads
     (the pattern below is its own, from 2.1.332) and sends again with the maximum; that max_tokens is
     then lowered to what the prompt leaves. (Without the custom tool, whose call would end the answer
