@@ -7,7 +7,8 @@ A rename that leaves a doc behind fails here.
 - `EngineCore.step`: the class exists, and has the member (its bases' included);
 - `Scheduler`, `EngineCore`, `num_cached_tokens`, `build_prompt()`: defined somewhere outside a function's body
   (a local variable is no definition), or read by the code as a string or parameter (a JSON field, a GGUF key),
-  or defined by the standard library or a dependency.
+  or defined by the standard library or a dependency;
+- `kQ4K`, `Simd::dot`, `REPACK_TYPES`: a word of the C++ (or, for a constant, of any source).
 """
 
 from __future__ import annotations
@@ -30,16 +31,20 @@ LOCATED = re.compile(r"^(?P<file>[\w/]+\.(py|cpp|h)):(?P<name>[A-Za-z_][\w.]*)$"
 CALL = re.compile(r"^(?P<name>[A-Za-z_][\w.]*)\((.*)\)$")
 DOTTED = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)+$")
 CLASS = re.compile(r"^[A-Z][A-Za-z0-9]*[a-z][A-Za-z0-9]*$")  # `Scheduler`, `EngineCore`; not `LLM`, `Q4_K`, `POST`
-SNAKE = re.compile(r"^_*[a-z][a-z0-9]*(_[a-z0-9]+)*_*$")
+SNAKE = re.compile(r"^_*[a-z][a-z0-9]*(_[a-z0-9]+)*_*$")  # `num_cached_tokens`, `_update`; one word: `attend`
+CPP_CONSTANT = re.compile(r"^k[A-Z][A-Za-z0-9]*$")  # `kQ4K`, `kDot8`: C++ constants and enum members
+SCOPED = re.compile(r"^(?!std::)(\w+)::(\w+)$")  # `Simd::dot`
+CONSTANT = re.compile(r"^(?!STRATUM_)[A-Z][A-Z0-9]*(_[A-Z0-9]+)+$")  # `REPACK_TYPES`, `Q4_K_M`, `MADV_DONTNEED`
 FLAG = re.compile(r"(?<![\w-])--[a-z][\w-]*")
 METRIC = re.compile(r"^stratum_[a-z_]+(?=\{|\*|$)")
 HEADER = re.compile(r"^x-stratum-[a-z-]+(?=:|$)", re.I)
 ROUTE = re.compile(r"^(?:(?:GET|POST|DELETE) )?(/[\w/{}.-]+)$")
 ENV = re.compile(r"\$?(STRATUM_[A-Z_]+)")
 STDLIB = ("builtins", "os", "mmap", "random", "math", "time", "json", "torch")
-# Anthropic-defined tool types, named as examples: the server takes every `type` but a custom tool's alike,
-# so no code names them
-NOT_CODE = frozenset({"web_search_20250305", "bash_20250124", "mcp_toolset"})
+# Names no code of the tree spells: Anthropic-defined tool types, named as examples (the server takes every
+# `type` but a custom tool's alike); GGUF tokenizer models the loader refuses (it names whatever it finds);
+# x86 instructions the kernels do without
+NOT_CODE = frozenset({"web_search_20250305", "bash_20250124", "mcp_toolset", "t5", "bert", "rwkv", "vpshufb", "vpunpck"})
 OTHER_TOOLS = ("llama-server", "llama-bench", "llama-quantize", "codex", "claude", "vllm", "pip", "npm", "python -m",
                "ray", "curl", "docker", "git", "make ", "apt", "uvicorn", "pytest")
 
@@ -68,8 +73,10 @@ def python_files() -> list[Path]:
 @dataclass
 class Module:
     """What one source file defines: its module-level names (functions, classes, assignments; imports
-    apart, as they define nothing), what it imports, and each class's members."""
+    apart, as they define nothing), the functions and classes nested in functions (a route's handler;
+    not the variables beside them), what it imports, and each class's members."""
     names: set[str] = field(default_factory=set)
+    nested: set[str] = field(default_factory=set)  # functions and classes defined inside a function
     imported: set[str] = field(default_factory=set)
     classes: dict[str, set[str]] = field(default_factory=dict)
     bases: dict[str, list[str]] = field(default_factory=dict)
@@ -126,6 +133,10 @@ def _python_module(tree: ast.Module) -> Module:
             _class(stmt, module)
         elif isinstance(stmt, (ast.Import, ast.ImportFrom)):
             module.imported.update((a.asname or a.name).split(".")[0] for a in stmt.names)
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            module.nested.update(n.name for n in ast.walk(node) if n is not node and isinstance(
+                n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)))
     return module
 
 
@@ -154,7 +165,7 @@ def definitions() -> frozenset[str]:
     structs, enums and constants. A function's local variables are not among them."""
     out: set[str] = set()
     for module in modules().values():
-        out |= module.names
+        out |= module.names | module.nested
         for cls, members in module.classes.items():
             out |= members | {cls}
     return frozenset(out)
@@ -224,6 +235,13 @@ def source_text() -> str:
 
 
 @cache
+def words(*suffixes: str) -> frozenset[str]:
+    """Every word of the tree's files of those kinds, comments included."""
+    return frozenset(w for p in tracked_files() if p.suffix in suffixes and p != Path(__file__)
+                     for w in re.findall(r"\w+", p.read_text(errors="replace")))
+
+
+@cache
 def flags() -> frozenset[str]:
     """Every option an argument parser in the tree declares (the CLI, the benchmarks, the scripts)."""
     return frozenset(re.findall(r"[\"'](--[a-z][\w-]*)[\"']", source_text()))
@@ -231,7 +249,8 @@ def flags() -> frozenset[str]:
 
 @cache
 def installed_definitions() -> frozenset[str]:
-    """Every class and function the project's dependencies (pyproject.toml, torch aside) define."""
+    """Every class and function the project's dependencies (pyproject.toml, torch aside) define outside
+    their private packages."""
     import importlib.metadata as md
     import subprocess
     wanted = set(re.findall(r'^\s*"([A-Za-z][\w.-]*)', (ROOT / "pyproject.toml").read_text(), re.M)) - {"torch"}
@@ -242,9 +261,11 @@ def installed_definitions() -> frozenset[str]:
         except md.PackageNotFoundError:
             continue
         folders |= {str(dist.locate_file(f.parts[0])) for f in dist.files or () if f.suffix == ".py" and len(f.parts) > 1}
-    out = subprocess.run(["grep", "-rhoE", "--include=*.py", r"^\s*(class|def) \w+", *sorted(folders)],
+    out = subprocess.run(["grep", "-rHoE", "--include=*.py", r"^\s*(class|def) \w+", *sorted(folders)],
                          capture_output=True, text=True).stdout
-    return frozenset(line.split()[-1] for line in out.splitlines())
+    # a private package's (`ray/llm/_internal/`) or a test's classes are no API a doc names
+    private = re.compile(r"/(_(?!_)\w*|tests?)/")
+    return frozenset(line.split()[-1] for line in out.splitlines() if not private.search(line.split(":", 1)[0]))
 
 
 def elsewhere(name: str) -> bool:
@@ -278,9 +299,10 @@ def _module_file(parts: list[str]) -> str | None:
 
 
 def _member_exists(module: Module, parts: list[str], imports: bool) -> bool:
-    """`parts[0]` is defined in the module (or imported into it, where `imports`), and `parts[1]`, where
-    there is one, is a member of that class; what lies beyond is an attribute of an attribute, unchecked."""
-    if parts[0] not in module.names and not (imports and parts[0] in module.imported):
+    """`parts[0]` is defined in the module (or imported into it, where `imports`: a module's attribute;
+    else nested in one of its functions: a file's definition), and `parts[1]`, where there is one, is a
+    member of that class; what lies beyond is an attribute of an attribute, unchecked."""
+    if parts[0] not in module.names and parts[0] not in (module.imported if imports else module.nested):
         return False
     if len(parts) > 1 and parts[0] in module.classes and parts[0] in class_members():
         return parts[1] in class_members()[parts[0]]
@@ -361,8 +383,15 @@ def problems(text: str) -> list[str]:
         return dotted_problems(text)
     if CLASS.match(text):
         return [] if text in definitions() or elsewhere(text) else [f"no class {text}"]
-    if SNAKE.match(text) and "_" in text:  # `num_cached_tokens`, `_update`; one lowercase word is prose too
-        return [] if known(text) or text in NOT_CODE else [f"no name {text}"]
+    if SNAKE.match(text):  # one lowercase word may also be an instruction the C++ names (`vpmaddwd`)
+        return [] if known(text) or text in NOT_CODE or ("_" not in text and text in words(".cpp", ".h")) \
+            else [f"no name {text}"]
+    if CPP_CONSTANT.match(text):
+        return [] if text in words(".cpp", ".h") else [f"no C++ constant {text}"]
+    if m := SCOPED.match(text):
+        return [] if {m[1], m[2]} <= words(".cpp", ".h") else [f"no C++ name {text}"]
+    if CONSTANT.match(text):
+        return [] if text in words(".py", ".cpp", ".h", ".sh") else [f"no constant {text}"]
     if text.startswith("stratum ") or text.startswith("--"):
         found += [f"no flag {f}" for f in FLAG.findall(text) if f not in flags()]
     if not text.startswith(OTHER_TOOLS):
@@ -380,12 +409,13 @@ def test_the_checker_catches_what_does_not_exist():
                     # a name that exists, but not in the file named; a module's missing name; an unknown class
                     "server/app.py:LLMEngine", "server/app.py:EngineCore", "engine/loop.py:build_prompt",
                     "builder.no_such_function", "NoSuchClass.method", "stratum.engine.core.no_such_function",
-                    "no_such_name", "Nowhere",
+                    "no_such_name", "Nowhere", "kNoSuchConstant", "Simd::no_such", "NO_SUCH_CONSTANT",
                     LOCAL):
         assert problems(made_up), made_up
     for real in ("stratum/engine/core.py", "stratum.engine.core", "engine/core.py:EngineCore", "EngineCore.step",
                  "stratum serve --replicas N", "STRATUM_HOME", "EngineClient", "server/chat.py:build_prompt",
-                 "builder.kv_bytes_per_token", "Scheduler", "kv_bytes_per_token", "stop_reason"):
+                 "builder.kv_bytes_per_token", "Scheduler", "kv_bytes_per_token", "stop_reason", "kQ4K", "Simd::dot",
+                 "vpmaddwd", "engine/process.py:EngineProcess.send"):
         assert not problems(real), real
 
 
