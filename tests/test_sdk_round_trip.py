@@ -196,7 +196,7 @@ def test_openai_item_is_accepted_back(oai, stored_item, item):
     if item.get("type") == "item_reference" or (item.get("type") is None and set(item) <= {"id", "type"}):
         item = {**item, "id": stored_item}
     hi = {"role": "user", "content": "Hi"}
-    if media := media_in(item):  # the one refusal by design: this model reads text only (README)
+    if media := media_in(item):  # the one refusal by design: this model reads text only (docs/api.md)
         with pytest.raises(openai.BadRequestError) as info:
             oai.responses.create(model="tiny", input=[hi, item], max_output_tokens=1, store=False)
         assert f"'{media}' are not supported: this model is text-only" in info.value.response.json()["error"]["message"]
