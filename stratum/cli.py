@@ -47,14 +47,16 @@ THREADS_HELP = ("engine threads (default: $STRATUM_NUM_THREADS, else every core,
 def _add_activations_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activations", default="int16", choices=["int16", "int8"],
                    help="how the native step quantizes activation blocks: int16 (the numerics rule) or int8 (as llama.cpp: "
-                        "about twice the multiply-adds per instruction on AVX2, a little lower agreement with fp32; README)")
+                        "about twice the multiply-adds per instruction on AVX2, a little lower agreement with fp32; "
+                        "docs/numerics.md)")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="registered name, .gguf file or Hugging Face folder")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="auto: the numerics rule (fp32 on the CPU; README); bfloat16 trades precision for speed and KV memory")
+                   help="auto: the numerics rule (fp32 on the CPU; docs/numerics.md); bfloat16 trades precision for speed "
+                        "and KV memory")
     _add_activations_arg(p)
     p.add_argument("--kv-cache-mb", type=int, default=None,
                    help="memory for the KV pool (default: room for 16,384 tokens, or the context up to 32,768, "

@@ -229,7 +229,7 @@ def _messages_cases() -> list[BadRequest]:
     }
     cases += [BadRequest(f"messages: {name}", p, body=body) for name, body in bodies.items()]
     cases += [
-        # any claude-* name is served by the loaded model (README: "Model names"); other names are not found
+        # any claude-* name is served by the loaded model (docs/api.md: "Model names"); other names are not found
         BadRequest("messages: unknown model", p, _with(MESSAGE, model="gpt-9"), status=404, error_type=NOT_FOUND,
                    message_has=("gpt-9",)),
         # max_tokens above the context is a 400 naming both numbers, in Anthropic's words; one within it but

@@ -65,7 +65,7 @@ def user(content) -> dict:
 
 # ---- the Messages API as Claude Code sends it ------------------------------------------------------
 def test_claude_code_first_request_is_served(client, tiny_server):
-    """The request the issue saw refused: every field accepted. Its max_tokens (64000) is above what the
+    """The request Claude Code sends first, once refused: every field accepted. Its max_tokens (64000) is above what the
     2048-token model can hold: a 400 naming both numbers in Anthropic's words, which Claude Code reads
     (the pattern below is its own, from 2.1.332) and sends again with the maximum; that max_tokens is
     then lowered to what the prompt leaves. (Without the custom tool, whose call would end the answer
@@ -480,7 +480,7 @@ def test_codex_default_tools_end_to_end(agent_server, tmp_path, model):
 
 @pytest.fixture(scope="module")
 def extended_real_server(real_model_path):
-    """The default model with its context extended to 16,384 tokens by YaRN, as README's Codex command
+    """The default model with its context extended to 16,384 tokens by YaRN, as docs/api.md's Codex command
     serves it: Codex's default prompt (9,215 tokens through this tokenizer) is over the trained 8,192."""
     server = ServerProcess("smollm2-135m", "--max-model-len", "16384", "--rope-scaling", "yarn").wait_ready(timeout=300)
     yield server
@@ -507,7 +507,7 @@ def test_codex_on_the_default_model(extended_real_server, tmp_path):
 @pytest.mark.integration
 def test_claude_code_cli_end_to_end(real_server, tmp_path):
     """`claude -p` on the default model, unmodified but for `--tools ""`: its default tools are 12,532
-    tokens of prompt (README), over the 8,192-token context. Claude Code asks for max_tokens 128000 on
+    tokens of prompt (docs/api.md), over the 8,192-token context. Claude Code asks for max_tokens 128000 on
     a claude-* model it names itself, reads the 400 naming the model's limit, and asks again with it."""
     binary = install_claude_code()
     result = run_claude(binary, real_server, tmp_path, "--system-prompt", "You are a helpful assistant. Answer briefly.",

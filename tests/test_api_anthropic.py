@@ -277,7 +277,7 @@ def test_bad_request_error(client):
 
 
 def test_not_found_error_for_unknown_model(client):
-    """Any claude-* name is served by the loaded model (README: "Model names"); another name is not found."""
+    """Any claude-* name is served by the loaded model (docs/api.md: "Model names"); another name is not found."""
     with pytest.raises(anthropic.NotFoundError) as info:
         client.messages.create(model="gpt-nonexistent", max_tokens=4, messages=[user("hi")])
     assert _error_type(info.value) == "not_found_error"

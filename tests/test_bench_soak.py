@@ -15,7 +15,7 @@ from tests.conftest import ServerProcess
 
 def test_growth_pct():
     assert growth_pct(1000.0, 1050.0) == 5.0
-    assert growth_pct(927.0, 1640.0) == 76.91  # the 15-minute soak
+    assert growth_pct(927.0, 1640.0) == 76.91  # a 15-minute soak that leaked
     assert growth_pct(1000.0, 990.0) == -1.0
     assert growth_pct(None, 1000.0) is None and growth_pct(1000.0, None) is None and growth_pct(0.0, 1.0) is None
 

@@ -15,7 +15,7 @@ import pytest
 playwright = pytest.importorskip("playwright.sync_api")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = pytest.mark.skipif(CHROMIUM is None, reason="no chromium on this machine")
-# STRATUM_SCREENSHOTS=docs writes the pages' screenshots where the README shows them
+# STRATUM_SCREENSHOTS=docs writes the pages' screenshots where the README and docs/reference.md name them
 SHOTS = Path(os.environ.get("STRATUM_SCREENSHOTS") or tempfile.mkdtemp(prefix="stratum-console-"))
 
 

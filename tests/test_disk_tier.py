@@ -133,7 +133,7 @@ def test_another_tenants_prefix_is_never_a_disk_hit(tiny_model_dir, tmp_path):
 
 
 def test_blocks_written_under_other_numerics_are_never_read(tiny_gguf, tmp_path):
-    """The tier's binding is the engine's numerics key (issue 32), the block size and the pool's layout:
+    """The tier's binding is the engine's numerics key, the block size and the pool's layout:
     blocks written under one step, dtype, activation width, weight kernel, kernel-numerics version or model file are a
     miss for every other, and a hit for their own kind."""
     if not native.available():

@@ -225,7 +225,7 @@ QUALITY_CORPUS = [
 @pytest.mark.integration
 def test_quality_guard_int4_agrees_with_fp32_reference(real_model_path):
     """The packed path (int4 projections, bf16 activations, the Q8_0 output projection as stored)
-    against the dequantized fp32 model, position by position: the issue's goal is >= 99% top-1.
+    against the dequantized fp32 model, position by position: the goal is >= 99% top-1.
 
     Measured: 99.1% (325 positions) on AMD Zen 5; on an Intel AVX-512 machine 98.8%, and 99.4% once
     the embedding was looked up from the Q8_0 table as stored instead of a bf16 copy. With a bf16

@@ -1,6 +1,6 @@
 """What the official SDKs give back is accepted when sent back: every content block and output item type
 their own response types define, built with a value in every field and dumped with `model_dump()`, is
-accepted in a later request (issue 31).
+accepted in a later request.
 
 The types are not listed here: they are found by walking the SDKs' unions (`anthropic.types.ContentBlock`,
 its beta twin, `openai.types.responses.ResponseOutputItem` and `ResponseInputItem`, and chat completions'
@@ -196,7 +196,7 @@ def test_openai_item_is_accepted_back(oai, stored_item, item):
     if item.get("type") == "item_reference" or (item.get("type") is None and set(item) <= {"id", "type"}):
         item = {**item, "id": stored_item}
     hi = {"role": "user", "content": "Hi"}
-    if media := media_in(item):  # the one refusal by design: this model reads text only (README)
+    if media := media_in(item):  # the one refusal by design: this model reads text only (docs/api.md)
         with pytest.raises(openai.BadRequestError) as info:
             oai.responses.create(model="tiny", input=[hi, item], max_output_tokens=1, store=False)
         assert f"'{media}' are not supported: this model is text-only" in info.value.response.json()["error"]["message"]

@@ -1,4 +1,4 @@
-"""Sizes a reader can hold (issue 33): no source file in stratum/ over 600 lines, no Python function over 80."""
+"""Sizes a reader can hold: no source file in stratum/ over 600 lines, no Python function over 80."""
 
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ and with the draft model. Each workload runs at one stream and at `-c 8`, greedy
 API, streaming, in rounds that visit every server in turn (`run_case`). Prints one JSON document: per server, workload and
 concurrency the decode tokens/s of a stream (output tokens after the first / time after the first
 token), the output tokens/s of the run and TTFT; Stratum's acceptance figures from its /metrics;
-whether each answer equals the baseline's; and the ratios against the baseline with the issue's goals.
+whether each answer equals the baseline's; and the ratios against the baseline with the goals (GOALS).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from stratum.bench.serve import LoadConfig, Target, emit, run_level
 from stratum.bench.workloads import WORDS, Conversation, Workload, WorkloadConfig, make_workload
 
 WORKLOADS = ("edit", "json-echo", "unique")
-# The issue's goals: decode tokens/s against the baseline (edit at one stream, edit at c=8, the control)
+# The goals: decode tokens/s against the baseline (edit at one stream, edit at c=8, the control)
 GOALS = {("edit", 1): 1.8, ("edit", 8): 1.3, ("unique", 1): 0.97, ("unique", 8): 0.97}
 
 
@@ -289,7 +289,7 @@ def run_all(chosen: list[Server], args: argparse.Namespace, log_dir: Path) -> di
 
 def compare(results: dict[str, dict]) -> dict:
     """Per server, workload and concurrency: decode tok/s per stream and output tok/s as ratios, whether
-    every answer equals the reference's, and the issue's goals met or missed. Stratum's servers and plain
+    every answer equals the reference's, and the goals met or missed. Stratum's servers and plain
     llama-server are set against `stratum-off`; llama-server's speculative ones against plain llama-server
     (their answers come from its own numerics), and against `stratum-off` too."""
     out: dict[str, Any] = {}

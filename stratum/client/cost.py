@@ -101,13 +101,13 @@ def parse_stratum_cost(header: str) -> StratumCost:
 class StratumMeta:
     """One `content_block_delta.delta.meta` of a stream, as the server sent it."""
 
-    stratum_state: str  # queued, prefill_chunk_k, prefill_complete, decode_step_N, tool_use_prepared, finished
+    stratum_state: str  # queued, prefill_chunk_K, prefill_complete, decode_step_N, tool_use_prepared, finished
     kv_cache_efficiency: float | None
     index: int | None = None  # the content block the delta belongs to
 
     @property
     def step(self) -> int | None:
-        """N of `decode_step_N` or k of `prefill_chunk_k`; None for the other states."""
+        """N of `decode_step_N` or K of `prefill_chunk_K`; None for the other states."""
         head, _, tail = self.stratum_state.rpartition("_")
         return int(tail) if head in ("decode_step", "prefill_chunk") and tail.isdigit() else None
 

@@ -20,10 +20,6 @@ INNER_K_TILES = 2
 _BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20}
 
 
-def is_packable(qtype: str) -> bool:
-    return qtype in _BLOCK_BYTES or qtype == "Q4_K"
-
-
 def unpack_q4(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Raw GGUF rows [N, bytes] -> (q int32 [N, K] in 0..15, scale [N, K/32], zero [N, K/32]) in fp32."""
     n, k = shape

@@ -73,14 +73,6 @@ def sampling_defaults(name: str) -> dict[str, float]:
     return dict(source.sampling_defaults) if source else {}
 
 
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def pull(name: str = DEFAULT_MODEL, quiet: bool = False) -> Path:
     """Fetch a registered model into the cache. A second pull of a verified model does nothing.
 

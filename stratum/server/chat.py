@@ -112,7 +112,7 @@ _SILENT_BLOCKS = ("thinking", "redacted_thinking", "container_upload", "fallback
 
 
 def _block_text(block) -> str:
-    """One content block as the model reads it, for all but tool calls and results (README, "Content
+    """One content block as the model reads it, for all but tool calls and results (docs/api.md, "Content
     blocks"): text as is; documents and search results as their title, context and text; thinking and
     container uploads add nothing."""
     kind = block.type

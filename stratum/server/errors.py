@@ -43,10 +43,6 @@ class AuthenticationFailed(APIError):
     status, type = 401, "authentication_error"
 
 
-class PermissionDenied(APIError):
-    status, type = 403, "permission_error"
-
-
 class NotFound(APIError):
     status, type = 404, "not_found_error"
 

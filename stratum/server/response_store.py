@@ -52,7 +52,7 @@ class ResponseStore:
         stored.num_bytes = len(json.dumps([body, input_items], ensure_ascii=False))
         stored.item_ids = [i["id"] for i in (*input_items, *body["output"]) if isinstance(i.get("id"), str)]
         if stored.num_bytes > self.max_bytes:
-            return  # larger than the whole store: never kept (README, "Stored responses")
+            return  # larger than the whole store: never kept (docs/api.md, "Stored responses")
         with self._lock:
             self._responses[body["id"]] = stored
             self.num_bytes += stored.num_bytes

@@ -313,7 +313,7 @@ def _split_tools(data: Any) -> Any:
 class _Prompted(Strict):
     """What makes a Messages prompt, shared by /v1/messages and /v1/messages/count_tokens, so both
     count the same tokens. Fields of the Anthropic API that a local model has no use for are accepted
-    and ignored (README: "Accepted and ignored")."""
+    and ignored (docs/api.md: "Accepted and ignored")."""
 
     model: str = Field(min_length=1, max_length=256)
     messages: list[Message] = Field(min_length=1)

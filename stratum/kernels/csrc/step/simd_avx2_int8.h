@@ -118,7 +118,7 @@ void widen_tile8(const uint8_t* w, int64_t blocks, __m256i* buf) {
 // added into the int32 sums a[r][half]. kPin keeps each int16 sum a chain in one register: over a
 // 4-bit format's eight quads GCC 12 otherwise reassociated the adds into a tree, computing every
 // product first and spilling them to the stack (41 stack accesses in a pass of two rows), ~15% of a
-// Q4_K tile's time at 16-64 rows (scripts/issue36/kbench.cpp, one core). Over the two or four quads of
+// Q4_K tile's time at 16-64 rows (scripts/perf/linear_bench.cpp, one core). Over the two or four quads of
 // a 5- or 6-bit format the pin made GCC keep the loop rolled, twice as slow: there it is left off.
 template <int R, bool kPin>
 STRATUM_INLINE void quad_sums8(const __m256i* bb, const int8_t* x, int64_t k, int j0, int j1, __m256i a[R][2]) {
