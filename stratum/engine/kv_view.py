@@ -12,7 +12,7 @@ from stratum.engine.disk_store import FORMAT
 
 
 def kv_binding(config, model) -> bytes:
-    """What binds the tier's blocks to the numerics that computed them: issue 32's record of
+    """What binds the tier's blocks to the numerics that computed them: the numerics rule's record of
     everything that decides the KV's bits (`config.numerics.key()`: the model file's identity, the
     step, dtypes, weight forms, attention kernels, kernel-numerics version), the block size, and the
     pool's layout (the native step keeps keys transposed per block). Read from the engine's config

@@ -91,7 +91,7 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> tuple[torch.Tensor, torch.Ten
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One index drawn with probability proportional to probs (unnormalized, some zero), by inverse
     transform: the first whose cumulative mass exceeds a uniform draw. torch.multinomial took 0.9–1.0
-    ms per draw over a 49,152-token vocabulary on one core, this 0.05 ms (docs/benchmarks.md)."""
+    ms per draw over a 49,152-token vocabulary on one core, this 0.05 ms (scripts/perf/sampler_bench.py)."""
     cdf = probs.cumsum(-1)
     u = torch.rand(1, generator=generator) * cdf[-1]
     i = int(torch.searchsorted(cdf, u, right=True))
