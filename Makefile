@@ -23,6 +23,7 @@ serve: $(STAMP)
 	$(VENV)/bin/stratum serve --model $(MODEL) --host $(HOST) --port $(PORT)
 
 test: $(STAMP) test-tools
+	$(VENV)/bin/ruff check .
 	$(VENV)/bin/stratum pull $(MODEL)
 	$(PY) -m pytest -q
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import time
@@ -36,7 +35,8 @@ def forward(rows):  # rows: (sequence, position) pairs
     seq = torch.tensor([s for s, _ in rows])
     pos = torch.tensor([p for _, p in rows])
     ids = torch.randint(0, model.config.vocab_size, (len(rows),), generator=g)
-    meta = AttentionMetadata(slot_mapping=tables[seq, pos // bs] * bs + pos % bs, block_size=bs, row_tables=tables, row_seq=seq)
+    meta = AttentionMetadata(slot_mapping=tables[seq, pos // bs] * bs + pos % bs, block_size=bs, row_tables=tables,
+                             row_seq=seq)
     t = time.perf_counter()
     with torch.inference_mode():
         model.forward(ids, pos, meta, caches)
@@ -47,16 +47,19 @@ if calls == 0:  # a warm-up: the library built and loaded, the weights read once
     print(json.dumps({}))
     sys.exit(0)
 prefill = [forward([(s, p) for p in range(context)]) for s in range(8)]  # also fills every context
-results = {"simd": torch.ops.stratum.packed_simd(), "threads": torch.get_num_threads(), "prefill_ms": statistics.median(prefill[2:]) * 1e3,
+results = {"simd": torch.ops.stratum.packed_simd(), "threads": torch.get_num_threads(),
+           "prefill_ms": statistics.median(prefill[2:]) * 1e3,
            "decode_1_ms": statistics.median(forward([(0, context)]) for _ in range(calls)) * 1e3,
-           "decode_8_ms": statistics.median(forward([(s, context) for s in range(8)]) for _ in range(max(1, calls // 4))) * 1e3}
+           "decode_8_ms": statistics.median(forward([(s, context) for s in range(8)])
+                                            for _ in range(max(1, calls // 4))) * 1e3}
 print(json.dumps(results))
 """
 
 
 def run_worker(tree: str, march: str, model: str, calls: int, threads: int, context: int) -> dict:
     env = {**os.environ, "PYTHONPATH": os.path.abspath(tree), "STRATUM_MARCH": march}
-    proc = subprocess.run([sys.executable, "-c", WORKER, model, str(calls), str(threads), str(context)], env=env, capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", WORKER, model, str(calls), str(threads), str(context)], env=env,
+                          capture_output=True, text=True,
                           timeout=1800, cwd=os.path.abspath(tree))
     if proc.returncode != 0:
         raise SystemExit(f"{tree} (-march={march}): {proc.stderr[-3000:]}")
@@ -72,22 +75,26 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--calls", type=int, default=200, help="decode calls per round (8-row decode: a quarter)")
     p.add_argument("--threads", type=int, default=0, help="the step's threads (0: the engine's default)")
-    p.add_argument("--context", type=int, default=512, help="tokens per prefill, and the context the decodes attend over")
+    p.add_argument("--context", type=int, default=512,
+                   help="tokens per prefill, and the context the decodes attend over")
     args = p.parse_args(argv)
     for march in args.march:  # build both (and warm the caches) before anything is timed
         for tree in (args.a, args.b):
             run_worker(tree, march, args.model, 0, args.threads, args.context)
-    out: dict = {"model": args.model, "rounds": args.rounds, "context": args.context, "threads": args.threads or "default", "a": os.path.abspath(args.a), "b": os.path.abspath(args.b),
+    out: dict = {"model": args.model, "rounds": args.rounds, "context": args.context,
+                 "threads": args.threads or "default", "a": os.path.abspath(args.a), "b": os.path.abspath(args.b),
                  "started": time.strftime("%Y-%m-%d %H:%M:%S"), "results": {}}
     for march in args.march:
         runs: dict[str, list[dict]] = {"a": [], "b": []}
         for _ in range(args.rounds):
             for side in ("a", "b"):
-                runs[side].append(run_worker(getattr(args, side), march, args.model, args.calls, args.threads, args.context))
+                runs[side].append(run_worker(getattr(args, side), march, args.model, args.calls, args.threads,
+                                             args.context))
         row: dict = {"simd": {side: runs[side][0]["simd"] for side in runs}}
         for metric in ("decode_1_ms", "decode_8_ms", "prefill_ms"):
             best = {side: min(r[metric] for r in runs[side]) for side in runs}
-            row[metric] = {"a": round(best["a"], 3), "b": round(best["b"], 3), "b_over_a": round(best["b"] / best["a"], 4),
+            row[metric] = {"a": round(best["a"], 3), "b": round(best["b"], 3),
+                           "b_over_a": round(best["b"] / best["a"], 4),
                            "all": {side: [round(r[metric], 3) for r in runs[side]] for side in runs}}
         out["results"][march] = row
     print(json.dumps(out, indent=1))

@@ -57,7 +57,8 @@ def main() -> None:
     if args.fresh and cache_dir is not None:  # a first start: the checkpoint's caches made anew
         shutil.rmtree(cache_dir, ignore_errors=True)
     cached_before = cache_dir is not None and (cache_dir / "meta.json").exists()
-    cmd = [sys.executable, "-m", "stratum.cli", "serve", "--model", args.model, "--port", str(args.port), "--data-dir", ""]
+    cmd = [sys.executable, "-m", "stratum.cli", "serve", "--model", args.model, "--port", str(args.port),
+           "--data-dir", ""]
     started = time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     peaks: dict[str, int] = {}

@@ -35,7 +35,8 @@ def _engine_config(args, serving: bool = False):
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_num_seqs,
                                   max_waiting=args.max_waiting),
         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
-        prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max, draft_model=args.draft_model,
+        prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
+        draft_model=args.draft_model,
     )
 
 
@@ -46,17 +47,17 @@ THREADS_HELP = ("engine threads (default: $STRATUM_NUM_THREADS, else every core,
 
 def _add_activations_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activations", default="int16", choices=["int16", "int8"],
-                   help="how the native step quantizes activation blocks: int16 (the numerics rule) or int8 (as llama.cpp: "
-                        "about twice the multiply-adds per instruction on AVX2, a little lower agreement with fp32; "
-                        "docs/numerics.md)")
+                   help="how the native step quantizes activation blocks: int16 (the numerics rule) or int8 "
+                        "(as llama.cpp: about twice the multiply-adds per instruction on AVX2, a little lower "
+                        "agreement with fp32; docs/numerics.md)")
 
 
 def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m", help="registered name, .gguf file or Hugging Face folder")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
-                   help="auto: the numerics rule (fp32 on the CPU; docs/numerics.md); bfloat16 trades precision for speed "
-                        "and KV memory")
+                   help="auto: the numerics rule (fp32 on the CPU; docs/numerics.md); bfloat16 trades precision "
+                        "for speed and KV memory")
     _add_activations_arg(p)
     p.add_argument("--kv-cache-mb", type=int, default=None,
                    help="memory for the KV pool (default: room for 16,384 tokens, or the context up to 32,768, "
@@ -75,13 +76,15 @@ def _add_engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--no-prefix-cache", action="store_true")
     p.add_argument("--kv-disk-gb", type=float, default=None,
-                   help="the prefix cache's disk tier bound in GiB (default: a tenth of the free disk, at most 16; 0: off)")
+                   help="the prefix cache's disk tier bound in GiB (default: a tenth of the free disk, at most 16; "
+                        "0: off)")
     p.add_argument("--kv-disk-dir", default=None, help="the disk tier's folder (default: $STRATUM_HOME/kv)")
     p.add_argument("--speculative", default="auto", choices=["auto", "off", "ngram", "draft"],
-                   help="speculative decoding: auto (default) proposes by prompt lookup, or by --draft-model, per request "
-                        "where the measured step cost and its acceptance say it pays; ngram / draft: that proposer "
-                        "whenever it has a proposal; off: never")
-    p.add_argument("--num-speculative-tokens", type=int, default=16, help="the most tokens proposed per request and step")
+                   help="speculative decoding: auto (default) proposes by prompt lookup, or by --draft-model, "
+                        "per request where the measured step cost and its acceptance say it pays; ngram / draft: "
+                        "that proposer whenever it has a proposal; off: never")
+    p.add_argument("--num-speculative-tokens", type=int, default=16,
+                   help="the most tokens proposed per request and step")
     p.add_argument("--prompt-lookup-min", type=int, default=2, help="the shortest n-gram prompt lookup matches")
     p.add_argument("--prompt-lookup-max", type=int, default=5, help="the longest n-gram prompt lookup matches")
     p.add_argument("--draft-model", default=None, metavar="FILE",
@@ -175,7 +178,8 @@ def cmd_serve(args) -> int:
             starting.serve(app)
             server.rt = app.state.runtime
             client.tokenizer.plain  # noqa: B018  (built now rather than by the first request)
-        except (PullError, ValueError, EngineStartError) as e:  # a bad model, a failed engine: said, and the server stops
+        except (PullError, ValueError, EngineStartError) as e:
+            # a bad model, a failed engine: said, and the server stops
             up.error = str(e)
         except Exception as e:
             logging.getLogger("stratum.server").exception("start-up failed")
@@ -236,7 +240,8 @@ def _http_server(args, app):
 
 def _say_ready(client, name: str, elapsed_s: float, where: str) -> None:
     cfg, kernels = client.config, client.info.kernel_choices
-    later = "; preparing the native kernels in the background" if kernels.get("native_kernels") == "being prepared" else ""
+    later = ("; preparing the native kernels in the background"
+             if kernels.get("native_kernels") == "being prepared" else "")
     trade = ", int8 activations" if kernels.get("activations") == "int8" else ""
     print(f"stratum: {name} ready in {elapsed_s:.1f}s on {cfg.device}/{cfg.dtype} ({kernels['step']} "
           f"step{trade}), KV pool of {cfg.num_kv_blocks * cfg.block_size:,} tokens, {cfg.num_threads} engine threads "
@@ -275,7 +280,8 @@ def _serving_app(args, client, name: str):
                               max_body_bytes=args.max_body_bytes, share_prefix_cache=args.share_prefix_cache,
                               body_timeout_s=args.read_timeout_s, cors_origins=tuple(args.cors_origin or ()),
                               header_wait_s=args.header_wait_s, data_dir=Path(args.data_dir) if args.data_dir else None,
-                              batch_ttl_s=args.batch_expiry_h * 3600, batch_retention_s=args.batch_retention_days * 86400,
+                              batch_ttl_s=args.batch_expiry_h * 3600,
+                              batch_retention_s=args.batch_retention_days * 86400,
                               console=args.console == "on" or (args.console == "auto" and (
                                   args.host in ("127.0.0.1", "localhost", "::1") or bool(keys))),
                               default_temperature=config.default_temperature, default_top_p=config.default_top_p,
@@ -296,7 +302,8 @@ def cmd_generate(args) -> int:
     from stratum.engine.sampling_params import SamplingParams
 
     llm = LLM(args.model, device=args.device, dtype=args.dtype, activations=args.activations)
-    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed, ignore_eos=args.ignore_eos)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                            ignore_eos=args.ignore_eos)
     messages = [{"role": "user", "content": args.prompt}]
     t0 = time.perf_counter()
     out = llm.chat(messages, params) if not args.raw else llm.generate([args.prompt], params)[0]
@@ -377,7 +384,8 @@ def cmd_warmup(args) -> int:
     return 0 if report["failed"] == 0 else 1
 
 
-BENCHMARKS = ("offline", "serve", "compare", "roofline", "soak", "constrained", "batch", "cluster", "startup", "speculative", "disktier")
+BENCHMARKS = ("offline", "serve", "compare", "roofline", "soak", "constrained", "batch", "cluster", "startup",
+              "speculative", "disktier")
 
 
 def cmd_bench(args, rest) -> int:
@@ -389,10 +397,12 @@ def cmd_bench(args, rest) -> int:
 
 # ---- the command line: one function per command's arguments ---------------------------------------
 def _pull_parser(sub) -> None:
-    p = sub.add_parser("pull", help="fetch a registered model into $STRATUM_HOME/models and prepare it for this machine")
+    p = sub.add_parser("pull",
+                       help="fetch a registered model into $STRATUM_HOME/models and prepare it for this machine")
     p.add_argument("name", nargs="?", default="smollm2-135m")
     p.add_argument("--no-prepare", action="store_true",
-                   help="only fetch: do not build the native kernels or measure the kernel plan now (the first serve will)")
+                   help="only fetch: do not build the native kernels or measure the kernel plan now "
+                        "(the first serve will)")
     p.set_defaults(func=cmd_pull)
 
 
@@ -416,7 +426,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--data-dir", default=str(stratum_home() / "data"),
                    help="where Message Batches are kept, in SQLite (default $STRATUM_HOME/data); '' to serve none")
     p.add_argument("--batch-expiry-h", type=float, default=24.0, help="a batch expires this long after creation")
-    p.add_argument("--batch-retention-days", type=float, default=29.0, help="results are kept this long after a batch ends")
+    p.add_argument("--batch-retention-days", type=float, default=29.0,
+                   help="results are kept this long after a batch ends")
     p.add_argument("--responses-store-mb", type=int, default=64,
                    help="stored Responses API responses, kept in memory up to this much JSON (oldest dropped first)")
     p.add_argument("--console", choices=["auto", "on", "off"], default="auto",
@@ -435,7 +446,8 @@ def _serve_parser(sub) -> None:
     p.add_argument("--replicas", type=int, default=1,
                    help="engine replicas on Ray Serve behind this server, routed by prefix (default 1: no Ray)")
     p.add_argument("--ray-address", default=None,
-                   help="with --replicas: the Ray cluster to join (auto, or the head's host:port); default: start one here")
+                   help="with --replicas: the Ray cluster to join (auto, or the head's host:port); "
+                        "default: start one here")
     p.add_argument("--routing", default="prefix", choices=["prefix", "round-robin", "power-of-two"],
                    help="with --replicas: how a request picks its replica (default: the one holding its prefix)")
     p.add_argument("--log-level", default="warning")
@@ -469,7 +481,8 @@ def _generate_parser(sub) -> None:
 
 
 def _info_parser(sub) -> None:
-    p = sub.add_parser("info", help="hardware, the model's architecture and tensor types, what runs packed, and the kernel plan")
+    p = sub.add_parser("info", help="hardware, the model's architecture and tensor types, what runs packed, "
+                                    "and the kernel plan")
     p.add_argument("file", nargs="?", default=None, help="a .gguf file or Hugging Face folder (default: --model)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
@@ -488,7 +501,8 @@ def _trace_parser(sub) -> None:
 
 def _warmup_parser(sub) -> None:
     p = sub.add_parser("warmup", help="prefill and pin prompts on a running server")
-    p.add_argument("file", help="a text file (one prompt per line) or JSONL ({\"system\":..., \"messages\":[...]} per line)")
+    p.add_argument("file", help="a text file (one prompt per line) or JSONL "
+                                "({\"system\":..., \"messages\":[...]} per line)")
     p.add_argument("--url", default="http://127.0.0.1:8080")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--api-key", default=None)
@@ -496,7 +510,8 @@ def _warmup_parser(sub) -> None:
 
 
 def _bench_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: offline, serve, compare, roofline, soak, constrained, batch, cluster, startup, speculative, disktier (each takes --help)", add_help=False)
+    p = sub.add_parser("bench", help="benchmarks: offline, serve, compare, roofline, soak, constrained, batch, "
+                                     "cluster, startup, speculative, disktier (each takes --help)", add_help=False)
     p.add_argument("kind", choices=BENCHMARKS)
     p.set_defaults(func=None)
 

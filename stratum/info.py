@@ -26,7 +26,8 @@ def print_info(args) -> int:
     flags = cpu_flags()
     info = {
         "python": platform.python_version(), "torch": torch.__version__, "cpu": cpu_name(),
-        "cpu_count": os.cpu_count(), "cpu_features": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile"}),
+        "cpu_count": os.cpu_count(),
+        "cpu_features": sorted(flags & {"avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_int8", "amx_tile"}),
         "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(), "cuda": torch.cuda.is_available(),
         "native_kernels": native.status(),
     }
@@ -73,9 +74,11 @@ def _checkpoint_info(checkpoint, resolved) -> dict:
 
     cfg = checkpoint.config
     stored = {name: q.qtype for name, q in checkpoint.quantized.items()}
-    options = ("tie_word_embeddings", "attention_bias", "qk_norm", "hidden_act", "embedding_scale", "sandwich_norms",
-               "query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap", "sliding_window", "rope_local_theta")
-    features = {f.name: getattr(cfg, f.name) for f in fields(cfg) if f.name in options and getattr(cfg, f.name) != f.default}
+    options = ("tie_word_embeddings", "attention_bias", "qk_norm", "hidden_act", "embedding_scale",
+               "sandwich_norms", "query_pre_attn_scalar", "attn_logit_softcap", "final_logit_softcap",
+               "sliding_window", "rope_local_theta")
+    features = {f.name: getattr(cfg, f.name) for f in fields(cfg)
+                if f.name in options and getattr(cfg, f.name) != f.default}
     if cfg.rope_scaling:
         features["rope_scaling"] = rope_type(cfg.rope_scaling)
     if any(cfg.sliding_layers):

@@ -89,10 +89,13 @@ def _messages_cases() -> list[BadRequest]:
         "json number": b"42",
         "json true": b"true",
         "deeply nested json": b"[" * 100_000 + b"]" * 100_000,
-        "temperature NaN": b'{"model": "tiny", "max_tokens": 8, "temperature": NaN, "messages": [{"role": "user", "content": "hi"}]}',
-        "temperature Infinity": b'{"model": "tiny", "max_tokens": 8, "temperature": Infinity, "messages": [{"role": "user", "content": "hi"}]}',
+        "temperature NaN":
+            b'{"model": "tiny", "max_tokens": 8, "temperature": NaN, "messages": [{"role": "user", "content": "hi"}]}',
+        "temperature Infinity": b'{"model": "tiny", "max_tokens": 8, "temperature": Infinity, '
+                                b'"messages": [{"role": "user", "content": "hi"}]}',
         "max_tokens 1e400": b'{"model": "tiny", "max_tokens": 1e400, "messages": [{"role": "user", "content": "hi"}]}',
-        "max_tokens 5000 digits": b'{"model": "tiny", "max_tokens": ' + b"9" * 5000 + b', "messages": [{"role": "user", "content": "hi"}]}',
+        "max_tokens 5000 digits":
+            b'{"model": "tiny", "max_tokens": ' + b"9" * 5000 + b', "messages": [{"role": "user", "content": "hi"}]}',
     }
     cases = [BadRequest(f"messages: {name}", p, raw=body, headers=JSON_HEADERS) for name, body in raw.items()]
     bodies = {
@@ -104,8 +107,9 @@ def _messages_cases() -> list[BadRequest]:
         "surrogate in model": _with(MESSAGE, model="tiny\ud800"),
         "surrogate in stop_sequences": _with(MESSAGE, stop_sequences=["\udc00"]),
         "surrogate in tool description": _with(MESSAGE, tools=[_with(TOOL, description="\ud800")]),
-        "surrogate in tool_use input": _with(MESSAGE, messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
-            {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "\ud800"}}]}]),
+        "surrogate in tool_use input": _with(MESSAGE, messages=[{"role": "user", "content": "hi"}, {
+            "role": "assistant", "content": [
+                {"type": "tool_use", "id": "t1", "name": "get_weather", "input": {"city": "\ud800"}}]}]),
         # model
         "model is a number": _with(MESSAGE, model=123),
         "model is null": _with(MESSAGE, model=None),
@@ -141,12 +145,17 @@ def _messages_cases() -> list[BadRequest]:
         "content is one object": _content({"type": "text", "text": "hi"}),
         "content list of strings": _content(["hi"]),
         "unknown block type": _content([{"type": "bogus", "text": "hi"}]),
-        "image block": _content([{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]),
-        "PDF document block": _content([{"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}}]),
+        "image block": _content([{"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                                              "data": "iVBORw0KGgo="}}]),
+        "PDF document block": _content([{"type": "document", "source": {"type": "base64",
+                                                                         "media_type": "application/pdf",
+                                                                         "data": "JVBERi0="}}]),
         "image in a tool_result": _content([{"type": "tool_result", "tool_use_id": "t1", "content": [
             {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}]}]),
-        "document text source without data": _content([{"type": "document", "source": {"type": "text", "media_type": "text/plain"}}]),
-        "search_result without title": _content([{"type": "search_result", "source": "s", "content": [{"type": "text", "text": "x"}]}]),
+        "document text source without data": _content([{"type": "document",
+                                                        "source": {"type": "text", "media_type": "text/plain"}}]),
+        "search_result without title": _content([{"type": "search_result", "source": "s",
+                                                  "content": [{"type": "text", "text": "x"}]}]),
         # system messages inside messages: Anthropic's placement rules
         "system message after an assistant turn": _with(MESSAGE, messages=[{"role": "user", "content": "hi"}, {
             "role": "assistant", "content": "hello"}, {"role": "system", "content": "be brief"}]),
@@ -163,10 +172,10 @@ def _messages_cases() -> list[BadRequest]:
         "text block text is a number": _content([{"type": "text", "text": 5}]),
         "text block with unknown field": _content([{"type": "text", "text": "hi", "colour": "red"}]),
         "bad cache_control type": _content([{"type": "text", "text": "hi", "cache_control": {"type": "forever"}}]),
-        "tool_use block without id": _with(MESSAGE, messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
-            {"type": "tool_use", "name": "get_weather", "input": {}}]}]),
-        "tool_use input is a string": _with(MESSAGE, messages=[{"role": "user", "content": "hi"}, {"role": "assistant", "content": [
-            {"type": "tool_use", "id": "t1", "name": "get_weather", "input": "{}"}]}]),
+        "tool_use block without id": _with(MESSAGE, messages=[{"role": "user", "content": "hi"}, {
+            "role": "assistant", "content": [{"type": "tool_use", "name": "get_weather", "input": {}}]}]),
+        "tool_use input is a string": _with(MESSAGE, messages=[{"role": "user", "content": "hi"}, {
+            "role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_weather", "input": "{}"}]}]),
         "tool_result without tool_use_id": _content([{"type": "tool_result", "content": "22C"}]),
         "tool_result content is a number": _content([{"type": "tool_result", "tool_use_id": "t1", "content": 22}]),
         # system
@@ -174,9 +183,10 @@ def _messages_cases() -> list[BadRequest]:
         "system is one object": _with(MESSAGE, system={"type": "text", "text": "x"}),
         "system list of strings": _with(MESSAGE, system=["x"]),
         "system image block": _with(MESSAGE, system=[{"type": "image", "source": {}}]),
-        "output_config format of another type": _with(MESSAGE, output_config={"format": {"type": "regex", "schema": {}}}),
-        "output_config schema not enforceable": _with(MESSAGE, output_config={"format": {"type": "json_schema", "schema": {
-            "type": "object", "propertyNames": {"pattern": "a"}}}}),
+        "output_config format of another type": _with(MESSAGE,
+                                                      output_config={"format": {"type": "regex", "schema": {}}}),
+        "output_config schema not enforceable": _with(MESSAGE, output_config={"format": {
+            "type": "json_schema", "schema": {"type": "object", "propertyNames": {"pattern": "a"}}}}),
         "strict tool schema not enforceable": _with(MESSAGE, tools=[_with(TOOL, strict=True, input_schema={
             "type": "object", "propertyNames": {"pattern": "a"}})]),
         "thinking block without its text": _content([{"type": "thinking", "signature": "s"}]),
@@ -225,7 +235,8 @@ def _messages_cases() -> list[BadRequest]:
         "tool_choice tool without tools": _with(MESSAGE, tool_choice={"type": "tool", "name": "get_weather"}),
         "tool_choice unknown type": _with(MESSAGE, tools=[TOOL], tool_choice={"type": "sometimes"}),
         "tool_choice is a string": _with(MESSAGE, tools=[TOOL], tool_choice="auto"),
-        "disable_parallel_tool_use is a word": _with(MESSAGE, tools=[TOOL], tool_choice={"type": "auto", "disable_parallel_tool_use": "no"}),
+        "disable_parallel_tool_use is a word": _with(MESSAGE, tools=[TOOL], tool_choice={
+            "type": "auto", "disable_parallel_tool_use": "no"}),
     }
     cases += [BadRequest(f"messages: {name}", p, body=body) for name, body in bodies.items()]
     cases += [
@@ -260,8 +271,10 @@ def _count_tokens_cases() -> list[BadRequest]:
         BadRequest("count_tokens: max_tokens is not a field", p, _with(COUNT, max_tokens=8)),
         BadRequest("count_tokens: lone surrogate", p, _with(COUNT, messages=[{"role": "user", "content": "\ud800"}])),
         BadRequest("count_tokens: bad role", p, _with(COUNT, messages=[{"role": "robot", "content": "hi"}])),
-        BadRequest("count_tokens: unknown tool in tool_choice", p, _with(COUNT, tools=[TOOL], tool_choice={"type": "tool", "name": "nope"})),
-        BadRequest("count_tokens: bad tool schema", p, _with(COUNT, tools=[_with(TOOL, input_schema={"type": "array"})])),
+        BadRequest("count_tokens: unknown tool in tool_choice", p,
+                   _with(COUNT, tools=[TOOL], tool_choice={"type": "tool", "name": "nope"})),
+        BadRequest("count_tokens: bad tool schema", p,
+                   _with(COUNT, tools=[_with(TOOL, input_schema={"type": "array"})])),
     ]
 
 
@@ -286,8 +299,9 @@ def _chat_cases() -> list[BadRequest]:
         "response_format json_schema without a schema": _with(CHAT, response_format={"type": "json_schema"}),
         "response_format schema not enforceable": _with(CHAT, response_format={"type": "json_schema", "json_schema": {
             "name": "x", "strict": True, "schema": {"type": "object", "propertyNames": {"pattern": "a"}}}}),
-        "response_format not strict, schema still not enforceable": _with(CHAT, response_format={"type": "json_schema",
-            "json_schema": {"name": "x", "strict": False, "schema": {"type": "object", "propertyNames": {"pattern": "a"}}}}),
+        "response_format not strict, schema still not enforceable": _with(CHAT, response_format={
+            "type": "json_schema", "json_schema": {
+                "name": "x", "strict": False, "schema": {"type": "object", "propertyNames": {"pattern": "a"}}}}),
         "response_format unsatisfiable schema": _with(CHAT, response_format={"type": "json_schema", "json_schema": {
             "name": "x", "schema": {"type": "string", "minLength": 5, "maxLength": 2}}}),
         "max_tokens negative": _with(CHAT, max_tokens=-1),
@@ -298,13 +312,18 @@ def _chat_cases() -> list[BadRequest]:
         "tools is an object": _with(CHAT, tools=OAI_TOOL),
         "tool type not function": _with(CHAT, tools=[_with(OAI_TOOL, type="retrieval")]),
         "tool name with a space": _with(CHAT, tools=[{"type": "function", "function": {"name": "get weather"}}]),
-        "tool parameters type string": _with(CHAT, tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "string"}}}]),
+        "tool parameters type string": _with(CHAT, tools=[{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "string"}}}]),
         "tool_choice unknown word": _with(CHAT, tools=[OAI_TOOL], tool_choice="sometimes"),
-        "tool_choice names an unknown function": _with(CHAT, tools=[OAI_TOOL], tool_choice={"type": "function", "function": {"name": "nope"}}),
+        "tool_choice names an unknown function": _with(CHAT, tools=[OAI_TOOL], tool_choice={
+            "type": "function", "function": {"name": "nope"}}),
         "tool_choice required without tools": _with(CHAT, tool_choice="required"),
-        "tool_choice function is a string": _with(CHAT, tools=[OAI_TOOL], tool_choice={"type": "function", "function": "get_weather"}),
-        "tool_choice function without name": _with(CHAT, tools=[OAI_TOOL], tool_choice={"type": "function", "function": {}}),
-        "tool_choice object of another type": _with(CHAT, tools=[OAI_TOOL], tool_choice={"type": "tool", "name": "get_weather"}),
+        "tool_choice function is a string": _with(CHAT, tools=[OAI_TOOL],
+                                                  tool_choice={"type": "function", "function": "get_weather"}),
+        "tool_choice function without name": _with(CHAT, tools=[OAI_TOOL],
+                                                   tool_choice={"type": "function", "function": {}}),
+        "tool_choice object of another type": _with(CHAT, tools=[OAI_TOOL],
+                                                    tool_choice={"type": "tool", "name": "get_weather"}),
         "seed beyond 64 bits": _with(CHAT, seed=2**70),
     }
     cases = [BadRequest(f"chat: {name}", p, body=body) for name, body in bodies.items()]
@@ -312,7 +331,8 @@ def _chat_cases() -> list[BadRequest]:
         BadRequest("chat: malformed json", p, raw=b"{'single': 'quotes'}", headers=JSON_HEADERS),
         BadRequest("chat: json array", p, raw=b"[{}]", headers=JSON_HEADERS),
         BadRequest("chat: unknown model", p, _with(CHAT, model="gpt-9"), status=404, error_type=NOT_FOUND),
-        BadRequest("chat: max_tokens over the context", p, _with(CHAT, max_tokens=4000), message_has=("4000", str(CONTEXT_LENGTH))),
+        BadRequest("chat: max_tokens over the context", p, _with(CHAT, max_tokens=4000),
+                   message_has=("4000", str(CONTEXT_LENGTH))),
     ]
     return cases
 
@@ -349,13 +369,14 @@ def _responses_cases() -> list[BadRequest]:
         "function_call without call_id": _with(base, input=[{"type": "function_call", "name": "f", "arguments": "{}"}]),
         "conversation": _with(base, conversation="conv_1"),
         "prompt template": _with(base, prompt={"id": "pmpt_1"}),
-        "custom tool with a grammar that does not compile": _with(base, tools=[{"type": "custom", "name": "f", "format": {
-            "type": "grammar", "syntax": "lark", "definition": "start: ("}}]),
+        "custom tool with a grammar that does not compile": _with(base, tools=[{
+            "type": "custom", "name": "f", "format": {"type": "grammar", "syntax": "lark", "definition": "start: ("}}]),
         "tool_choice forces a hosted tool": _with(base, tools=[{"type": "web_search"}],
                                                   tool_choice={"type": "web_search_preview"}),
         "function_call_output with an unknown part": _with(base, input=[{"type": "function_call_output", "call_id": "c",
                                                                           "output": [{"type": "nope"}]}]),
-        "namespace without tools": _with(base, tools=[{"type": "namespace", "name": "ns", "description": "", "tools": []}]),
+        "namespace without tools": _with(base, tools=[{"type": "namespace", "name": "ns", "description": "",
+                                                       "tools": []}]),
         "repeated tool names": _with(base, tools=[{"type": "function", "name": "f"}, {"type": "custom", "name": "f"}]),
         "background": _with(base, background=True),
         "max_output_tokens 0": _with(base, max_output_tokens=0),
@@ -429,7 +450,8 @@ def _guarded_cases() -> list[BadRequest]:
         BadRequest("auth: basic scheme", p, MESSAGE, headers={"authorization": "Basic " + GUARDED_KEY}),
         BadRequest("auth: key with a suffix", p, MESSAGE, headers={"x-api-key": GUARDED_KEY + "x"}),
         BadRequest("auth: no key on chat", "/v1/chat/completions", CHAT),
-        BadRequest("auth: wrong bearer on chat", "/v1/chat/completions", CHAT, headers={"authorization": "Bearer sk-wrong"}),
+        BadRequest("auth: wrong bearer on chat", "/v1/chat/completions", CHAT,
+                   headers={"authorization": "Bearer sk-wrong"}),
         BadRequest("auth: no key on count_tokens", "/v1/messages/count_tokens", COUNT),
         BadRequest("auth: no key on models", "/v1/models", method="GET"),
         BadRequest("auth: no key on a model", "/v1/models/tiny", method="GET"),
@@ -442,14 +464,17 @@ def _guarded_cases() -> list[BadRequest]:
         BadRequest("size: chat body over the limit", "/v1/chat/completions",
                    _with(CHAT, messages=[{"role": "user", "content": "y" * (MAX_BODY_BYTES + 1)}]), headers=KEYED),
         BadRequest("size: chunked count_tokens over the limit", "/v1/messages/count_tokens",
-                   _with(COUNT, messages=[{"role": "user", "content": "z" * MAX_BODY_BYTES}]), headers=KEYED, is_chunked=True),
+                   _with(COUNT, messages=[{"role": "user", "content": "z" * MAX_BODY_BYTES}]), headers=KEYED,
+                   is_chunked=True),
         BadRequest("size: junk over the limit", p, raw=b"\x00" * (MAX_BODY_BYTES * 4), headers=KEYED),
     ]
     size = [replace(c, status=413, error_type=TOO_LARGE, server="guarded") for c in size]
     keyed_but_bad = [
-        BadRequest("guarded: right key, bad temperature", p, _with(MESSAGE, temperature=3), headers=KEYED, server="guarded"),
+        BadRequest("guarded: right key, bad temperature", p, _with(MESSAGE, temperature=3), headers=KEYED,
+                   server="guarded"),
         BadRequest("guarded: right bearer, unknown model", p, _with(MESSAGE, model="nope"),
-                   headers={"authorization": "Bearer " + GUARDED_KEY}, status=404, error_type=NOT_FOUND, server="guarded"),
+                   headers={"authorization": "Bearer " + GUARDED_KEY}, status=404, error_type=NOT_FOUND,
+                   server="guarded"),
     ]
     return auth + size + keyed_but_bad
 

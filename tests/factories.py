@@ -68,7 +68,8 @@ def make_tiny_model_dir(path: Path, num_layers: int = 2, hidden: int = 64, seed:
     (path / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": "<|im_start|>", "eos_token": "<|im_end|>", "chat_template": CHATML,
     }))
-    w = random_llama_weights(torch.Generator().manual_seed(seed), num_layers, vocab, hidden, heads, kv_heads, head_dim, inter)
+    w = random_llama_weights(torch.Generator().manual_seed(seed), num_layers, vocab, hidden, heads, kv_heads, head_dim,
+                             inter)
     if eos_logit is not None:
         _end_answers(w, num_layers, eos=2, logit=eos_logit)
         config["tie_word_embeddings"] = False
@@ -119,7 +120,8 @@ def make_seq(request_id: str, token_ids: list[int], block_size: int = 4, max_tok
                     priority=priority, cache_salt=salt, cache_policy=policy or CachePolicy())
 
 
-def make_block_manager(num_blocks: int = 16, block_size: int = 4, enable_prefix_cache: bool = True, clock=None) -> BlockManager:
+def make_block_manager(num_blocks: int = 16, block_size: int = 4, enable_prefix_cache: bool = True,
+                       clock=None) -> BlockManager:
     return BlockManager(num_blocks, block_size, enable_prefix_cache, clock=clock)
 
 
@@ -287,7 +289,8 @@ FAMILY_CONFIGS = {
                                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64})),
     "qwen2": ("Qwen2Config", dict(num_hidden_layers=2, tie_word_embeddings=False, rope_theta=1000000.0)),
     "qwen3": ("Qwen3Config", dict(num_hidden_layers=2, head_dim=32, tie_word_embeddings=True, rope_theta=1000000.0)),
-    "mistral": ("MistralConfig", dict(num_hidden_layers=2, head_dim=24, sliding_window=None, tie_word_embeddings=False)),
+    "mistral": ("MistralConfig", dict(num_hidden_layers=2, head_dim=24, sliding_window=None,
+                                      tie_word_embeddings=False)),
     "gemma2": ("Gemma2Config", dict(num_hidden_layers=2, head_dim=16, query_pre_attn_scalar=16, sliding_window=8,
                                     attn_logit_softcapping=5.0, final_logit_softcapping=10.0,
                                     hidden_activation="gelu_pytorch_tanh")),
@@ -345,8 +348,8 @@ def write_family_gguf(folder: Path, out: Path, qtype: str | None = None, head_qt
     Gemma norms stored as (1 + w), Llama 3 RoPE scaling as a rope_freqs tensor, and each family's keys.
 
     Matrices are F32 unless qtype names a gguf type (F16, BF16, Q8_0, Q5_0, Q5_1, Q4_0, Q4_1 by gguf-py;
-    Q4_K, Q5_K, Q6_K by tests/kquants.py); head_qtype is the output projection's (or the tied embedding's); qtypes maps a
-    GGUF tensor-name fragment ("ffn_down") to a type of its own, as llama.cpp's Q4_K_M mixes do.
+    Q4_K, Q5_K, Q6_K by tests/kquants.py); head_qtype is the output projection's (or the tied embedding's);
+    qtypes maps a GGUF tensor-name fragment ("ffn_down") to a type of its own, as llama.cpp's Q4_K_M mixes do.
     sentencepiece, a SentencePiece model (`make_sentencepiece_model`), is written as the vocabulary
     instead of the folder's byte-level one; chat_template is the file's tokenizer.chat_template.
     """

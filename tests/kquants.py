@@ -36,9 +36,11 @@ def _q45_k(x: np.ndarray, bits: int) -> np.ndarray:
     d = (scale.max(-1) / 63).astype(np.float16).astype(np.float32)
     dmin = ((-lo).max(-1) / 63).astype(np.float16).astype(np.float32)
     sc = np.where(d[:, None] > 0, np.round(scale / np.where(d > 0, d, 1)[:, None]), 0).clip(0, 63).astype(np.uint8)
-    m = np.where(dmin[:, None] > 0, np.round(-lo / np.where(dmin > 0, dmin, 1)[:, None]), 0).clip(0, 63).astype(np.uint8)
+    m = np.where(dmin[:, None] > 0, np.round(-lo / np.where(dmin > 0, dmin, 1)[:, None]), 0).clip(0, 63).astype(
+        np.uint8)
     step = d[:, None] * sc  # [n, 8]
-    q = np.where(step[..., None] > 0, np.round((sub + (dmin[:, None] * m)[..., None]) / np.where(step > 0, step, 1)[..., None]), 0)
+    q = np.where(step[..., None] > 0,
+                 np.round((sub + (dmin[:, None] * m)[..., None]) / np.where(step > 0, step, 1)[..., None]), 0)
     q = q.clip(0, levels).astype(np.uint8)  # [n, 8, 32]
     scales = np.empty((n, 12), np.uint8)  # inverse of ggml's get_scale_min_k4
     scales[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
@@ -65,7 +67,8 @@ def _q6_k(x: np.ndarray) -> np.ndarray:
     q = (q + 32).astype(np.uint8).reshape(n, 2, 4, 32)  # [n, half, k, l]: weight 128·half + 32·k + l
     ql = np.concatenate([(q[:, :, 0] & 0x0F) | ((q[:, :, 2] & 0x0F) << 4),
                          (q[:, :, 1] & 0x0F) | ((q[:, :, 3] & 0x0F) << 4)], axis=2).reshape(n, 128)
-    qh = ((q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4) | ((q[:, :, 3] >> 4) << 6)).reshape(n, 64)
+    qh = ((q[:, :, 0] >> 4) | ((q[:, :, 1] >> 4) << 2) | ((q[:, :, 2] >> 4) << 4)
+          | ((q[:, :, 3] >> 4) << 6)).reshape(n, 64)
     return np.concatenate([ql, qh, sc.view(np.uint8), _fp16_bytes(d)], axis=1)
 
 

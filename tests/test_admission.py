@@ -126,7 +126,8 @@ def metric(url: str, name: str, **labels) -> float:
 
 def bound(url: str, b: dict) -> int:
     """The reservation a request makes: its prompt tokens, counted by the server, + max_tokens."""
-    r = httpx.post(url + "/v1/messages/count_tokens", json={k: v for k, v in b.items() if k in ("model", "messages", "system")},
+    r = httpx.post(url + "/v1/messages/count_tokens",
+                   json={k: v for k, v in b.items() if k in ("model", "messages", "system")},
                    timeout=60)
     return r.json()["input_tokens"] + b["max_tokens"]
 
@@ -164,7 +165,8 @@ def check_rejection(r: httpx.Response, remaining: int) -> None:
     assert 1 <= int(r.headers["retry-after"]) <= WINDOW_S
     assert int(r.headers["anthropic-ratelimit-tokens-limit"]) == BUDGET
     assert int(r.headers["anthropic-ratelimit-tokens-remaining"]) == remaining
-    reset = datetime.strptime(r.headers["anthropic-ratelimit-tokens-reset"], "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
+    reset = datetime.strptime(r.headers["anthropic-ratelimit-tokens-reset"],
+                              "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=timezone.utc)
     assert time.time() - 1 <= reset.timestamp() <= time.time() + WINDOW_S + 1
     assert r.headers.get("request-id")
 
@@ -217,7 +219,8 @@ def test_tenants_are_separate(budget_server, fill_max_tokens):
     # another user id has its own budget
     assert post(url, body(FILL, fill_max_tokens, None, "dave")).status_code == 200
     # so does each API key, which takes precedence over metadata.user_id
-    kwargs = dict(model="tiny", max_tokens=fill_max_tokens, messages=[{"role": "user", "content": FILL}], metadata={"user_id": "carol"})
+    kwargs = dict(model="tiny", max_tokens=fill_max_tokens, messages=[{"role": "user", "content": FILL}],
+                  metadata={"user_id": "carol"})
     keyed = anthropic.Anthropic(base_url=url, api_key="key-one", max_retries=0)
     assert keyed.messages.create(**kwargs).usage.output_tokens >= 1
     with pytest.raises(anthropic.RateLimitError) as e:
@@ -337,7 +340,8 @@ def test_full_queue_is_529_before_any_work(no_waiting_server):
 # ---- the 418 policy ------------------------------------------------------------------------------------
 def session_prompt(variant: str) -> dict:
     # the variable part opens the prompt, so even the first KV block differs and the cache misses
-    return body("Summarise the weather report for today.", 2, f"{variant} Session of the weather assistant.", "sess-user")
+    return body("Summarise the weather report for today.", 2, f"{variant} Session of the weather assistant.",
+                "sess-user")
 
 
 def run_session(url: str, variants: list[str]) -> list[httpx.Response]:
@@ -380,7 +384,8 @@ def test_reject_policy_answers_418_after_ten_polluted_requests(reject_server):
     r = post(url, session_prompt(str(uuid.uuid4())))
     assert r.status_code == 200 and "x-stratum-advice" not in r.headers
     # another session is unaffected
-    other = body("Summarise the weather report for today.", 2, f"{uuid.uuid4()} Session of the weather assistant.", "other-user")
+    other = body("Summarise the weather report for today.", 2, f"{uuid.uuid4()} Session of the weather assistant.",
+                 "other-user")
     assert post(url, other).status_code == 200
 
 
@@ -389,7 +394,8 @@ def test_the_session_header_names_the_session(reject_server):
     url, headers = reject_server.url, {"x-stratum-session-id": "hdr-session"}
 
     def request(i: int) -> httpx.Response:
-        b = body("Summarise the weather report for today.", 2, f"{uuid.uuid4()} Session of the weather assistant.", f"user-{i}")
+        b = body("Summarise the weather report for today.", 2, f"{uuid.uuid4()} Session of the weather assistant.",
+                 f"user-{i}")
         return post(url, b, headers)
 
     assert [request(i).status_code for i in range(10)] == [200] * 10
@@ -399,7 +405,8 @@ def test_the_session_header_names_the_session(reject_server):
 
 def test_prompts_differing_in_words_never_trigger(reject_server):
     words = ["Apples", "Pears", "Plums", "Figs", "Dates", "Limes", "Kiwis", "Grapes", "Melons", "Lemons", "Cherries"]
-    responses = [post(reject_server.url, body("Summarise the report.", 2, f"{w} session.", "words-user")) for w in words]
+    responses = [post(reject_server.url, body("Summarise the report.", 2, f"{w} session.", "words-user"))
+                 for w in words]
     assert [r.status_code for r in responses] == [200] * 11
     assert not any("x-stratum-advice" in r.headers for r in responses)
 
@@ -409,7 +416,8 @@ def test_advise_policy_only_adds_the_header(tiny_server):
     before = metric(url, "stratum_pollution_advice_total")
 
     def payload(variant: str) -> dict:
-        return body("Summarise the weather report for today.", 2, f"{variant} Session of the weather assistant.", "advise-user")
+        return body("Summarise the weather report for today.", 2, f"{variant} Session of the weather assistant.",
+                    "advise-user")
 
     for v in uuids(10):
         r = post(url, payload(v))

@@ -75,7 +75,8 @@ def test_claude_code_first_request_is_served(client, tiny_server):
     with pytest.raises(anthropic.BadRequestError) as info:
         client.beta.messages.create(**body, betas=CLAUDE_CODE_BETAS, timeout=300)
     message = info.value.body["error"]["message"]
-    assert message == f"max_tokens: 64000 > {CONTEXT}, which is the maximum allowed number of output tokens for claude-opus-4-8"
+    assert message == (f"max_tokens: 64000 > {CONTEXT}, which is the maximum allowed number of output tokens "
+                       "for claude-opus-4-8")
     limit = int(re.match(r"^max_tokens: \d+ > (\d+), which is the maximum allowed number of output tokens for .+$",
                          message).group(1))
     raw = client.beta.messages.with_raw_response.create(**{**body, "max_tokens": limit}, betas=CLAUDE_CODE_BETAS,
@@ -103,7 +104,8 @@ def test_system_message_is_a_system_turn_in_place(client, tiny_template):
     """A system message in `messages` goes through the chat template as a system turn at its place."""
     messages = [user("What is 2+2?"), {"role": "system", "content": "Answer with a number."},
                 {"role": "assistant", "content": "4"}, user("And 3+3?")]
-    expected = tiny_template.encode([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2+2?"},
+    expected = tiny_template.encode([{"role": "system", "content": "Be brief."},
+                                     {"role": "user", "content": "What is 2+2?"},
                                      {"role": "system", "content": "Answer with a number."},
                                      {"role": "assistant", "content": "4"}, {"role": "user", "content": "And 3+3?"}])
     assert count(client, messages, system="Be brief.") == len(expected)
@@ -133,7 +135,8 @@ def test_a_late_system_message_is_folded_into_the_user_turn_where_the_template_r
     assert chat.pinned == {1: None}  # the cache_control mark moved with its text
     refusing = ChatTemplate("{{ raise_exception('no chat here') }}", tiny_template.tokenizer)
     with pytest.raises(InvalidRequest, match="no chat here"):
-        build_prompt(refusing, ChatInput([{"role": "user", "content": "Hi"}, {"role": "system", "content": "Be brief."}]))
+        build_prompt(refusing, ChatInput([{"role": "user", "content": "Hi"},
+                                          {"role": "system", "content": "Be brief."}]))
 
 
 @pytest.mark.parametrize("block, as_text", [
@@ -145,7 +148,8 @@ def test_a_late_system_message_is_folded_into_the_user_turn_where_the_template_r
       "content": [{"type": "text", "text": "Tokyo is big."}], "citations": {"enabled": True}},
      "Tokyo\nhttps://atlas.example/tokyo\nTokyo is big."),
     ({"type": "text", "text": "Tokyo is big.", "citations": [{"type": "char_location", "cited_text": "Tokyo",
-                                                              "document_index": 0, "start_char_index": 0, "end_char_index": 5}]},
+                                                              "document_index": 0, "start_char_index": 0,
+                                                              "end_char_index": 5}]},
      "Tokyo is big."),
 ])
 def test_text_bearing_blocks_are_read_as_text(client, block, as_text):
@@ -172,7 +176,8 @@ def test_tool_history_blocks_are_read_as_text(client):
               {"role": "assistant", "content": [
                   {"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search", "input": {"query": "tokyo"}},
                   {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_1", "content": [
-                      {"type": "web_search_result", "url": "https://x.example", "title": "X", "encrypted_content": "e"}]},
+                      {"type": "web_search_result", "url": "https://x.example", "title": "X",
+                       "encrypted_content": "e"}]},
                   {"type": "text", "text": "Found it."}]}]
     assert count(client, server) > count(client, server[:1]) + 10
     greedy = client.messages.create(model="tiny", max_tokens=2, messages=[*server, user("ok")])
@@ -188,12 +193,14 @@ def test_anthropic_defined_tools_are_not_offered(client):
 
 @pytest.mark.parametrize("block, says", [
     ({"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "iVBORw0KGgo="}}, "text-only"),
-    ({"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}}, "'base64'"),
+    ({"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBERi0="}},
+     "'base64'"),
     ({"type": "document", "source": {"type": "url", "url": "https://x.example/a.pdf"}}, "'url'"),
 ])
 def test_media_this_model_cannot_read_is_a_clear_400(client, block, says):
     with pytest.raises(anthropic.BadRequestError) as info:
-        client.messages.create(model="tiny", max_tokens=2, messages=[user([block, {"type": "text", "text": "Read this"}])])
+        client.messages.create(model="tiny", max_tokens=2,
+                               messages=[user([block, {"type": "text", "text": "Read this"}])])
     message = info.value.body["error"]["message"]
     assert message.startswith("messages.0.content.0") and says in message and "text-only" in message
 
@@ -214,9 +221,11 @@ def test_prompt_too_long_names_the_count_that_count_tokens_gives(client):
 
 def test_top_level_cache_control_caches_the_whole_prompt(client):
     messages = [user("Automatic caching marks the last block. " * 8)]
-    first = client.messages.create(model="tiny", max_tokens=1, messages=messages, extra_body={"cache_control": {"type": "ephemeral"}})
+    first = client.messages.create(model="tiny", max_tokens=1, messages=messages,
+                                   extra_body={"cache_control": {"type": "ephemeral"}})
     assert first.usage.cache_creation_input_tokens > 0
-    again = client.messages.create(model="tiny", max_tokens=1, messages=messages, extra_body={"cache_control": {"type": "ephemeral"}})
+    again = client.messages.create(model="tiny", max_tokens=1, messages=messages,
+                                   extra_body={"cache_control": {"type": "ephemeral"}})
     assert again.usage.cache_read_input_tokens >= first.usage.cache_creation_input_tokens
 
 
@@ -255,7 +264,8 @@ def test_responses_input_items_match_chat_completions(oai, tiny_template):
     assert r.usage.input_tokens == len(expected)
     chat = oai.chat.completions.create(model="tiny", max_tokens=1, messages=[
         {"role": "system", "content": "Be brief."}, {"role": "developer", "content": "Answer in French."},
-        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Salut"}, {"role": "user", "content": "Bye"}])
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Salut"},
+        {"role": "user", "content": "Bye"}])
     assert chat.usage.prompt_tokens == r.usage.input_tokens
 
 
@@ -282,7 +292,8 @@ def test_responses_function_call_round_trip(oai):
     calls = [o for o in r.output if o.type == "function_call"]
     assert calls and r.status == "completed"
     call = calls[0]
-    assert call.name == "get_weather" and call.call_id.startswith("call_") and isinstance(json.loads(call.arguments), dict)
+    assert (call.name == "get_weather" and call.call_id.startswith("call_")
+            and isinstance(json.loads(call.arguments), dict))
     follow = [{"role": "user", "content": "Weather in Tokyo?"}, call.model_dump(exclude_none=True),
               {"type": "function_call_output", "call_id": call.call_id, "output": "22C and sunny"}]
     answer = oai.responses.create(model="tiny", input=follow, tools=[RESP_WEATHER], max_output_tokens=4)
@@ -311,7 +322,8 @@ def test_responses_json_schema_format(oai):
 
 
 @pytest.mark.parametrize("body, says", [
-    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x.example/a.png"}]}]}, "text-only"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "https://x.example/a.png"}]}]},
+     "text-only"),
     ({"tool_choice": "required"}, "tool_choice requires tools"),
     ({"temperature": 3}, "temperature"),
     ({"conversation": "conv_1"}, "conversation"),
@@ -369,7 +381,8 @@ def install_npm(package: str, version: str, command: str) -> Path:
         if not binary.exists():
             if shutil.which("npm") is None:
                 pytest.skip(f"npm is not installed: cannot fetch {package}@{version} (not cached in {prefix})")
-            r = subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(prefix), f"{package}@{version}"],
+            r = subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--prefix", str(prefix),
+                                f"{package}@{version}"],
                                capture_output=True, text=True, timeout=600)
             unreachable = ("ENOTFOUND", "ECONNREFUSED", "ETIMEDOUT", "EAI_AGAIN", "ECONNRESET", "ENETUNREACH")
             if r.returncode != 0 and any(code in r.stdout + r.stderr for code in unreachable):
@@ -441,12 +454,14 @@ def agent_server(tmp_path_factory):
 CAPTURES = sorted(AGENTS_DATA.glob("*/*/*.json"))
 
 
-@pytest.mark.parametrize("capture", CAPTURES, ids=[f"{c.parent.parent.name}-{c.parent.name}-{c.stem}" for c in CAPTURES])
+@pytest.mark.parametrize("capture", CAPTURES,
+                         ids=[f"{c.parent.parent.name}-{c.parent.name}-{c.stem}" for c in CAPTURES])
 def test_a_captured_request_is_read(agent_server, capture):
     """Each request the CLIs were recorded sending (tests/data/agents) is read as they sent it: counted
     (count_tokens; responses/input_tokens, which takes no model name: the captures name the default model)
     to the same prompt the generating route builds."""
-    body = {k: v for k, v in json.loads(capture.read_text())["body"].items() if k not in ("stream", "max_tokens", "metadata")}
+    body = {k: v for k, v in json.loads(capture.read_text())["body"].items()
+            if k not in ("stream", "max_tokens", "metadata")}
     path = "/v1/responses/input_tokens" if "input" in body else "/v1/messages/count_tokens"
     if "input" in body:
         del body["model"]
@@ -462,7 +477,8 @@ def test_claude_code_default_tools_end_to_end(agent_server, tmp_path):
     result = run_claude(binary, agent_server, tmp_path)
     assert result["type"] == "result" and result["subtype"] == "success" and result["is_error"] is False, result
     usage = result["usage"]
-    prompt = usage["input_tokens"] + usage.get("cache_read_input_tokens", 0) + usage.get("cache_creation_input_tokens", 0)
+    prompt = (usage["input_tokens"] + usage.get("cache_read_input_tokens", 0)
+              + usage.get("cache_creation_input_tokens", 0))
     assert prompt > 8192 and usage["output_tokens"] > 0, usage
 
 
@@ -500,7 +516,8 @@ def test_codex_on_the_default_model(extended_real_server, tmp_path):
     events = run_codex(binary, extended_real_server, tmp_path, "smollm2-135m")
     kinds = [e["type"] for e in events]
     assert "turn.completed" in kinds and "turn.failed" not in kinds, events
-    messages = [e["item"]["text"] for e in events if e["type"] == "item.completed" and e["item"]["type"] == "agent_message"]
+    messages = [e["item"]["text"] for e in events
+                if e["type"] == "item.completed" and e["item"]["type"] == "agent_message"]
     assert messages and messages[-1].strip(), events
 
 
@@ -510,8 +527,8 @@ def test_claude_code_cli_end_to_end(real_server, tmp_path):
     tokens of prompt (docs/api.md), over the 8,192-token context. Claude Code asks for max_tokens 128000 on
     a claude-* model it names itself, reads the 400 naming the model's limit, and asks again with it."""
     binary = install_claude_code()
-    result = run_claude(binary, real_server, tmp_path, "--system-prompt", "You are a helpful assistant. Answer briefly.",
-                        "--tools", "")
+    result = run_claude(binary, real_server, tmp_path,
+                        "--system-prompt", "You are a helpful assistant. Answer briefly.", "--tools", "")
     assert result["type"] == "result" and result["subtype"] == "success" and result["is_error"] is False, result
     assert isinstance(result["result"], str) and result["result"].strip()
     assert result["usage"]["output_tokens"] > 0

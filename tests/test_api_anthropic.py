@@ -175,7 +175,8 @@ def test_system_string_equals_text_blocks(client):
 
 def test_system_blocks_are_joined(client):
     messages = [user("Hi")]
-    split = count(client, messages, system=[{"type": "text", "text": "Part one."}, {"type": "text", "text": "Part two."}])
+    split = count(client, messages,
+                  system=[{"type": "text", "text": "Part one."}, {"type": "text", "text": "Part two."}])
     assert split > count(client, messages, system="Part one.")
 
 
@@ -187,7 +188,8 @@ def test_consecutive_same_role_turns_are_merged(client):
     assert greedy(client, two_turns).content[0].text == greedy(client, one_turn).content[0].text
     # two assistant turns in a row merge too (and, being last, form one prefill)
     prefill = [user("Hi"), {"role": "assistant", "content": "Hello"}, {"role": "assistant", "content": "again"}]
-    blocks = [user("Hi"), {"role": "assistant", "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "again"}]}]
+    blocks = [user("Hi"), {"role": "assistant",
+                           "content": [{"type": "text", "text": "Hello"}, {"type": "text", "text": "again"}]}]
     assert count(client, prefill) == count(client, blocks)
     warm(client, blocks)
     assert greedy(client, prefill).content[0].text == greedy(client, blocks).content[0].text
@@ -225,10 +227,11 @@ def test_tool_choice_none_leaves_tools_out_of_the_prompt(client):
     assert count(client, messages, tools=[WEATHER_TOOL]) > without
 
 
-@pytest.mark.parametrize("choice", [{"type": "auto"}, {"type": "any"}, {"type": "tool", "name": "get_weather"}, {"type": "none"}])
+@pytest.mark.parametrize("choice", [{"type": "auto"}, {"type": "any"}, {"type": "tool", "name": "get_weather"},
+                                    {"type": "none"}])
 def test_tool_choices_are_accepted(client, choice):
-    msg = client.messages.create(model="tiny", max_tokens=16, messages=[user("Weather in Tokyo?")], tools=[WEATHER_TOOL],
-                                 tool_choice=choice, extra_body={"temperature": 0})
+    msg = client.messages.create(model="tiny", max_tokens=16, messages=[user("Weather in Tokyo?")],
+                                 tools=[WEATHER_TOOL], tool_choice=choice, extra_body={"temperature": 0})
     assert msg.stop_reason in {"end_turn", "max_tokens", "tool_use", "stop_sequence"}
     for block in msg.content:
         if block.type == "tool_use":
@@ -239,7 +242,8 @@ def test_tool_results_go_back_in(client):
     history = [
         user("Weather in Tokyo?"),
         {"role": "assistant", "content": [{"type": "text", "text": "Let me check."},
-                                          {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Tokyo"}}]},
+                                          {"type": "tool_use", "id": "toolu_1", "name": "get_weather",
+                                           "input": {"city": "Tokyo"}}]},
         user([{"type": "tool_result", "tool_use_id": "toolu_1", "content": "22°C and sunny"}]),
     ]
     blocks = [dict(history[2], content=[{"type": "tool_result", "tool_use_id": "toolu_1",
@@ -345,7 +349,8 @@ def test_real_model_forced_tool_use(real_client, choice):
     reply = real_client.messages.create(
         model="smollm2-135m", max_tokens=40, tools=[WEATHER_TOOL], extra_body={"temperature": 0},
         messages=[user("What is the weather in Tokyo?"),
-                  {"role": "assistant", "content": [c.model_dump(include={"type", "id", "name", "input"}) for c in calls]},
+                  {"role": "assistant",
+                   "content": [c.model_dump(include={"type", "id", "name", "input"}) for c in calls]},
                   user([{"type": "tool_result", "tool_use_id": calls[0].id, "content": "22 degrees Celsius, sunny"}])])
     assert reply.stop_reason in {"end_turn", "max_tokens", "tool_use"}
     assert reply.content

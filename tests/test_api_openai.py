@@ -46,7 +46,8 @@ def test_max_completion_tokens_is_honoured(client):
 
 
 def test_streaming_with_usage_matches_non_streaming(client):
-    kwargs = dict(model="tiny", messages=[user("日本の首都は東京です 🚀")], max_tokens=32, temperature=0, extra_body=GREEDY)
+    kwargs = dict(model="tiny", messages=[user("日本の首都は東京です 🚀")], max_tokens=32, temperature=0,
+                  extra_body=GREEDY)
     client.chat.completions.create(**{**kwargs, "max_tokens": 1})  # both runs below then read the same cached prefix
     chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs))
     full = client.chat.completions.create(**kwargs)
@@ -83,7 +84,8 @@ def test_stop_gives_finish_reason_stop(client):
     kwargs = dict(model="tiny", messages=[user("Hello world!")], max_tokens=40, temperature=0, extra_body=GREEDY)
     client.chat.completions.create(**{**kwargs, "max_tokens": 1})  # both runs below then read the same cached prefix
     text = client.chat.completions.create(**kwargs).choices[0].message.content
-    stop = next((text[i: i + 2] for i in range(1, len(text) - 1) if text[i: i + 2].isascii() and text[i: i + 2].isalpha()), None)
+    stop = next((text[i: i + 2] for i in range(1, len(text) - 1)
+                 if text[i: i + 2].isascii() and text[i: i + 2].isalpha()), None)
     assert stop, f"no ASCII letters in {text!r}"
     r = client.chat.completions.create(stop=stop, **kwargs)
     assert r.choices[0].finish_reason == "stop"
@@ -95,8 +97,10 @@ def test_system_and_developer_roles(client):
         r = client.chat.completions.create(model="tiny", max_tokens=2,
                                            messages=[{"role": role, "content": "Be brief."}, user("Hi")])
         assert r.choices[0].message.role == "assistant"
-    a = client.chat.completions.create(model="tiny", max_tokens=1, messages=[{"role": "system", "content": "Be brief."}, user("Hi")])
-    b = client.chat.completions.create(model="tiny", max_tokens=1, messages=[{"role": "developer", "content": "Be brief."}, user("Hi")])
+    a = client.chat.completions.create(model="tiny", max_tokens=1,
+                                       messages=[{"role": "system", "content": "Be brief."}, user("Hi")])
+    b = client.chat.completions.create(model="tiny", max_tokens=1,
+                                       messages=[{"role": "developer", "content": "Be brief."}, user("Hi")])
     assert a.usage.prompt_tokens == b.usage.prompt_tokens
 
 
@@ -112,7 +116,8 @@ def test_tool_messages_go_back_in(client):
     r = client.chat.completions.create(model="tiny", max_tokens=4, tools=[WEATHER_TOOL], messages=[
         user("Weather in Tokyo?"),
         {"role": "assistant", "content": None, "tool_calls": [
-            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Tokyo"}'}}]},
+            {"id": "call_1", "type": "function",
+             "function": {"name": "get_weather", "arguments": '{"city": "Tokyo"}'}}]},
         {"role": "tool", "tool_call_id": "call_1", "content": "22°C and sunny"},
     ])
     assert r.choices[0].message.role == "assistant"

@@ -67,8 +67,10 @@ def _openapi_with_bodies(url: str) -> dict:
     gap. `model` is pinned to the served name and max_tokens kept small, so positive cases reach the
     engine instead of stopping at 404 or spending seconds decoding.
     """
-    from stratum.server.protocol import (BatchCreateRequest, ChatCompletionRequest, CompletionRequest, CountTokensRequest,
-                                         InputTokensRequest, MessagesRequest, ResponsesRequest)
+    from stratum.server.protocol import (
+        BatchCreateRequest, ChatCompletionRequest, CompletionRequest, CountTokensRequest, InputTokensRequest,
+        MessagesRequest, ResponsesRequest,
+    )
 
     spec = httpx.get(url + "/openapi.json", timeout=10).json()
     components = spec.setdefault("components", {}).setdefault("schemas", {})
@@ -152,7 +154,8 @@ async def test_32_concurrent_streams_complete_in_order(tiny_server):
 
         async def one(i: int):
             stream = await client.messages.create(
-                model="tiny", max_tokens=24 + i % 8, stream=True, messages=[{"role": "user", "content": f"client {i}: 中文 🙂"}],
+                model="tiny", max_tokens=24 + i % 8, stream=True,
+                messages=[{"role": "user", "content": f"client {i}: 中文 🙂"}],
                 extra_body={"ignore_eos": True, "temperature": 1.0, "seed": i})
             events = [(e.type, e.model_dump()) async for e in stream]
             return i, events
@@ -171,7 +174,8 @@ def test_32_concurrent_raw_streams_from_threads(tiny_server):
 
     def one(i: int) -> None:
         if i % 2:
-            b = body(f"thread {i} 🚀", max_tokens=20, stream=True, stream_options={"include_usage": True}, ignore_eos=True)
+            b = body(f"thread {i} 🚀", max_tokens=20, stream=True, stream_options={"include_usage": True},
+                     ignore_eos=True)
             with httpx.stream("POST", tiny_server.url + "/v1/chat/completions", json=b, timeout=120) as r:
                 assert r.status_code == 200
                 chunks = [d for _, d in sse_events(r.iter_lines())]
@@ -343,7 +347,8 @@ def test_529_under_a_concurrent_flood(one_slot_server):
 
     def one(i: int) -> int:
         barrier.wait()
-        return httpx.post(url + "/v1/messages", json=body(f"flood {i}", max_tokens=200, ignore_eos=True), timeout=120).status_code
+        return httpx.post(url + "/v1/messages", json=body(f"flood {i}", max_tokens=200, ignore_eos=True),
+                          timeout=120).status_code
 
     with ThreadPoolExecutor(12) as pool:
         statuses = list(pool.map(one, range(12)))
@@ -388,7 +393,8 @@ def test_edge_sampling_params_are_served_without_harm(edge_servers, params):
     neighbour: dict = {}
 
     def run_neighbour():
-        r = httpx.post(url + "/v1/messages", json=body("neighbour", max_tokens=600, ignore_eos=True, temperature=0), timeout=120)
+        r = httpx.post(url + "/v1/messages", json=body("neighbour", max_tokens=600, ignore_eos=True, temperature=0),
+                       timeout=120)
         neighbour["status"], neighbour["body"] = r.status_code, r.json()
 
     thread = threading.Thread(target=run_neighbour)

@@ -72,7 +72,8 @@ def warm(url: str, body: dict, path: str = "/v1/messages") -> None:
 
 
 def streamed_text(events: list[tuple[str, dict]]) -> str:
-    return "".join(d["delta"]["text"] for n, d in events if n == "content_block_delta" and d["delta"]["type"] == "text_delta")
+    return "".join(d["delta"]["text"] for n, d in events
+                   if n == "content_block_delta" and d["delta"]["type"] == "text_delta")
 
 
 def message_text(message: dict) -> str:
@@ -217,8 +218,10 @@ def test_real_model_streams_a_forced_tool_call(real_server):
     check_event_order(events)
     starts = [d["content_block"] for n, d in events if n == "content_block_start"]
     tool_blocks = [b for b in starts if b["type"] == "tool_use"]
-    assert len(tool_blocks) >= 1 and tool_blocks[0]["name"] == "get_weather" and tool_blocks[0]["id"].startswith("toolu_")
-    index = next(d["index"] for n, d in events if n == "content_block_start" and d["content_block"]["type"] == "tool_use")
+    assert (len(tool_blocks) >= 1 and tool_blocks[0]["name"] == "get_weather"
+            and tool_blocks[0]["id"].startswith("toolu_"))
+    index = next(d["index"] for n, d in events
+                 if n == "content_block_start" and d["content_block"]["type"] == "tool_use")
     partial = "".join(d["delta"]["partial_json"] for n, d in events
                       if n == "content_block_delta" and d["index"] == index)
     assert isinstance(json.loads(partial), dict)
@@ -245,5 +248,6 @@ def test_real_model_openai_stream_equals_non_streaming(real_server):
     kwargs = dict(model="smollm2-135m", max_tokens=40, temperature=0,
                   messages=[{"role": "user", "content": "What is the capital of Japan?"}])
     client.chat.completions.create(**{**kwargs, "max_tokens": 1})  # warm the prefix cache
-    text = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(stream=True, **kwargs) if c.choices)
+    text = "".join(c.choices[0].delta.content or ""
+                   for c in client.chat.completions.create(stream=True, **kwargs) if c.choices)
     assert text == client.chat.completions.create(**kwargs).choices[0].message.content

@@ -66,7 +66,8 @@ def test_family_matches_transformers(folders, family, source, tmp_path):
     folder = folders(family)
     path = folder if source == "hf" else write_family_gguf(folder, tmp_path / f"{family}.gguf")
     llm = engine_llm(path)
-    assert llm.engine.model_config.architecture == (family if source == "hf" else GGUF_ARCH[family])  # Mistral GGUFs are "llama"
+    # Mistral GGUFs are "llama"
+    assert llm.engine.model_config.architecture == (family if source == "hf" else GGUF_ARCH[family])
     ref = transformers.AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32,
                                                              attn_implementation="eager").eval()
     tok = llm.engine.tokenizer
@@ -76,9 +77,11 @@ def test_family_matches_transformers(folders, family, source, tmp_path):
         full = list(seq.token_ids)
         with torch.no_grad():
             ref_logits = ref(torch.tensor([full])).logits[0, :-1].float()
-            generated = ref.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            generated = ref.generate(torch.tensor([prompt]),
+                                     attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                                      max_new_tokens=MAX_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0)
         ours = torch.stack([seq.readouts.logits[p] for p in range(len(full) - 1)])
         diff = (ours.log_softmax(-1) - ref_logits.log_softmax(-1)).abs().amax(-1)
-        assert diff.max() <= LOGPROB_ATOL, f"{family}/{source}: position {int(diff.argmax())}: |logprob diff| {diff.max():.2e}"
+        assert diff.max() <= LOGPROB_ATOL, (f"{family}/{source}: position {int(diff.argmax())}: "
+                                            f"|logprob diff| {diff.max():.2e}")
         assert full[len(prompt):] == generated[0, len(prompt):].tolist(), f"{family}/{source}: greedy tokens differ"

@@ -48,7 +48,8 @@ def test_bad_request_gets_its_error(servers, case):
     request_id = r.headers.get("request-id")
     assert request_id and request_id.startswith("req_")
     body = r.json()
-    if case.path.startswith(("/v1/chat/completions", "/v1/completions", "/v1/responses")):  # OpenAI's shape: no top-level type, param and code
+    # OpenAI's shape: no top-level type, param and code
+    if case.path.startswith(("/v1/chat/completions", "/v1/completions", "/v1/responses")):
         assert "type" not in body and {"message", "type", "param", "code"} <= set(body["error"]), body
     else:
         assert body["type"] == "error"
@@ -69,7 +70,8 @@ def test_health_is_open_on_a_keyed_server(guarded_server):
 
 
 @pytest.mark.parametrize("headers", [{"x-api-key": GUARDED_KEY}, {"authorization": f"Bearer {GUARDED_KEY}"},
-                                     {"authorization": f"bearer {GUARDED_KEY}"}], ids=["x-api-key", "bearer", "lowercase-bearer"])
+                                     {"authorization": f"bearer {GUARDED_KEY}"}],
+                         ids=["x-api-key", "bearer", "lowercase-bearer"])
 def test_right_key_is_accepted(guarded_server, headers):
     r = httpx.post(guarded_server.url + "/v1/messages", headers=headers, timeout=60,
                    json={"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
@@ -119,5 +121,6 @@ def test_servers_are_back_at_baseline(servers):
         assert blocks["free"] + blocks["in_use"] <= blocks["total"]
         headers = {"x-api-key": GUARDED_KEY} if name == "guarded" else {}
         ok = httpx.post(server.url + "/v1/messages", headers=headers, timeout=60,
-                        json={"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "still there?"}]})
+                        json={"model": "tiny", "max_tokens": 4,
+                              "messages": [{"role": "user", "content": "still there?"}]})
         assert ok.status_code == 200, ok.text

@@ -7,7 +7,8 @@ import re
 import subprocess
 import sys
 
-COST = re.compile(r"^\[cache_hit_ratio=[0-9.]+,prefill_latency_us=\d+.* \| \$[0-9.]+ \| (\d+) prompt tokens \((\d+) cached\) "
+COST = re.compile(r"^\[cache_hit_ratio=[0-9.]+,prefill_latency_us=\d+.* \| \$[0-9.]+ \| "
+                  r"(\d+) prompt tokens \((\d+) cached\) "
                   r"\+ (\d+) output in [0-9.]+s", re.M)
 
 

@@ -13,7 +13,8 @@ DOC = Path(__file__).resolve().parents[1] / "docs" / "client.md"
 
 def python_blocks(text: str) -> list[tuple[int, str]]:
     """(line number, code) of each ```python block."""
-    return [(text[: m.start()].count("\n") + 2, m.group(1)) for m in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M)]
+    return [(text[: m.start()].count("\n") + 2, m.group(1))
+            for m in re.finditer(r"^```python\n(.*?)^```", text, re.S | re.M)]
 
 
 BLOCKS = python_blocks(DOC.read_text())

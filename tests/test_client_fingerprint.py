@@ -32,7 +32,8 @@ CORPUS = [
     ("sha 3f786850e387550fdab836ed7e6dc881de23001b", "sha <HEX_1>"),
     ("addr 0xdeadbeef12345678", "addr <HEX_1>"),
     ("req_0123456789abcdef0123 failed", "req_<HEX_1> failed"),
-    ("Bearer eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0.SflKxwRJSMeKKF2QT4fwpMeJf36POk6yJV_adQssw5c",
+    ("Bearer eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJzdWIiOiIxMjM0NTY3ODkwIn0."
+     "SflKxwRJSMeKKF2QT4fwpMeJf36POk6yJV_adQssw5c",
      "Bearer <JWT_1>"),
     ("key sk-proj-A1b2C3d4E5f6G7h8I9j0KlMnOpQr used", "key <TOKEN_1> used"),
     ("ulid 01ARZ3NDEKTSV4RRFFQ69G5FAV", "ulid <ID_1>"),
@@ -89,7 +90,8 @@ def test_patterns_are_configurable():
     fp = Fingerprinter(extra_patterns=[("order", r"ORD-\d{6}")], disable={"epoch"})
     assert fp.standardize("ORD-123456 at 1700000000") == "<ORDER_1> at 1700000000"
     only = Fingerprinter(patterns=[FingerprintPattern("ticket", re.compile(r"T#\d+"), "TICKET")])
-    assert only.standardize("T#42 550e8400-e29b-41d4-a716-446655440000") == "<TICKET_1> 550e8400-e29b-41d4-a716-446655440000"
+    assert (only.standardize("T#42 550e8400-e29b-41d4-a716-446655440000")
+            == "<TICKET_1> 550e8400-e29b-41d4-a716-446655440000")
     assert standardize_fingerprint("T#7", patterns=only) == "<TICKET_1>"
 
 
@@ -104,7 +106,8 @@ def test_decorator_sync_and_async():
     async def asend(*, messages):
         seen.append(messages)
 
-    send(system="at 2024-05-01T10:22:05Z", messages=[{"role": "user", "content": "id 550e8400-e29b-41d4-a716-446655440000"}])
+    send(system="at 2024-05-01T10:22:05Z",
+         messages=[{"role": "user", "content": "id 550e8400-e29b-41d4-a716-446655440000"}])
     asyncio.run(asend(messages=[{"role": "user", "content": "id 550e8400-e29b-41d4-a716-446655440000 at 1700000000"}]))
     assert seen[0] == ("at <TIMESTAMP_1>", [{"role": "user", "content": "id <UUID_1>"}])
     assert seen[1] == [{"role": "user", "content": "id 550e8400-e29b-41d4-a716-446655440000 at <EPOCH_1>"}]

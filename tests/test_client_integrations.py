@@ -26,7 +26,8 @@ STATE = re.compile(r"^(queued|prefill_chunk_\d+|prefill_complete|decode_step_\d+
 # ---- warm-up -------------------------------------------------------------------------------------------
 def test_warmup_reports_cache_creation_and_the_next_request_hits(tiny_server):
     client = Stratum(base_url=tiny_server.url, api_key="warm")
-    doc = f"[{uuid.uuid4()}] Handbook: returns within 30 days; shipping takes 3-5 business days; support is open 9-5. " * 3
+    doc = (f"[{uuid.uuid4()}] Handbook: returns within 30 days; shipping takes 3-5 business days; "
+           "support is open 9-5. ") * 3
     prompt = {"system": doc, "messages": [{"role": "user", "content": "Summarise the handbook."}]}
     report = warmup(client, [prompt, {"model": "no-such-model", **prompt}], model="tiny")
     assert report.num_prompts == 2 and report.num_failed == 1 and report.results[1].status == 404
@@ -41,7 +42,8 @@ def test_warmup_reports_cache_creation_and_the_next_request_hits(tiny_server):
 
     async def run():
         from stratum.client import AsyncStratum
-        return await awarmup(AsyncStratum(base_url=tiny_server.url, api_key="warm"), [f"{uuid.uuid4()} warm me"], model="tiny")
+        return await awarmup(AsyncStratum(base_url=tiny_server.url, api_key="warm"), [f"{uuid.uuid4()} warm me"],
+                             model="tiny")
     assert asyncio.run(run()).cache_creation_input_tokens > 0
 
 
@@ -154,10 +156,12 @@ def test_proxy_forwards_the_event_stream_byte_for_byte(proxy):
 
 def test_proxy_passes_json_errors_and_negotiation(proxy):
     url, tap = proxy
-    r = httpx.post(url + "/v1/messages", json={"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+    r = httpx.post(url + "/v1/messages",
+                   json={"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 200 and r.content == bytes(tap.bodies[-1][2])
     assert r.headers["x-stratum-cost"] == tap.bodies[-1][1].headers["x-stratum-cost"]
-    missing = httpx.post(url + "/v1/messages", json={"model": "nope", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+    missing = httpx.post(url + "/v1/messages",
+                         json={"model": "nope", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
     assert missing.status_code == 404 and missing.json()["error"]["type"] == "not_found_error"
     assert missing.headers["request-id"] == missing.json()["request_id"]
     # the SDK client through the proxy: negotiation is forwarded, so `.stratum` works
@@ -172,7 +176,8 @@ def test_client_prometheus_counters_follow_the_reported_cost(tiny_server):
 
     registry = CollectorRegistry()
     client = Stratum(base_url=tiny_server.url, api_key="prom", metrics=ClientMetrics(registry))
-    stream = client.messages.create(model="tiny", max_tokens=6, stream=True, messages=[{"role": "user", "content": "hi"}])
+    stream = client.messages.create(model="tiny", max_tokens=6, stream=True,
+                                    messages=[{"role": "user", "content": "hi"}])
     for _ in stream:
         pass
     msg = client.messages.create(model="tiny", max_tokens=3, messages=[{"role": "user", "content": "hi again"}],
@@ -223,7 +228,8 @@ def exposed_series(text: str) -> set[str]:
     names = set()
     for family in text_string_to_metric_families(text):
         names |= {s.name for s in family.samples}
-        names |= {"counter": {family.name + "_total"}, "histogram": {family.name + s for s in ("_bucket", "_sum", "_count")},
+        names |= {"counter": {family.name + "_total"},
+                  "histogram": {family.name + s for s in ("_bucket", "_sum", "_count")},
                   "gauge": {family.name}}.get(family.type, {family.name})
     return names
 
@@ -255,7 +261,8 @@ def test_grafana_queries_reference_only_real_metrics(tiny_server):
 
 
 def test_promql_name_extraction():
-    assert metric_names_in('histogram_quantile(0.9, sum by (le) (rate(a_bucket{x=~"$i"}[$__rate_interval])))') == {"a_bucket"}
+    assert metric_names_in(
+        'histogram_quantile(0.9, sum by (le) (rate(a_bucket{x=~"$i"}[$__rate_interval])))') == {"a_bucket"}
     assert metric_names_in("sum(rate(a_total[5m])) / clamp_min(sum(rate(b_total[5m])), 1e-9)") == {"a_total", "b_total"}
     assert metric_names_in('max by (mode) (c{instance=~"$instance"}) == bool 1') == {"c"}
 
@@ -289,8 +296,9 @@ def test_real_model_meta_states_and_a_semantically_cached_answer(real_server):
 
     client = Stratum(base_url=real_server.url, api_key="real")
     metas = []
-    stream = client.messages.create(model="smollm2-135m", max_tokens=60, tools=[WEATHER_TOOL], tool_choice={"type": "any"},
-                                    stream=True, extra_body={"temperature": 0}, event_hooks={"stratum_meta": metas.append},
+    stream = client.messages.create(model="smollm2-135m", max_tokens=60, tools=[WEATHER_TOOL],
+                                    tool_choice={"type": "any"}, stream=True, extra_body={"temperature": 0},
+                                    event_hooks={"stratum_meta": metas.append},
                                     messages=[{"role": "user", "content": "What is the weather in Tokyo?"}])
     blocks = [e.content_block.type for e in stream if e.type == "content_block_start"]
     assert blocks == ["tool_use"]

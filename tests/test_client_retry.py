@@ -65,7 +65,8 @@ def test_429_waits_retry_after_then_succeeds(servers):
     first = client.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": unique_text(250)}])
     # the measured cost (uncached prompt tokens) left less than the next request's bound in the window
     assert first.usage.input_tokens + first.usage.cache_creation_input_tokens > 200
-    second = client.messages.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": unique_text(250)}])
+    second = client.messages.create(model="tiny", max_tokens=2,
+                                    messages=[{"role": "user", "content": unique_text(250)}])
     assert [(e.status, e.reason, e.action) for e in events] == [(429, "cost_threshold_exceeded", "wait")]
     assert 1 <= events[0].delay_s <= 3
     assert second.stratum.retries == events and second.content is not None
@@ -141,7 +142,8 @@ def test_418_switches_to_a_deterministic_session_and_retries_once(servers):
     msg = client.messages.create(model="tiny", max_tokens=1, system=f"{uuid.uuid4()} You answer order questions.",
                                  messages=[{"role": "user", "content": "Where is my parcel?"}])
     sid = derive_session_id(keys)
-    assert sid == derive_session_id({"user": "42", "tenant": "acme"}) != derive_session_id({"tenant": "acme", "user": "43"})
+    assert (sid == derive_session_id({"user": "42", "tenant": "acme"})
+            != derive_session_id({"tenant": "acme", "user": "43"}))
     assert [(e.status, e.reason, e.action) for e in events] == [(418, "cache_pollution", "session")]
     statuses = [resp.status_code for r, resp, _ in tap.exchanges if r.method == "POST"]
     assert statuses[-2:] == [418, 200]
@@ -174,7 +176,8 @@ def test_529_backs_off_with_full_jitter_up_to_max_attempts(servers):
     client, tap = make_client(servers["full"].url, retry_policy=policy, event_hooks={"retry": events.append})
     with pytest.raises(anthropic.OverloadedError):
         client.messages.create(model="tiny", max_tokens=1, messages=[{"role": "user", "content": "hi"}])
-    assert [(e.status, e.reason, e.action) for e in events] == [(529, "overloaded", "backoff")] * 2 + [(529, "overloaded", "give_up")]
+    assert [(e.status, e.reason, e.action) for e in events] == (
+        [(529, "overloaded", "backoff")] * 2 + [(529, "overloaded", "give_up")])
     assert 0 <= events[0].delay_s <= 0.02 and 0 <= events[1].delay_s <= 0.04
     expected = random.Random(7)
     assert [e.delay_s for e in events[:2]] == [expected.uniform(0, 0.02), expected.uniform(0, 0.04)]
@@ -279,9 +282,11 @@ def test_the_servers_count_scales_the_trim_target():
     failure = Failure.from_response(429, body, {"anthropic-ratelimit-tokens-remaining": "400", "retry-after": "9"})
     assert failure.cost_tokens == 800 and failure.remaining_tokens == 400
     for bad in (True, -3, "800", None):
-        assert Failure.from_response(429, {"error": {**body["error"], "stratum_cost_tokens": bad}}, {}).cost_tokens is None
+        assert Failure.from_response(429, {"error": {**body["error"], "stratum_cost_tokens": bad}},
+                                     {}).cost_tokens is None
     # the client estimates 2 x 100 + 1 = 201 tokens; the server counted 800: 400 left is 100 in the estimate's units
-    params = {"max_tokens": 1, "messages": [{"role": "user", "content": "a" * 400}, {"role": "assistant", "content": "ok"},
+    params = {"max_tokens": 1, "messages": [{"role": "user", "content": "a" * 400},
+                                            {"role": "assistant", "content": "ok"},
                                             {"role": "user", "content": "b" * 396}]}
     decision = RetryPolicy(trim=DropOldestTurns(), max_wait_s=1).next_action(failure, 1, params)
     assert decision.action == "trim" and decision.params["messages"] == params["messages"][2:]

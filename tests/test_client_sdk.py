@@ -120,7 +120,8 @@ def test_every_exported_name_resolves():
     ("cache_hit_ratio=0,prefill_latency_us=951", StratumCost(0.0, 951, None)),
     ("cache_hit_ratio=1,prefill_latency_us=3,kv_sparsity=0.0417", StratumCost(1.0, 3, 0.0417)),
     (" cache_hit_ratio=0.5 , prefill_latency_us=10 ", StratumCost(0.5, 10, None)),
-    ("cache_hit_ratio=0.5,prefill_latency_us=10,kv_sparsity=0.2,new_field=7", StratumCost(0.5, 10, 0.2, extra=(("new_field", "7"),))),
+    ("cache_hit_ratio=0.5,prefill_latency_us=10,kv_sparsity=0.2,new_field=7",
+     StratumCost(0.5, 10, 0.2, extra=(("new_field", "7"),))),
     ("cache_hit_ratio=0,prefill_latency_us=9,kv_sparsity=0.5,spec_proposed_tokens=40,spec_accepted_tokens=31",
      StratumCost(0.0, 9, 0.5, 40, 31)),
 ])
@@ -132,7 +133,8 @@ def test_parse_stratum_cost(header, expected):
 
 
 @pytest.mark.parametrize("bad", ["", "cache_hit_ratio", "cache_hit_ratio=0.5", "prefill_latency_us=3",
-                                 "cache_hit_ratio=x,prefill_latency_us=3", "cache_hit_ratio=0.1,prefill_latency_us=3,kv_sparsity="])
+                                 "cache_hit_ratio=x,prefill_latency_us=3",
+                                 "cache_hit_ratio=0.1,prefill_latency_us=3,kv_sparsity="])
 def test_parse_stratum_cost_rejects_malformed(bad):
     with pytest.raises(ValueError):
         parse_stratum_cost(bad)
@@ -201,7 +203,8 @@ def test_async_stream_hooks_and_message(tiny_server):
         async for _ in stream:
             pass
         wire = sse_events(bytes(tap.exchanges[-1][2]))
-        assert metas == [StratumMeta.from_wire(d["delta"]["meta"], d["index"]) for n, d in wire if n == "content_block_delta"]
+        assert metas == [StratumMeta.from_wire(d["delta"]["meta"], d["index"]) for n, d in wire
+                         if n == "content_block_delta"]
         assert stream.stratum.is_final and stream.stratum.final_cost is not None
         msg = await client.messages.create(model="tiny", max_tokens=3, messages=PROMPT)
         assert msg.stratum.header == tap.exchanges[-1][1].headers["x-stratum-cost"]
@@ -275,7 +278,8 @@ def test_a_plain_server_gets_the_plain_sdk(plain_server, caplog):
     assert msg.content[0].text == "hello" and msg.stratum is None
     assert not client.is_stratum
     # the SDK's own retry handled the 529 (the Stratum policy is not involved): OPTIONS, POST 529, POST 200
-    assert [(r.method, resp.status_code) for r, resp, _ in tap.exchanges] == [("OPTIONS", 405), ("POST", 529), ("POST", 200)]
+    assert [(r.method, resp.status_code) for r, resp, _ in tap.exchanges] == [
+        ("OPTIONS", 405), ("POST", 529), ("POST", 200)]
     assert retries == []
     for s in seen:
         assert not [h for h in s["headers"] if h.startswith("x-stratum")]

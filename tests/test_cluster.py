@@ -117,7 +117,8 @@ def test_requests_follow_their_prefix(cluster):
             cached.setdefault(group, []).append(raw.parse().usage.cache_read_input_tokens)
     for group in range(4):
         assert len(set(served[group])) == 1, served
-        assert cached[group][0] < 64 and all(c > 800 for c in cached[group][1:]), cached  # the template's opening is shared
+        # the template's opening is shared
+        assert cached[group][0] < 64 and all(c > 800 for c in cached[group][1:]), cached
     assert len({s[0] for s in served.values()}) == 2, served  # new prefixes were spread over both replicas
 
 

@@ -55,7 +55,8 @@ def test_dashboard_moves_with_traffic_and_agrees_with_metrics(browser, tiny_serv
                            timeout=10_000)
     shown = int(page.inner_text("#card-requests"))
     metrics = httpx.get(tiny_server.url + "/metrics").text
-    answered = sum(float(v) for v in re.findall(r'^stratum_request_count_total\{[^}]*status="ok"[^}]*\} (\S+)$', metrics, re.M))
+    answered = sum(float(v) for v in re.findall(r'^stratum_request_count_total\{[^}]*status="ok"[^}]*\} (\S+)$',
+                                                metrics, re.M))
     assert shown == int(answered)
     assert float(page.inner_text("#card-throughput")) > 0
     stats = httpx.get(tiny_server.url + "/console/stats").json()

@@ -24,7 +24,8 @@ def test_a_longer_context_without_scaling_is_refused_by_name():
     assert cfg.with_context(None) is cfg and cfg.with_context(1024) is cfg
     with pytest.raises(ContextLengthError) as info:
         cfg.with_context(4096)
-    assert "--max-model-len 4096" in str(info.value) and "2048" in str(info.value) and "--rope-scaling" in str(info.value)
+    assert ("--max-model-len 4096" in str(info.value) and "2048" in str(info.value)
+            and "--rope-scaling" in str(info.value))
 
 
 @pytest.mark.parametrize("kind", ["linear", "yarn"])

@@ -90,7 +90,8 @@ def test_cache_mode_from_hints_and_headers(client, system_hint, header, mode):
 
 
 def test_high_value_hint_gives_top_priority(client):
-    raw, _ = create(client, "This is a high-value request; spare no resources.", "hello", headers={"x-stratum-debug": "true"})
+    raw, _ = create(client, "This is a high-value request; spare no resources.", "hello",
+                    headers={"x-stratum-debug": "true"})
     assert decode(raw.headers["x-stratum-trace"])["priority"] == -100
     raw, _ = create(client, "Be brief.", "hello", headers={"x-stratum-debug": "true"})
     assert decode(raw.headers["x-stratum-trace"])["priority"] == 0
@@ -131,7 +132,8 @@ def compressive(client, text: str):
 
 def test_compressive_mode_shrinks_a_long_prompt(client, tiny_template):
     text = prompt_of_exactly(tiny_template, COMPRESS_THRESHOLD + 1)
-    assert client.messages.count_tokens(model="tiny", messages=[{"role": "user", "content": text}]).input_tokens == COMPRESS_THRESHOLD + 1
+    assert client.messages.count_tokens(
+        model="tiny", messages=[{"role": "user", "content": text}]).input_tokens == COMPRESS_THRESHOLD + 1
     comp, prompt_tokens = compressive(client, text)
     assert comp["applied"] is True
     assert comp["original_prompt_tokens"] == COMPRESS_THRESHOLD + 1
@@ -145,7 +147,8 @@ def test_compressive_mode_shrinks_a_long_prompt(client, tiny_template):
 def test_compressive_mode_leaves_a_short_prompt_alone(client, tiny_template):
     text = prompt_of_exactly(tiny_template, COMPRESS_THRESHOLD)
     comp, prompt_tokens = compressive(client, text)
-    assert comp == {"applied": False, "original_prompt_tokens": COMPRESS_THRESHOLD, "threshold_tokens": COMPRESS_THRESHOLD}
+    assert comp == {"applied": False, "original_prompt_tokens": COMPRESS_THRESHOLD,
+                    "threshold_tokens": COMPRESS_THRESHOLD}
     assert prompt_tokens == COMPRESS_THRESHOLD
 
 
@@ -163,7 +166,8 @@ def test_max_tokens_zero_prefills_and_the_next_request_hits(client, tiny_templat
 
 
 def test_warmup_command_reports_created_tokens(tiny_server, client, tiny_template, tmp_path):
-    prompts = [{"system": unique_system(f"Warm-up file {i}."), "messages": [{"role": "user", "content": long_text(20 + i)}]}
+    prompts = [{"system": unique_system(f"Warm-up file {i}."),
+                "messages": [{"role": "user", "content": long_text(20 + i)}]}
                for i in range(2)]
     path = tmp_path / "prompts.jsonl"
     path.write_text("\n".join(json.dumps(p) for p in prompts) + "\n")

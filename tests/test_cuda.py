@@ -36,6 +36,7 @@ def test_cuda_fp32_matches_cpu_fp32(tiny_model_dir):
 @pytest.mark.integration
 def test_cuda_bf16_real_model_answers(real_model_path):
     llm = LLM(str(real_model_path), device="cuda", dtype="bfloat16")
-    out = llm.chat([{"role": "user", "content": "What is the capital of Japan?"}], SamplingParams(max_tokens=16, temperature=0.0))
+    out = llm.chat([{"role": "user", "content": "What is the capital of Japan?"}],
+                   SamplingParams(max_tokens=16, temperature=0.0))
     assert "Tokyo" in out.text
     assert llm.engine.kernel_plan.device == "cuda" and llm.engine.dtype == torch.bfloat16

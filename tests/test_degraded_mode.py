@@ -31,7 +31,8 @@ def faulty(request):
     """(fault, server, /health before any request, is_real_model)."""
     fault = request.param
     is_real = fault == "scheduler"
-    model = str(request.getfixturevalue("real_model_path")) if is_real else str(request.getfixturevalue("tiny_model_dir"))
+    model = (str(request.getfixturevalue("real_model_path")) if is_real
+             else str(request.getfixturevalue("tiny_model_dir")))
     server = ServerProcess(model, "--served-model-name", MODEL, env={"STRATUM_FAULT_INJECT": fault}).wait_ready()
     health = httpx.get(server.url + "/health", timeout=10).json()
     yield fault, server, health, is_real

@@ -84,7 +84,8 @@ def tiny_gguf(tmp_path_factory):
     return make_tiny_gguf(tmp_path_factory.mktemp("tiny-gguf") / "tiny.gguf")
 
 
-STEPS = ["pytorch", pytest.param("native", marks=pytest.mark.skipif(not native.available(), reason="no native kernels"))]
+STEPS = ["pytorch",
+         pytest.param("native", marks=pytest.mark.skipif(not native.available(), reason="no native kernels"))]
 
 
 @pytest.mark.parametrize("step", STEPS)
@@ -102,7 +103,8 @@ def test_greedy_output_is_the_same_from_compute_the_pool_and_the_disk(step, tiny
     from_disk = run(again, [p])[0]
     assert from_disk.num_cached_tokens == from_disk.cache_stats.num_disk_cached_tokens == 300 // BS * BS
     assert from_disk.cache_stats.disk_read_s > 0 and from_disk.cache_stats.num_prompt_tokens_computed == 301 - 288
-    assert computed.output_token_ids == pooled[0].output_token_ids == pooled[1].output_token_ids == from_disk.output_token_ids
+    assert (computed.output_token_ids == pooled[0].output_token_ids == pooled[1].output_token_ids
+            == from_disk.output_token_ids)
     report = again.engine.tier.report()["disk"]
     assert report["hit_tokens"] == 288 and report["read_bytes"] == 18 * (HEADER_BYTES + again.engine.tier.block_bytes)
 
@@ -146,7 +148,8 @@ def test_blocks_written_under_other_numerics_are_never_read(tiny_gguf, tmp_path)
     config = native_step.engine.config
     assert native_step.engine.tier.binding == kv_binding(config, native_step.engine.model)  # what the tier uses
     assert torch_step.engine.tier.binding != native_step.engine.tier.binding
-    bumped = dataclasses.replace(config, numerics=dataclasses.replace(config.numerics, version=config.numerics.version + 1))
+    bumped = dataclasses.replace(config, numerics=dataclasses.replace(config.numerics,
+                                                                      version=config.numerics.version + 1))
     assert kv_binding(bumped, native_step.engine.model) != native_step.engine.tier.binding  # a kernel change
     assert run(native_step, [p])[0].num_cached_tokens == 0
     settled(native_step)

@@ -43,7 +43,8 @@ def _prefill(headers) -> dict:
 def ask(server: ServerProcess, key: str, user: str = "What is the plan?", system: str = SYSTEM):
     client = anthropic.Anthropic(base_url=server.url, api_key=key, max_retries=0)
     raw = client.messages.with_raw_response.create(
-        model="tiny", max_tokens=6, system=system, messages=[{"role": "user", "content": user}], extra_body={"temperature": 0},
+        model="tiny", max_tokens=6, system=system, messages=[{"role": "user", "content": user}],
+        extra_body={"temperature": 0},
         extra_headers={"X-Stratum-Debug": "true"})
     return raw.parse(), _prefill(raw.headers)
 

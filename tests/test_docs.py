@@ -44,7 +44,8 @@ STDLIB = ("builtins", "os", "mmap", "random", "math", "time", "json", "torch")
 # Names no code of the tree spells: Anthropic-defined tool types, named as examples (the server takes every
 # `type` but a custom tool's alike); GGUF tokenizer models the loader refuses (it names whatever it finds);
 # x86 instructions the kernels do without
-NOT_CODE = frozenset({"web_search_20250305", "bash_20250124", "mcp_toolset", "t5", "bert", "rwkv", "vpshufb", "vpunpck"})
+NOT_CODE = frozenset({"web_search_20250305", "bash_20250124", "mcp_toolset", "t5", "bert", "rwkv", "vpshufb",
+                      "vpunpck"})
 OTHER_TOOLS = ("llama-server", "llama-bench", "llama-quantize", "codex", "claude", "vllm", "pip", "npm", "python -m",
                "ray", "curl", "docker", "git", "make ", "apt", "uvicorn", "pytest")
 
@@ -231,7 +232,8 @@ def known(name: str) -> bool:
 @cache
 def source_text() -> str:
     return "\n".join(p.read_text(errors="replace") for p in tracked_files() if p != Path(__file__)
-                     and p.suffix in (".py", ".cpp", ".h", ".sh", ".toml", ".json", ".yaml", ".yml") or p.name == "Makefile")
+                     and p.suffix in (".py", ".cpp", ".h", ".sh", ".toml", ".json", ".yaml", ".yml")
+                     or p.name == "Makefile")
 
 
 @cache
@@ -260,7 +262,8 @@ def installed_definitions() -> frozenset[str]:
             dist = md.distribution(name)
         except md.PackageNotFoundError:
             continue
-        folders |= {str(dist.locate_file(f.parts[0])) for f in dist.files or () if f.suffix == ".py" and len(f.parts) > 1}
+        folders |= {str(dist.locate_file(f.parts[0])) for f in dist.files or ()
+                    if f.suffix == ".py" and len(f.parts) > 1}
     out = subprocess.run(["grep", "-rHoE", "--include=*.py", r"^\s*(class|def) \w+", *sorted(folders)],
                          capture_output=True, text=True).stdout
     # a private package's (`ray/llm/_internal/`) or a test's classes are no API a doc names
@@ -353,7 +356,8 @@ def dotted_problems(text: str) -> list[str]:
             return [] if attr in class_members()[cls] else [f"no {cls}.{attr}"]
         return [] if cls in definitions() or elsewhere(cls) else [f"no class {cls}"]
     if starts := _module_starts(parts[0]):
-        return [] if any(_resolves(start, parts[1:]) for start in starts) else [f"no {'.'.join(parts[1:])} in {parts[0]}"]
+        return ([] if any(_resolves(start, parts[1:]) for start in starts)
+                else [f"no {'.'.join(parts[1:])} in {parts[0]}"])
     if importlib.util.find_spec(parts[0]) is not None:
         return []  # another package's module: `torch.ops`, `os.environ`
     return [f"no {p} (in {text})" for p in parts if not known(p)]

@@ -109,8 +109,9 @@ def test_long_streams_end_with_an_error_event_after_the_drain_timeout(start):
     health = wait_draining(server)
     assert health.status_code == 503
     assert health.json()["in_flight"] == len(streams)
-    refused = httpx.post(server.url + "/v1/messages", json={"model": "tiny", "max_tokens": 4,
-                                                             "messages": [{"role": "user", "content": "hi"}]}, timeout=5)
+    refused = httpx.post(server.url + "/v1/messages",
+                         json={"model": "tiny", "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]},
+                         timeout=5)
     assert refused.status_code == 503 and refused.json()["error"]["type"] == "api_error"
     assert "shutting down" in refused.json()["error"]["message"]
     for s in streams:

@@ -153,7 +153,8 @@ def test_engine_death_ends_every_request(dying_server):
 @pytest.fixture(scope="module")
 def long_step_server(real_model_path):
     """The real model with one prefill step of up to 4096 tokens: a long prompt's prefill is one step of seconds."""
-    server = ServerProcess(str(real_model_path), "--served-model-name", "tiny", "--max-batched-tokens", "4096").wait_ready()
+    server = ServerProcess(str(real_model_path), "--served-model-name", "tiny",
+                           "--max-batched-tokens", "4096").wait_ready()
     yield server
     server.stop()
 

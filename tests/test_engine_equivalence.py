@@ -68,9 +68,11 @@ def assert_equivalent(ref: Run, other: Run) -> float:
         assert other.texts[i] == ref.texts[i]
         assert sorted(r.readouts.logits) == list(range(r.num_tokens - 1))
         # every position is computed except those served by the prefix cache
-        assert sorted(o.readouts.logits) == list(range(other.stats[i].num_cached_tokens, o.num_tokens - 1)), f"prompt {i}"
+        assert sorted(o.readouts.logits) == list(range(other.stats[i].num_cached_tokens, o.num_tokens - 1)), (
+            f"prompt {i}")
         positions = sorted(o.readouts.logits)
-        diff = (torch.stack([o.readouts.logits[p] for p in positions]) - torch.stack([r.readouts.logits[p] for p in positions])).abs()
+        diff = (torch.stack([o.readouts.logits[p] for p in positions])
+                - torch.stack([r.readouts.logits[p] for p in positions])).abs()
         worst = max(worst, float(diff.max()))
         assert worst <= TOL, f"prompt {i}: logits differ by {float(diff.max()):.2e}"
     return worst

@@ -21,7 +21,7 @@ from stratum.engine.loop import EngineLoop
 from stratum.engine.thread_transport import start_thread_engine
 from stratum.engine.process import EngineProcess, start_process_engine
 from stratum.engine.protocol import (
-    Abort, Accepted, AddRequest, EngineDied, EngineInfo, EngineSnapshot, HeldKeys, KVBlocks, ListHeld, ReplicaDescription,
+    Abort, Accepted, AddRequest, EngineDied, EngineSnapshot, HeldKeys, KVBlocks, ListHeld, ReplicaDescription,
     ReplicaReport, RequestFailed, Routed, StartFailed, Started, Starting, Stop, StreamDecoder, TokenizerData, decode,
     encode,
 )
@@ -58,8 +58,10 @@ def test_every_message_round_trips_as_its_own_type(tiny_model_dir):
     snap = EngineSnapshot(alive=True, mode="basic", degraded_reason="x", num_running=2, num_waiting=1,
                           kv_blocks=KVBlocks(64, 10, 4, 50), num_preemptions=3, num_steps=9, overhead_ratio=0.1,
                           mean_step_s=0.02, threads=1, rss_mb=12.5)
-    sampling = SamplingParams(max_tokens=5, temperature=0.7, top_p=0.9, top_k=3, seed=11, stop=["\n"], stop_token_ids=[2])
-    add = AddRequest("r1", [1, 2, 3], sampling, priority=-1, cache_salt="tenant", cache_policy=CachePolicy(pin_ttl_s=5.0),
+    sampling = SamplingParams(max_tokens=5, temperature=0.7, top_p=0.9, top_k=3, seed=11, stop=["\n"],
+                              stop_token_ids=[2])
+    add = AddRequest("r1", [1, 2, 3], sampling, priority=-1, cache_salt="tenant",
+                     cache_policy=CachePolicy(pin_ttl_s=5.0),
                      tool_marker="<tool_call>", pin_prefixes=[(16, 300.0)], low_latency=True, fork_of="r0")
     messages = [snap, add, AddRequest("r2", [4], SamplingParams()), Abort("r1"), ListHeld(64), Stop(),
                 Accepted("r1", 32), Started(["r1", "r2"]), RequestFailed("r1", "no", "invalid_request"),
@@ -97,7 +99,8 @@ def test_a_replica_sets_snapshot_adds_up_its_replicas():
     assert (total.num_running, total.num_waiting, total.kv_blocks) == (3, 1, KVBlocks(128, 70, 4, 54))
     assert total.overhead_ratio == pytest.approx((0.1 * 30 + 0.5 * 10) / 40) and total.mean_step_s == 0.05
     assert (total.threads, total.rss_mb, total.step) == (2, 220.0, "native+pytorch")
-    assert (total.degraded_reason, total.preparing, total.gpu_memory_allocated_mb) == ("b: cache: boom", "b: measuring", None)
+    assert ((total.degraded_reason, total.preparing, total.gpu_memory_allocated_mb)
+            == ("b: cache: boom", "b: measuring", None))
     gone = EngineSnapshot.summed({"c": dead})
     assert not gone.alive and gone.error == "c: gone" and gone.num_engines == 0
 

@@ -131,7 +131,8 @@ def assert_native_matches_pytorch(torch_engine, native_engine) -> None:
     ids = native_engine.tokenizer.encode("The capital of Japan is Tokyo. def add(a, b):")
     outs = []
     for engine in (torch_engine, native_engine):
-        seq = engine.add_request(ids, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, return_logits=True),
+        seq = engine.add_request(ids, SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True,
+                                                     return_logits=True),
                                  cache_policy=CachePolicy.bypass())
         while engine.has_unfinished():
             engine.step()
@@ -139,7 +140,8 @@ def assert_native_matches_pytorch(torch_engine, native_engine) -> None:
     a, b = outs
     assert a.output_token_ids == b.output_token_ids
     for p in a.readouts.logits:
-        torch.testing.assert_close(b.readouts.logits[p], a.readouts.logits[p], rtol=1e-3, atol=1e-3 * float(a.readouts.logits[p].abs().max()))
+        torch.testing.assert_close(b.readouts.logits[p], a.readouts.logits[p], rtol=1e-3,
+                                   atol=1e-3 * float(a.readouts.logits[p].abs().max()))
 
 
 def _is_mapped(a: np.ndarray) -> bool:
@@ -260,8 +262,8 @@ def test_a_dense_fallback_is_never_silent(qwen_dir, tmp_path, caplog):
     assert said and "Q4_K tensors" in said[0] and "Q6_K tensors" in said[0]
 
     caplog.clear()
-    gemma = make_family_dir(tmp_path / "gemma2", "gemma2", hidden_size=256, intermediate_size=512, num_attention_heads=8,
-                            num_key_value_heads=4, head_dim=32)
+    gemma = make_family_dir(tmp_path / "gemma2", "gemma2", hidden_size=256, intermediate_size=512,
+                            num_attention_heads=8, num_key_value_heads=4, head_dim=32)
     LLM(str(write_family_gguf(gemma, tmp_path / "gemma2.gguf", qtype="Q4_0", head_qtype="Q8_0")), dtype="float32",
         device="cpu", num_kv_blocks=32, int4_max_tokens=0, native_step=True)
     assert any("the native step does not run this model" in r.getMessage() and "gemma2" in r.getMessage()
@@ -295,8 +297,8 @@ def test_native_step_runs_only_the_families_it_computes(family, tmp_path):
 def test_info_tells_architecture_tensor_types_and_what_runs_packed(qwen_dir, tmp_path, capsys):
     from stratum.cli import main
 
-    gemma = make_family_dir(tmp_path / "gemma2", "gemma2", hidden_size=256, intermediate_size=512, num_attention_heads=8,
-                            num_key_value_heads=4, head_dim=32)
+    gemma = make_family_dir(tmp_path / "gemma2", "gemma2", hidden_size=256, intermediate_size=512,
+                            num_attention_heads=8, num_key_value_heads=4, head_dim=32)
     path = write_family_gguf(gemma, tmp_path / "gemma2-q4km.gguf", qtype="Q4_K", head_qtype="Q6_K")
     assert main(["info", str(path), "--threads", "1"]) == 0
     info = json.loads(capsys.readouterr().out)
@@ -305,7 +307,8 @@ def test_info_tells_architecture_tensor_types_and_what_runs_packed(qwen_dir, tmp
     assert ck["features"]["attn_logit_softcap"] == 5.0 and ck["features"]["sliding_layers"] == [0]
     assert ck["tensor_types"] == {"F32": 1 + 2 * 4, "Q4_K": 2 * 7, "Q6_K": 1}  # norms; projections; tied embedding
     assert ck["step"] == "pytorch" and "not Llama-shaped" in ck["native_step_refused"]
-    assert info["engine"]["dtype"] == "float32" and info["numerics"]["result"]["step"] == "pytorch"  # the rule's default
+    # the rule's default
+    assert info["engine"]["dtype"] == "float32" and info["numerics"]["result"]["step"] == "pytorch"
     if native.available():  # every projection on the native kernel, as stored
         form = "packed kernel, as stored"
         assert ck["projections"] == {f"Q4_K: {form}": 2 * 4, f"output projection (Q6_K): {form}": 1}
@@ -331,7 +334,8 @@ def test_info_tells_architecture_tensor_types_and_what_runs_packed(qwen_dir, tmp
     assert (ck["step"] != "pytorch") == native.available()  # the rule: the native step wherever it runs
     if native.available():  # each projection names its formats
         # layer 0's q, k (Q4_K) and v (Q6_K), one projection of two formats
-        assert ck["projections"]["Q4_K: native step, as stored in q4k tiles + Q6_K: native step, as stored in q6k tiles"] == 1
+        assert ck["projections"][
+            "Q4_K: native step, as stored in q4k tiles + Q6_K: native step, as stored in q6k tiles"] == 1
         assert main(["info", str(q4km), "--threads", "1", "--activations", "int8"]) == 0  # the user's trade, said
         numerics = json.loads(capsys.readouterr().out)["numerics"]
         assert numerics["inputs"]["activations"] == numerics["result"]["activations"] == "int8"

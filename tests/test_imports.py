@@ -69,6 +69,7 @@ def test_the_checker_sees_imports_inside_functions_and_skips_type_checking(tmp_p
 ])
 def test_importing_a_layer_loads_nothing_above_it(module, absent):
     code = (f"import sys, {module}\n"
-            f"print(','.join(sorted(m for m in sys.modules if any(m == a or m.startswith(a + '.') for a in {absent!r}))))")
+            f"print(','.join(sorted(m for m in sys.modules "
+            f"if any(m == a or m.startswith(a + '.') for a in {absent!r}))))")
     loaded = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT).stdout
     assert loaded.strip() == "", f"importing {module} loaded {loaded.strip()}"

@@ -103,7 +103,8 @@ def test_the_plan_cache_reads_files_written_before(tmp_path, plan_dir):
     """A cached plan is plain JSON, its source a string: files written by earlier versions read back."""
     path = kernels.plan_cache_path(tmp_path, SMALL, 2)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"device": "cpu", "threads": 1, "cpu": "x", "timings_us": {"native_1_threads": {"1": 5.0}},
+    path.write_text(json.dumps({"device": "cpu", "threads": 1, "cpu": "x",
+                                "timings_us": {"native_1_threads": {"1": 5.0}},
                                 "source": "measured", "quiet": True, "runs": 2, "other_load": [0.0, 0.1],
                                 "basis": "measured: 2 quiet runs of 2"}))
     plan = kernels.select_plan(tmp_path, SMALL, 2, measure=False)
@@ -136,8 +137,9 @@ def test_plan_times_the_native_step_on_the_files_own_formats(tmp_path, plan_dir)
     shapes = {"self_attn.q_proj": (256, 256), "self_attn.k_proj": (128, 256), "self_attn.v_proj": (128, 256),
               "self_attn.o_proj": (256, 256), "mlp.gate_proj": (512, 256), "mlp.up_proj": (512, 256),
               "mlp.down_proj": (256, 512)}
-    quantized = {f"model.layers.{i}.{p}.weight": QuantizedTensor("Q6_K" if i == 0 and p in ("self_attn.v_proj", "mlp.down_proj")
-                                                                 else "Q4_K", np.zeros((n, 1), np.uint8), (n, k))
+    quantized = {f"model.layers.{i}.{p}.weight":
+                 QuantizedTensor("Q6_K" if i == 0 and p in ("self_attn.v_proj", "mlp.down_proj") else "Q4_K",
+                                 np.zeros((n, 1), np.uint8), (n, k))
                  for i in range(2) for p, (n, k) in shapes.items()}
     q4km = kernels.Shapes.of(cfg, quantized)
     assert q4km.segments("qkv") == {(("Q4_K", 384), ("Q6_K", 128)): 1, (("Q4_K", 512),): 1}
@@ -178,7 +180,8 @@ def busy_cores(n: int = 1):
             proc.wait()
 
 
-def test_a_plan_measured_on_a_busy_machine_holds_the_defaults_and_is_not_measured_again(tmp_path, plan_dir, monkeypatch):
+def test_a_plan_measured_on_a_busy_machine_holds_the_defaults_and_is_not_measured_again(tmp_path, plan_dir,
+                                                                                        monkeypatch):
     """The default model's shapes, with another core kept busy: the plan knows it was disturbed, holds
     the CPU family's defaults and says so; the next starts take it from the cache as it is."""
     _native()
@@ -261,7 +264,8 @@ def test_quality_guard_int4_agrees_with_fp32_reference(real_model_path):
         assert agreement >= 0.99, f"{config}: top-1 agreement {agreement:.4f} < 0.99 over {len(reference)} positions"
     int8 = top1(activations="int8")
     agreement = sum(a == b for a, b in zip(reference, int8)) / len(reference)
-    assert len(int8) == len(reference) and agreement >= 0.95, f"int8 activations: top-1 agreement {agreement:.4f} < 0.95"
+    assert len(int8) == len(reference) and agreement >= 0.95, (
+        f"int8 activations: top-1 agreement {agreement:.4f} < 0.95")
 
 
 def test_low_latency_requests_sample_from_the_int8_output_projection(tiny_model_dir):
@@ -301,7 +305,8 @@ def test_pull_prepares_the_kernels_and_the_plan_that_serve_then_loads(tmp_path, 
     prepare(str(model))
     second = capsys.readouterr().out
     if native.available():
-        assert "native step" in first and ("kernel plan (measured)" in first or "kernel plan (defaults)" in first), first
+        assert "native step" in first and ("kernel plan (measured)" in first
+                                           or "kernel plan (defaults)" in first), first
         assert len(list((tmp_path / "plans").glob("*.json"))) == 1
         assert "kernel plan (cache)" in second, second  # measured once, quietly or not
     assert f"kernels {native.status()}" in first and "ready to serve" in first
@@ -331,7 +336,8 @@ def test_a_finished_build_loads_without_the_build_tooling():
         pytest.skip("native kernels disabled")
     script = ("import sys\nfrom stratum.kernels import native\nassert native.available(), native.status()\n"
               "print('torch.utils.cpp_extension' in sys.modules)\n")
-    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300) for _ in range(2)]
+    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+            for _ in range(2)]
     assert all(r.returncode == 0 for r in runs), runs[-1].stderr[-2000:]
     assert runs[1].stdout.strip() == "False"  # the first may have built them; the second only loads
 

@@ -160,7 +160,8 @@ def test_hf_folder_round_trip(tiny_model_dir):
     reference = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
     tok = ckpt.tokenizer
     assert tok.encode(PROMPT) == reference.encode(PROMPT, add_special_tokens=False).ids
-    assert (tok.bos_token, tok.bos_token_id, tok.eos_token, tok.eos_token_ids) == ("<|im_start|>", 1, "<|im_end|>", (2,))
+    assert ((tok.bos_token, tok.bos_token_id, tok.eos_token, tok.eos_token_ids)
+            == ("<|im_start|>", 1, "<|im_end|>", (2,)))
     assert ckpt.chat_template == CHATML
     assert tok.decode(tok.encode(PROMPT)) == PROMPT
 

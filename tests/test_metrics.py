@@ -47,7 +47,8 @@ def workload(fresh_server):
 
     def anthropic_call(body, headers=None):
         t0 = time.perf_counter()
-        r = httpx.post(url + "/v1/messages", json={"model": MODEL, **body}, headers={**DEBUG, **(headers or {})}, timeout=60)
+        r = httpx.post(url + "/v1/messages", json={"model": MODEL, **body}, headers={**DEBUG, **(headers or {})},
+                       timeout=60)
         assert r.status_code == 200, r.text
         doc = decode(r.headers["x-stratum-trace"])
         assert doc["usage"] == r.json()["usage"]
@@ -94,7 +95,8 @@ def workload(fresh_server):
 def test_metrics_parse_with_the_documented_types(workload):
     _, families = workload
     expected = {
-        "stratum_request_count": "counter", "stratum_cache_hit_count": "counter", "stratum_cache_query_count": "counter",
+        "stratum_request_count": "counter", "stratum_cache_hit_count": "counter",
+        "stratum_cache_query_count": "counter",
         "stratum_kv_sparsity": "histogram", "stratum_cost_dollars": "counter", "stratum_prompt_tokens": "counter",
         "stratum_generation_tokens": "counter", "stratum_time_to_first_token_seconds": "histogram",
         "stratum_inter_token_latency_seconds": "histogram", "stratum_e2e_request_latency_seconds": "histogram",
@@ -102,7 +104,8 @@ def test_metrics_parse_with_the_documented_types(workload):
         "stratum_num_requests_running": "gauge", "stratum_num_requests_waiting": "gauge",
         "stratum_kv_cache_usage_ratio": "gauge", "stratum_kv_cache_cached_blocks": "gauge",
         "stratum_num_preemptions": "gauge", "stratum_engine_steps": "gauge", "stratum_runtime_overhead_ratio": "gauge",
-        "stratum_admission_rejections": "counter", "stratum_pollution_advice": "counter", "stratum_engine_mode": "gauge",
+        "stratum_admission_rejections": "counter", "stratum_pollution_advice": "counter",
+        "stratum_engine_mode": "gauge",
     }
     for name, kind in expected.items():
         assert families[name][0] == kind, name
@@ -123,7 +126,8 @@ def test_request_and_token_counters_agree_with_responses(workload):
     assert total(m, "stratum_cache_hit_count", "stratum_cache_hit_count_total") == cached
     assert total(m, "stratum_cache_query_count", "stratum_cache_query_count_total") == prompt
     assert total(m, "stratum_prompt_tokens", "stratum_prompt_tokens_total") == prompt
-    assert total(m, "stratum_generation_tokens", "stratum_generation_tokens_total") == sum(u["output_tokens"] for u in usages)
+    assert (total(m, "stratum_generation_tokens", "stratum_generation_tokens_total")
+            == sum(u["output_tokens"] for u in usages))
 
 
 def test_cost_counter_is_the_sum_of_final_estimates(workload):
@@ -133,7 +137,8 @@ def test_cost_counter_is_the_sum_of_final_estimates(workload):
         sum(d["final_cost_estimate"] for d in docs), abs=1e-9)
     for label, is_hit in (("true", True), ("false", False)):
         part = sum(d["final_cost_estimate"] for d in docs if (d["usage"]["cache_read_input_tokens"] > 0) is is_hit)
-        assert total(m, "stratum_cost_dollars", "stratum_cost_dollars_total", model=MODEL, cache_hit=label) == pytest.approx(part, abs=1e-9)
+        assert total(m, "stratum_cost_dollars", "stratum_cost_dollars_total", model=MODEL,
+                     cache_hit=label) == pytest.approx(part, abs=1e-9)
 
 
 def test_histograms_agree_with_traces(workload):
@@ -153,11 +158,14 @@ def test_histograms_agree_with_traces(workload):
     assert total(m, "stratum_inter_token_latency_seconds", "stratum_inter_token_latency_seconds_count") == itl
     # the sums are the traces' own durations (which are rounded to the microsecond)
     prefill_s = sum(d["steps"][1]["duration_us"] for d in docs) / 1e6
-    assert total(m, "stratum_prefill_time_seconds", "stratum_prefill_time_seconds_sum") == pytest.approx(prefill_s, abs=1e-6 * len(docs))
+    assert total(m, "stratum_prefill_time_seconds", "stratum_prefill_time_seconds_sum") == pytest.approx(
+        prefill_s, abs=1e-6 * len(docs))
     queue_s = sum(d["steps"][0]["duration_us"] for d in docs) / 1e6
-    assert total(m, "stratum_queue_time_seconds", "stratum_queue_time_seconds_sum") == pytest.approx(queue_s, abs=1e-6 * len(docs))
+    assert total(m, "stratum_queue_time_seconds", "stratum_queue_time_seconds_sum") == pytest.approx(
+        queue_s, abs=1e-6 * len(docs))
     # each latency lies within the round trip the test observed
-    assert total(m, "stratum_e2e_request_latency_seconds", "stratum_e2e_request_latency_seconds_sum") <= sum(t for _, _, t in records)
+    assert (total(m, "stratum_e2e_request_latency_seconds", "stratum_e2e_request_latency_seconds_sum")
+            <= sum(t for _, _, t in records))
     ttft = total(m, "stratum_time_to_first_token_seconds", "stratum_time_to_first_token_seconds_sum")
     assert 0 < ttft <= sum(t for _, d, t in records if d["usage"]["output_tokens"] > 0)
 
@@ -173,6 +181,7 @@ def test_gauges_describe_the_idle_engine(fresh_server, workload):
     assert total(now, "stratum_num_preemptions") == 0
     assert total(now, "stratum_engine_steps") > 0
     assert 0 < total(now, "stratum_runtime_overhead_ratio") < 1
-    assert total(now, "stratum_engine_mode", mode="normal") == 1 and total(now, "stratum_engine_mode", mode="basic") == 0
+    assert (total(now, "stratum_engine_mode", mode="normal") == 1
+            and total(now, "stratum_engine_mode", mode="basic") == 0)
     assert total(now, "stratum_admission_rejections", "stratum_admission_rejections_total") == 0
     assert total(now, "stratum_pollution_advice", "stratum_pollution_advice_total") == 0

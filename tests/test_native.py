@@ -34,7 +34,8 @@ def _decode_meta(own: list[list[int]], lens: list[int], shared: list[int], use_n
         meta.decode_table, meta.decode_lens = table, suffix
     else:
         meta.decode_slots = (table[:, :, None] * BLOCK + torch.arange(BLOCK)).flatten(1)
-        meta.decode_mask = (torch.arange(meta.decode_slots.shape[1])[None, :] < suffix[:, None]).view(len(own), 1, 1, -1)
+        meta.decode_mask = (torch.arange(meta.decode_slots.shape[1])[None, :] < suffix[:, None]).view(
+            len(own), 1, 1, -1)
     return meta
 
 
@@ -46,7 +47,8 @@ def test_native_decode_attention_matches_the_gather_path(dtype, cascade):
     own = [[20, 5], [9], [30, 31, 2, 4], [14]]
     lens = [(len(shared) + len(t)) * BLOCK - cut for t, cut in zip(own, [3, 0, 15, 9])]
     q = torch.randn(len(own), HEADS, DIM, generator=g).to(dtype)
-    k, v = torch.randn(len(own), KV_HEADS, DIM, generator=g).to(dtype), torch.randn(len(own), KV_HEADS, DIM, generator=g).to(dtype)
+    k, v = (torch.randn(len(own), KV_HEADS, DIM, generator=g).to(dtype),
+            torch.randn(len(own), KV_HEADS, DIM, generator=g).to(dtype))
     outs = []
     for use_native in (False, True):
         k_cache, v_cache = _pool(40, dtype)
@@ -92,7 +94,8 @@ def test_q8_0_table_rows_are_exact_against_the_dequantized_weight():
     n, k = 300, 96
     q = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
     d = (torch.rand(n, k // 32, generator=g) * 0.01).half()
-    raw = np.concatenate([d.numpy().view(np.uint8).reshape(n, k // 32, 2), q.numpy().view(np.uint8).reshape(n, k // 32, 32)], axis=-1)
+    raw = np.concatenate([d.numpy().view(np.uint8).reshape(n, k // 32, 2),
+                          q.numpy().view(np.uint8).reshape(n, k // 32, 32)], axis=-1)
     q2, scales = unpack_q8_0(raw.reshape(n, -1), (n, k))
     assert torch.equal(q2, q) and torch.equal(scales, d.float())
     weight = (q.float().view(n, k // 32, 32) * d.float()[..., None]).view(n, k)

@@ -18,7 +18,8 @@ def test_a_quantized_file_runs_the_native_step_in_fp32():
     n = rule.choose_numerics(INPUTS, "file")
     assert (n.step, n.dtype, n.kv_dtype, n.low_latency_head) == ("native", "float32", "float32", None)
     assert dict(n.weights) == {"Q4_K": rule.AS_STORED, "Q6_K": rule.AS_STORED} and n.is_batch_invariant
-    assert rule.choose_numerics(replace(INPUTS, dtype="bfloat16"), "file").kv_dtype == "bfloat16"  # the user's trade: KV only
+    # the user's trade: KV only
+    assert rule.choose_numerics(replace(INPUTS, dtype="bfloat16"), "file").kv_dtype == "bfloat16"
 
 
 def test_the_pytorch_step_holds_blocks_as_stored_unless_told_otherwise():
@@ -30,7 +31,8 @@ def test_the_pytorch_step_holds_blocks_as_stored_unless_told_otherwise():
         "Q4_K": "dense float32", "Q6_K": "dense float32"}  # the dequantized reference, when asked for
     asked = rule.choose_numerics(replace(refused, int4_max_tokens=64, dtype="bfloat16"), "file")
     assert dict(asked.weights) == {"Q4_K": rule.INT4, "Q6_K": rule.PACKED} and asked.low_latency_head == "int8"
-    bare = rule.choose_numerics(replace(refused, native_kernels=False), "file")  # no compiler: dense fp32, PyTorch attention
+    # no compiler: dense fp32, PyTorch attention
+    bare = rule.choose_numerics(replace(refused, native_kernels=False), "file")
     assert set(dict(bare.weights).values()) == {"dense float32"} and bare.attention == "pytorch"
 
 
@@ -49,7 +51,8 @@ def test_int8_activations_are_the_users_choice_and_only_the_native_steps():
     """--activations int8 quantizes the native step's activation blocks as llama.cpp does: never the
     rule's default, a numerics of its own (its own key: KV saved under int16 is never read under int8),
     and refused with the reason where the start would run the PyTorch step."""
-    default, asked = rule.choose_numerics(INPUTS, "file"), rule.choose_numerics(replace(INPUTS, activations="int8"), "file")
+    default, asked = (rule.choose_numerics(INPUTS, "file"),
+                      rule.choose_numerics(replace(INPUTS, activations="int8"), "file"))
     assert default.activations == "int16" and asked.activations == "int8" and asked.step == "native"
     assert asked.key() != default.key() and rule.Numerics.from_dict(asked.describe()) == asked
     for inputs, why in ((replace(INPUTS, device="cuda"), "on cuda"), (replace(INPUTS, native_step=False), "turned off"),
@@ -61,16 +64,19 @@ def test_int8_activations_are_the_users_choice_and_only_the_native_steps():
         rule.choose_numerics(replace(INPUTS, activations="int4"), "file")
     # a cold start's provisional step refuses what the native step it switches to would
     with pytest.raises(ValueError, match="sliding-window"):
-        rule.provisional(replace(INPUTS, activations="int8", native_kernels=False, native_refusal="sliding-window"), "file")
+        rule.provisional(replace(INPUTS, activations="int8", native_kernels=False, native_refusal="sliding-window"),
+                         "file")
     assert rule.provisional(replace(INPUTS, activations="int8", native_kernels=False), "file").step == "pytorch"
 
 
 def test_dense_files_cuda_and_the_provisional_step():
-    assert rule.choose_numerics(replace(INPUTS, tensor_types=()), "file").step == "pytorch"  # F32: nothing stored packed
+    # F32: nothing stored packed
+    assert rule.choose_numerics(replace(INPUTS, tensor_types=()), "file").step == "pytorch"
     cuda = rule.choose_numerics(replace(INPUTS, device="cuda"), "file")
     assert (cuda.step, cuda.dtype) == ("pytorch", "bfloat16")
     p = rule.provisional(replace(INPUTS, tensor_types=("Q4_0", "Q8_0")), "file")
-    assert dict(p.weights) == {"Q4_0": rule.INT4, "Q8_0": "dense bfloat16"} and p.key() != rule.choose_numerics(INPUTS, "file").key()
+    assert (dict(p.weights) == {"Q4_0": rule.INT4, "Q8_0": "dense bfloat16"}
+            and p.key() != rule.choose_numerics(INPUTS, "file").key())
 
 
 def test_an_engines_numerics_do_not_follow_the_plans_threads(tmp_path, monkeypatch):
@@ -85,7 +91,8 @@ def test_an_engines_numerics_do_not_follow_the_plans_threads(tmp_path, monkeypat
     config = EngineConfig(model=str(path))
     keys = set()
     for threads in (1, 2):
-        monkeypatch.setattr(builder, "select_plan", lambda *a, t=threads, **k: KernelPlan("cpu", t, source=PlanSource.MEASURED))
+        monkeypatch.setattr(builder, "select_plan",
+                            lambda *a, t=threads, **k: KernelPlan("cpu", t, source=PlanSource.MEASURED))
         resolved = builder.resolve(config, builder.load(config))
         assert resolved.num_threads == threads and resolved.numerics.step == "native"
         keys.add(resolved.numerics.key())

@@ -45,7 +45,8 @@ def test_packed_linear_matches_the_reference_arithmetic_and_the_dequantized_weig
     dense = torch.from_numpy(np.asarray(dequantize(raw, GGMLQuantizationType[qtype]), dtype=np.float64).reshape(n, k))
     rounding = 1e-6 * (x.double().abs() @ dense.abs().T)
     assert ((y - reference_matmul(qtype, raw, (n, k), x, bits)).abs() <= rounding).all()
-    step = x.double().view(7, -1, 32).abs().amax(-1).float().double() / (32767 if bits == 16 else 127)  # dx per row and block
+    # dx per row and block
+    step = x.double().view(7, -1, 32).abs().amax(-1).float().double() / (32767 if bits == 16 else 127)
     quantization = 0.0 if qtype in ("F16", "BF16") else (step.repeat_interleave(32, -1) / 2) @ dense.abs().T
     assert ((y - x.double() @ dense.T).abs() <= quantization + rounding).all()
 
@@ -53,7 +54,8 @@ def test_packed_linear_matches_the_reference_arithmetic_and_the_dequantized_weig
 # bits per weight the tiles hold against the GGUF block's own: Q4_0's m = -8d is stored (one fp16 more
 # per block), a K-quant's 6-bit sub-scales take a byte each
 TILE_BITS = {"Q4_0": (5.0, 4.5), "Q4_1": (5.0, 5.0), "Q8_0": (8.5, 8.5), "Q5_0": (5.5, 5.5), "Q5_1": (6.0, 6.0),
-             "Q4_K": (4.625, 4.5), "Q5_K": (5.625, 5.5), "Q6_K": (6.5625, 6.5625), "F16": (16.0, 16.0), "BF16": (16.0, 16.0)}
+             "Q4_K": (4.625, 4.5), "Q5_K": (5.625, 5.5), "Q6_K": (6.5625, 6.5625), "F16": (16.0, 16.0),
+             "BF16": (16.0, 16.0)}
 
 
 @pytest.mark.parametrize("qtype", PACKED_QTYPES)
@@ -119,8 +121,9 @@ def _engine(path, native_step: bool, **kw):
 def _run(engine, prompts, max_tokens=8, **params):
     from stratum.engine.sampling_params import SamplingParams
 
-    seqs = [engine.add_request(engine.tokenizer.encode(p), SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                                          ignore_eos=True, **params), request_id=f"r{i}-{p}")
+    seqs = [engine.add_request(engine.tokenizer.encode(p),
+                               SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **params),
+                               request_id=f"r{i}-{p}")
             for i, p in enumerate(prompts)]
     while engine.has_unfinished():
         engine.step()
@@ -153,7 +156,8 @@ def test_the_native_step_computes_what_the_pytorch_model_computes(model, request
         assert y.readouts.coverage_sum == pytest.approx(x.readouts.coverage_sum, abs=1e-6)
         for p in x.readouts.logits:
             # int16 activations: each block rounded at 1.5e-5 of its largest value, through every layer
-            torch.testing.assert_close(y.readouts.logits[p], x.readouts.logits[p], rtol=1e-3, atol=1e-3 * float(x.readouts.logits[p].abs().max()))
+            torch.testing.assert_close(y.readouts.logits[p], x.readouts.logits[p], rtol=1e-3,
+                                       atol=1e-3 * float(x.readouts.logits[p].abs().max()))
     assert native_engine.block_manager.num_used_blocks == 0  # nothing leaked
 
 
@@ -164,11 +168,13 @@ def test_greedy_outputs_are_identical_solo_batched_and_after_a_cache_hit(tiny_gg
     cached_engine = _engine(tiny_gguf, True, enable_prefix_cache=True, activations=activations)
     _run(cached_engine, PROMPTS)
     again = _run(cached_engine, PROMPTS, return_logits=True)
-    assert all(s.num_cached_tokens > 0 for s in again if s.num_prompt_tokens > 4)  # a one-block prompt keeps its last token
+    # a one-block prompt keeps its last token
+    assert all(s.num_cached_tokens > 0 for s in again if s.num_prompt_tokens > 4)
     for s, b, c in zip(solo, batched, again):
         assert s.output_token_ids == b.output_token_ids == c.output_token_ids
         last = max(s.readouts.logits)
-        assert torch.equal(s.readouts.logits[last], b.readouts.logits[last]) and torch.equal(s.readouts.logits[last], c.readouts.logits[last])
+        assert (torch.equal(s.readouts.logits[last], b.readouts.logits[last])
+                and torch.equal(s.readouts.logits[last], c.readouts.logits[last]))
 
 
 def test_prefill_writes_the_kv_a_decode_would(tiny_gguf):
@@ -179,7 +185,8 @@ def test_prefill_writes_the_kv_a_decode_would(tiny_gguf):
     from stratum.engine.sampling_params import SamplingParams
 
     ids = first.token_ids[:-1]  # the prompt and every sampled token but the last
-    replay = engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0, return_logits=True), request_id="replay")
+    replay = engine.add_request(ids, SamplingParams(max_tokens=1, temperature=0.0, return_logits=True),
+                                request_id="replay")
     while engine.has_unfinished():
         engine.step()
     last = len(ids) - 1

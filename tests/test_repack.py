@@ -41,7 +41,8 @@ def test_native_repack_writes_the_reference_bytes(qtype, n):
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and (not a.numel() or torch.equal(a.view(torch.uint8), b.view(torch.uint8)))
+    return (a.dtype == b.dtype and a.shape == b.shape
+            and (not a.numel() or torch.equal(a.view(torch.uint8), b.view(torch.uint8))))
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q5_0"])
@@ -86,7 +87,8 @@ def test_native_row_lookup_gives_gguf_pys_values(qtype):
         tables.append(raw.numpy().reshape(n, -1))
     ids = torch.tensor([0, 47, 5, 5, 31])
     for raw in tables:
-        want = torch.from_numpy(np.asarray(dequantize(raw, GGMLQuantizationType[qtype]), dtype=np.float32).reshape(n, k))
+        want = torch.from_numpy(np.asarray(dequantize(raw, GGMLQuantizationType[qtype]),
+                                           dtype=np.float32).reshape(n, k))
         got = dequantize_rows(qtype, torch.from_numpy(raw.view(np.uint8)), k, ids)
         assert got.dtype == torch.float32 and got.shape == (5, k)
         assert torch.equal(got.view(torch.int32), want[ids].view(torch.int32)), qtype

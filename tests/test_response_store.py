@@ -12,7 +12,8 @@ from stratum.server.response_store import ResponseStore
 
 
 def body(rid: str, text: str = "x" * 100) -> dict:
-    return {"id": rid, "output": [{"id": f"msg_{rid}", "type": "message", "content": [{"type": "output_text", "text": text}]}]}
+    return {"id": rid, "output": [{"id": f"msg_{rid}", "type": "message",
+                                   "content": [{"type": "output_text", "text": text}]}]}
 
 
 def size(rid: str) -> int:

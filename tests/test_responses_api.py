@@ -20,7 +20,8 @@ AGENTS = {"type": "namespace", "name": "multi_agent_v1", "description": "Tools f
     {"type": "function", "name": "spawn_agent", "description": "Spawn a sub-agent.", "strict": False,
      "parameters": {"type": "object", "properties": {"message": {"type": "string"}}, "required": ["message"]}}]}
 # Codex's `exec` tool's grammar (tests/data/agents: its default-model shape), and a strict one
-CODEX_GRAMMAR = ("\nstart: pragma_source | plain_source\npragma_source: PRAGMA_LINE NEWLINE SOURCE\nplain_source: SOURCE\n\n"
+CODEX_GRAMMAR = ("\nstart: pragma_source | plain_source\npragma_source: PRAGMA_LINE NEWLINE SOURCE\n"
+                 "plain_source: SOURCE\n\n"
                  "PRAGMA_LINE: /[ \\t]*\\/\\/ @exec:[^\\r\\n]*/\nNEWLINE: /\\r?\\n/\nSOURCE: /[\\s\\S]+/\n")
 DIGITS = {"type": "custom", "name": "add", "description": "Add numbers: 1+2",
           "format": {"type": "grammar", "syntax": "lark", "definition": 'start: NUM ("+" NUM)*\nNUM: /[0-9]{1,3}/'}}
@@ -40,7 +41,8 @@ def test_a_namespaced_function_call_names_its_namespace(oai):
     # sent back (call and output), it is read as the same tool's call
     follow = [{"role": "user", "content": "Spawn an agent"}, call.model_dump(exclude_none=True),
               {"type": "function_call_output", "call_id": call.call_id, "output": '{"agent_id": "a1"}'}]
-    assert create(oai, input=follow, tools=[WEATHER, AGENTS], max_output_tokens=1).usage.input_tokens > r.usage.input_tokens
+    assert (create(oai, input=follow, tools=[WEATHER, AGENTS], max_output_tokens=1).usage.input_tokens
+            > r.usage.input_tokens)
 
 
 @pytest.mark.parametrize("stream", [False, True])
@@ -74,7 +76,8 @@ def test_codex_exec_tool_grammar_compiles_and_constrains(oai):
 
 
 def test_a_regex_custom_tool_and_a_text_one(oai):
-    regex = {"type": "custom", "name": "code", "format": {"type": "grammar", "syntax": "regex", "definition": "[A-Z]{3}-[0-9]{2}"}}
+    regex = {"type": "custom", "name": "code",
+             "format": {"type": "grammar", "syntax": "regex", "definition": "[A-Z]{3}-[0-9]{2}"}}
     item = create(oai, input="A code", tools=[regex], tool_choice="required", max_output_tokens=20).output[0]
     assert item.type == "custom_tool_call" and re.fullmatch(r"[A-Z]{3}-[0-9]{2}", item.input), item.input
     free = {"type": "custom", "name": "note", "description": "Write a note."}
@@ -85,9 +88,10 @@ def test_a_regex_custom_tool_and_a_text_one(oai):
 def test_hosted_tools_are_accepted_and_not_offered(oai):
     """OpenAI-run tools change nothing in the prompt; forcing one is a 400 naming it."""
     hosted = [{"type": "web_search", "external_web_access": False}, {"type": "web_search_preview"},
-              {"type": "file_search", "vector_store_ids": ["vs_1"]}, {"type": "code_interpreter", "container": {"type": "auto"}},
-              {"type": "image_generation"}, {"type": "local_shell"}, {"type": "computer_use_preview", "display_width": 10,
-                                                                        "display_height": 10, "environment": "linux"},
+              {"type": "file_search", "vector_store_ids": ["vs_1"]},
+              {"type": "code_interpreter", "container": {"type": "auto"}},
+              {"type": "image_generation"}, {"type": "local_shell"},
+              {"type": "computer_use_preview", "display_width": 10, "display_height": 10, "environment": "linux"},
               {"type": "mcp", "server_label": "docs", "server_url": "https://x.example/mcp"}, {"type": "shell"},
               {"type": "apply_patch"}]
     plain = create(oai, input="Weather?", tools=[WEATHER], max_output_tokens=1).usage.input_tokens
@@ -114,10 +118,11 @@ def test_codex_items_are_read(oai):
         {"type": "message", "id": "msg_1", "role": "user", "content": [{"type": "input_text", "text": "Set a goal"}]},
         {"type": "reasoning", "id": "rs_0", "summary": [{"type": "summary_text", "text": "Next."}], "content": None,
          "encrypted_content": "opaque"},
-        {"type": "function_call", "status": "completed", "id": "fc_0", "name": "spawn_agent", "namespace": "multi_agent_v1",
-         "arguments": '{"message": "hi"}', "call_id": "call_0"},
+        {"type": "function_call", "status": "completed", "id": "fc_0", "name": "spawn_agent",
+         "namespace": "multi_agent_v1", "arguments": '{"message": "hi"}', "call_id": "call_0"},
         {"type": "function_call_output", "id": "fco_0", "call_id": "call_0", "output": "ok"},
-        {"type": "function_call_output", "id": "fco_1", "name": "goal_objective", "namespace": "agent", "output": "print hi"},
+        {"type": "function_call_output", "id": "fco_1", "name": "goal_objective", "namespace": "agent",
+         "output": "print hi"},
         {"type": "custom_tool_call", "id": "ctc_0", "status": "completed", "call_id": "call_1", "name": "exec",
          "namespace": "functions", "input": "text('hi')"},
         {"type": "custom_tool_call_output", "id": "ctco_0", "call_id": "call_1",
@@ -148,10 +153,11 @@ def test_a_stored_response_is_retrieved_listed_continued_and_deleted(oai):
     assert second.usage.input_tokens == create(oai, input=whole, max_output_tokens=1, store=False).usage.input_tokens
     assert len(oai.responses.input_items.list(second.id, order="asc").data) == 3
     # an item reference stands for the stored item it names
-    ref = create(oai, input=[{"type": "item_reference", "id": first.output[0].id}, {"role": "user", "content": "Go on"}],
+    ref = create(oai, input=[{"type": "item_reference", "id": first.output[0].id},
+                             {"role": "user", "content": "Go on"}],
                  max_output_tokens=1, store=False)
-    inline = create(oai, input=[first.output[0].model_dump(), {"role": "user", "content": "Go on"}], max_output_tokens=1,
-                    store=False)
+    inline = create(oai, input=[first.output[0].model_dump(), {"role": "user", "content": "Go on"}],
+                    max_output_tokens=1, store=False)
     assert ref.usage.input_tokens == inline.usage.input_tokens
     oai.responses.delete(first.id)
     with pytest.raises(openai.NotFoundError):
@@ -184,7 +190,8 @@ def test_one_tenant_never_reads_another_s_stored_response(two_tenants):
     assert a.responses.retrieve(r.id).id == r.id
     for attempt in (lambda: b.responses.retrieve(r.id), lambda: b.responses.delete(r.id),
                     lambda: b.responses.input_items.list(r.id),
-                    lambda: b.responses.create(model="tiny", input="Go on", previous_response_id=r.id, max_output_tokens=1),
+                    lambda: b.responses.create(model="tiny", input="Go on", previous_response_id=r.id,
+                                               max_output_tokens=1),
                     lambda: b.responses.create(model="tiny", max_output_tokens=1,
                                                input=[{"type": "item_reference", "id": r.output[0].id}])):
         with pytest.raises(openai.NotFoundError):

@@ -116,7 +116,8 @@ def test_sampler_seeded_row_ignores_its_batch_companions():
     alone = [sample(logits[2:3], [seeded], [torch.Generator().manual_seed(7)]).tokens[0] for _ in range(3)]
     torch.manual_seed(123)
     params = [SamplingParams(temperature=1.0), SamplingParams(temperature=0.5), seeded, SamplingParams(temperature=0.0)]
-    batch = sample(logits, params, [None, torch.Generator().manual_seed(99), torch.Generator().manual_seed(7), None]).tokens
+    batch = sample(logits, params,
+                   [None, torch.Generator().manual_seed(99), torch.Generator().manual_seed(7), None]).tokens
     assert alone == [batch[2]] * 3
 
 
@@ -246,8 +247,9 @@ def test_invalid_requests_are_rejected_at_admission(tiny_model_dir, prompt, para
 # ---- log-probabilities and grammars --------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("params", [greedy(8, logprobs=5), SamplingParams(max_tokens=8, temperature=0.7, seed=3, ignore_eos=True,
-                                                                           logprobs=5)])
+@pytest.mark.parametrize("params", [greedy(8, logprobs=5),
+                                    SamplingParams(max_tokens=8, temperature=0.7, seed=3, ignore_eos=True,
+                                                   logprobs=5)])
 def test_logprobs_match_a_recomputation_from_the_logits(llm, params):
     params = dataclasses.replace(params, return_logits=True)
     seqs, outs = run(llm, PROMPTS, params)

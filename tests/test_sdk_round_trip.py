@@ -98,14 +98,16 @@ class Walk:
 
     def built(self, cls: type[BaseModel], depth: int = 0) -> BaseModel:
         """An instance of an SDK model with every field set, validated as the SDK validates a response."""
-        data = {(info.alias or name): self.sample(info.annotation, depth, name) for name, info in cls.model_fields.items()}
+        data = {(info.alias or name): self.sample(info.annotation, depth, name)
+                for name, info in cls.model_fields.items()}
         return cls.model_validate(data)
 
 
 def _structured(tp: Any) -> bool:
     """Whether a union member is an object or a list (what the server reads apart), not a scalar."""
     tp = get_args(tp)[0] if get_origin(tp) is typing.Annotated else tp
-    return get_origin(tp) in (list, typing.List, Union, types.UnionType) or (isinstance(tp, type) and issubclass(tp, BaseModel))
+    return (get_origin(tp) in (list, typing.List, Union, types.UnionType)
+            or (isinstance(tp, type) and issubclass(tp, BaseModel)))
 
 
 def built(cls: type[BaseModel]) -> BaseModel:
@@ -157,7 +159,8 @@ def test_anthropic_block_is_accepted_back(client, block):
     a conversation that declares the tool its sample values name, as the one it came from did)."""
     messages = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": [block]},
                 {"role": "user", "content": "Go on"}]
-    tools = [{"name": name, "description": "A tool.", "input_schema": SCHEMA} for name in sorted(names_in(block) | {"text"})]
+    tools = [{"name": name, "description": "A tool.", "input_schema": SCHEMA}
+             for name in sorted(names_in(block) | {"text"})]
     assert client.beta.messages.count_tokens(model="tiny", messages=messages, tools=tools).input_tokens > 0
 
 
@@ -166,7 +169,8 @@ def test_a_message_is_sent_back_whole(client):
     msg = client.messages.create(model="tiny", max_tokens=3, messages=[{"role": "user", "content": "Hi"}])
     content = [b.model_dump() for b in msg.content] or [{"type": "text", "text": "-"}]
     again = client.messages.create(model="tiny", max_tokens=1, messages=[
-        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": content}, {"role": "user", "content": "Go on"}])
+        {"role": "user", "content": "Hi"}, {"role": "assistant", "content": content},
+        {"role": "user", "content": "Go on"}])
     assert prompt_of(again.usage) > prompt_of(msg.usage)
 
 
@@ -232,7 +236,8 @@ def without_media(value: Any) -> Any:
 def test_a_response_is_sent_back_whole(oai):
     """A response's output, item by item as `model_dump()` writes it, is the next request's input."""
     r = oai.responses.create(model="tiny", input="Hi", max_output_tokens=3, store=False)
-    follow = [{"role": "user", "content": "Hi"}, *(o.model_dump() for o in r.output), {"role": "user", "content": "Go on"}]
+    follow = [{"role": "user", "content": "Hi"}, *(o.model_dump() for o in r.output),
+              {"role": "user", "content": "Go on"}]
     again = oai.responses.create(model="tiny", input=follow, max_output_tokens=1, store=False)
     assert again.usage.input_tokens > r.usage.input_tokens
 

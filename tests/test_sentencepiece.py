@@ -185,7 +185,8 @@ def test_loader_reads_sentencepiece_checkpoints(source, model_bytes, sp, tmp_pat
 
 
 
-LLAMA2_TEMPLATE = (  # Llama 2's chat template (meta-llama/Llama-2-7b-chat-hf tokenizer_config.json), system turn left out
+# Llama 2's chat template (meta-llama/Llama-2-7b-chat-hf tokenizer_config.json), system turn left out
+LLAMA2_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}{% if message['role'] == 'user' %}"
     "{{ '[INST] ' + message['content'] + ' [/INST]' }}{% elif message['role'] == 'assistant' %}"
     "{{ ' ' + message['content'] + ' ' + eos_token }}{% endif %}{% endfor %}"
@@ -224,19 +225,22 @@ def test_add_bos_read_as_llama_cpp_reads_it(gguf_tokenizer, tmp_path):
 
     from stratum.models.tokenizer import tokenizer_from_file
 
-    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["<s>", "a", "b", "ab"], "tokenizer.ggml.merges": ["a b"],
+    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": ["<s>", "a", "b", "ab"],
+            "tokenizer.ggml.merges": ["a b"],
             "tokenizer.ggml.token_type": [3, 1, 1, 1], "tokenizer.ggml.bos_token_id": 0}
     assert not tokenizer_from_gguf({**meta, "tokenizer.ggml.pre": "smollm"}).add_bos
     assert tokenizer_from_gguf({**meta, "tokenizer.ggml.pre": "llama-bpe"}).add_bos
     assert tokenizer_from_gguf({**meta, "tokenizer.ggml.add_bos_token": True}).add_bos
-    assert not tokenizer_from_gguf({**meta, "tokenizer.ggml.pre": "llama-bpe", "tokenizer.ggml.add_bos_token": False}).add_bos
+    assert not tokenizer_from_gguf({**meta, "tokenizer.ggml.pre": "llama-bpe",
+                                    "tokenizer.ggml.add_bos_token": False}).add_bos
     assert gguf_tokenizer.add_bos and gguf_tokenizer.encode_prompt("Hello") == [1] + gguf_tokenizer.encode("Hello")
 
     backend = Tokenizer(models.BPE({"<s>": 0, "a": 1}, []))
     backend.add_special_tokens(["<s>"])
     path = tmp_path / "tokenizer.json"
     for post, config, expected in [(False, None, False), (True, None, True), (True, False, False), (False, True, True)]:
-        backend.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)]) if post else None
+        backend.post_processor = (processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+                                  if post else None)
         backend.save(str(path))
         assert tokenizer_from_file(str(path), [], "<s>", config).add_bos == expected
 
@@ -265,7 +269,8 @@ def test_bos_added_once_as_llama_server_does(spm_server, sp):
     logprobs = r.choices[0].logprobs
     assert logprobs.tokens[0] == "<s>" and logprobs.token_logprobs[0] is None
     assert r.choices[0].text.startswith(text) and logprobs.text_offset[:2] == [0, 0]
-    assert oai.completions.create(model="tiny", prompt=sp.encode(text), max_tokens=1).usage.prompt_tokens == len(sp.encode(text))
+    assert (oai.completions.create(model="tiny", prompt=sp.encode(text), max_tokens=1).usage.prompt_tokens
+            == len(sp.encode(text)))
 
     messages = [{"role": "user", "content": "Hello there"}]
     rendered = "[INST] Hello there[/INST]"  # Mistral v3's template after its BOS

@@ -55,7 +55,8 @@ for path in sys.argv[2:]:
     model.eval()
     assert attach_packed(model, ckpt.quantized)  # the embedding too, looked up from its blocks
     bs, blocks = 16, 32
-    caches = [(torch.zeros(blocks * bs, cfg.num_kv_heads, cfg.head_dim), torch.zeros(blocks * bs, cfg.num_kv_heads, cfg.head_dim))
+    caches = [(torch.zeros(blocks * bs, cfg.num_kv_heads, cfg.head_dim),
+               torch.zeros(blocks * bs, cfg.num_kv_heads, cfg.head_dim))
               for _ in range(cfg.num_layers)]
     lengths = [5, 17, 40]  # within a block, across one, across two
     seqs = [torch.randint(0, cfg.vocab_size, (n,)).tolist() for n in lengths]
@@ -114,7 +115,8 @@ def test_every_simd_path_gives_the_same_tokens_and_logits(tmp_path, request):
     # inputs are multiples of 256
     folder = make_family_dir(tmp_path / "llama", "llama", hidden_size=256, intermediate_size=512,
                              num_attention_heads=4, num_key_value_heads=2)
-    models += [write_family_gguf(folder, tmp_path / f"{name.replace('/', '-')}.gguf", **mix) for name, mix in PACKED_MIXES.items()]
+    models += [write_family_gguf(folder, tmp_path / f"{name.replace('/', '-')}.gguf", **mix)
+               for name, mix in PACKED_MIXES.items()]
     variants = _variants()
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:  # one compiler per core
         runs = [pool.submit(_run_variant, march, home, models, tmp_path / f"{march}.pt") for march, _ in variants]

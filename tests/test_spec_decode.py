@@ -4,8 +4,6 @@ sampling identical, the sampled distribution unchanged, grammars and stops appli
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
@@ -53,7 +51,8 @@ def test_prompt_lookup_index_grows_with_the_request():
 
 # the kernel plan's shape of timings (µs per decoder layer at each row count, output projection by rows)
 FLAT = {"packed": {1: 100.0, 2: 101.0, 4: 102.0, 8: 104.0, 16: 108.0, 32: 116.0}, "head_packed": {1: 50.0, 16: 51.0}}
-LINEAR = {"packed": {m: 100.0 * m for m in (1, 2, 4, 8, 16, 32)}, "head_packed": {m: 50.0 * m for m in (1, 2, 4, 8, 16)}}
+LINEAR = {"packed": {m: 100.0 * m for m in (1, 2, 4, 8, 16, 32)},
+          "head_packed": {m: 50.0 * m for m in (1, 2, 4, 8, 16)}}
 
 
 def test_rows_pay_while_the_step_is_memory_bound():
@@ -103,7 +102,8 @@ def test_without_a_believable_plan_the_fit_finds_a_rows_cost():
         rows = 1 + i % 8
         cost.observe(rows, rows, (0.002 + 0.0015 * rows) * (10 if i % 16 == 5 else 1))
     assert cost.scale == pytest.approx(0.0015, rel=0.01) and cost.base == pytest.approx(0.002, rel=0.05)
-    assert choose(cost, [(0.6, 16)], 1, 1) == [1]  # the first proposal (kept 60% of the time) pays, the second (36%) not
+    # the first proposal (kept 60% of the time) pays, the second (36%) not
+    assert choose(cost, [(0.6, 16)], 1, 1) == [1]
     assert choose(cost, [(0.99, 16)], 1, 1)[0] > 8
 
 
@@ -241,12 +241,14 @@ def _engine(path, speculative: str, **kw):
 
 
 # prompts that repeat themselves, so prompt lookup has matches, and one that does not
-PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return", "The capital of Japan is Tokyo. The capital of",
+PROMPTS = ["def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return",
+           "The capital of Japan is Tokyo. The capital of",
            "numbers 0123456789 and numbers 0123", "Once upon a time there was a small model"]
 
 
 def _run(engine, prompts, params_list):
-    seqs = [engine.add_request(engine.tokenizer.encode(p), sp, request_id=f"r{i}") for i, (p, sp) in enumerate(zip(prompts, params_list))]
+    seqs = [engine.add_request(engine.tokenizer.encode(p), sp, request_id=f"r{i}")
+            for i, (p, sp) in enumerate(zip(prompts, params_list))]
     finals = {}
     while engine.has_unfinished():
         for out in engine.step():
@@ -285,7 +287,8 @@ def test_stops_and_max_tokens_apply_to_kept_tokens_as_without_speculation(tiny_g
     params = [_greedy(40, stop=[stop_text]), _greedy(40, stop_token_ids=[stop_id]), _greedy(7), _greedy(1)]
     prompts = PROMPTS[:1] * 4
     for a, b in zip(_run(plain_engine, prompts, params)[1], _run(spec_engine, prompts, params)[1]):
-        assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (b.token_ids, b.text, b.finish_reason, b.stop_reason)
+        assert ((a.token_ids, a.text, a.finish_reason, a.stop_reason)
+                == (b.token_ids, b.text, b.finish_reason, b.stop_reason))
 
 
 @pytestmark_native
@@ -303,10 +306,12 @@ def test_seeded_sampling_and_logprobs_are_identical_with_speculation(tiny_gguf):
 def test_grammars_constrain_kept_tokens_as_without_speculation(tiny_gguf):
     import llguidance
 
-    schema = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "array", "items": {"type": "integer"}}},
+    schema = {"type": "object",
+              "properties": {"a": {"type": "string"}, "b": {"type": "array", "items": {"type": "integer"}}},
               "required": ["a", "b"], "additionalProperties": False}
     grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False})
-    params = [_greedy(60, grammar=grammar)] * 2 + [SamplingParams(max_tokens=60, temperature=1.0, seed=3, grammar=grammar)]
+    params = [_greedy(60, grammar=grammar)] * 2 + [
+        SamplingParams(max_tokens=60, temperature=1.0, seed=3, grammar=grammar)]
     prompts = ['{"a": "x", "b": [1, 2]} {"a": "x", "b": [1,', *PROMPTS[:2]]
     _, plain = _run(_engine(tiny_gguf, "off"), prompts, params)
     _, spec = _run(_engine(tiny_gguf, "ngram"), prompts, params)
@@ -318,7 +323,8 @@ def test_grammars_constrain_kept_tokens_as_without_speculation(tiny_gguf):
 def test_a_prefix_cache_hit_after_speculation_reads_only_verified_kv(tiny_gguf):
     """A second turn re-reads the first turn's answer from the cache: its logits are those of an
     engine that never speculated, so every cached block held KV of kept tokens."""
-    plain_engine, spec_engine = _engine(tiny_gguf, "off", enable_prefix_cache=True), _engine(tiny_gguf, "ngram", enable_prefix_cache=True)
+    plain_engine, spec_engine = (_engine(tiny_gguf, "off", enable_prefix_cache=True),
+                                 _engine(tiny_gguf, "ngram", enable_prefix_cache=True))
     results = []
     for engine in (plain_engine, spec_engine):
         _, (first,) = _run(engine, PROMPTS[:1], [_greedy(40)])
@@ -329,7 +335,8 @@ def test_a_prefix_cache_hit_after_speculation_reads_only_verified_kv(tiny_gguf):
         assert seq.num_cached_tokens >= 32
         results.append(seq)
     assert results[0].output_token_ids == results[1].output_token_ids
-    assert all(torch.equal(results[0].readouts.logits[p], results[1].readouts.logits[p]) for p in results[0].readouts.logits)
+    assert all(torch.equal(results[0].readouts.logits[p], results[1].readouts.logits[p])
+               for p in results[0].readouts.logits)
 
 
 @pytestmark_native
@@ -353,7 +360,8 @@ def test_aborts_between_verify_steps_leak_no_block(tiny_gguf):
     params = [_greedy(60)] * 4
     _, plain = _run(_engine(tiny_gguf, "off"), PROMPTS, params)
     engine = _engine(tiny_gguf, "ngram")
-    seqs = [engine.add_request(engine.tokenizer.encode(p), sp, request_id=f"r{i}") for i, (p, sp) in enumerate(zip(PROMPTS, params))]
+    seqs = [engine.add_request(engine.tokenizer.encode(p), sp, request_id=f"r{i}")
+            for i, (p, sp) in enumerate(zip(PROMPTS, params))]
     def verified(seq, rejected):
         state = engine.speculator.states.get(seq.request_id)
         return state is not None and (state.num_rejected if rejected else state.num_steps) > 0
@@ -487,9 +495,11 @@ def test_served_answers_report_speculation_in_trace_and_metrics(real_model_path)
         assert raw.parse().choices[0].text == expected.text
         spec = decode_trace(raw.headers["x-stratum-trace"])["steps"][2]["speculative"]
         assert 0 < spec["accepted_tokens"] <= spec["proposed_tokens"] and spec["verify_steps"] > 0
-        assert spec["tokens_per_verify_step"] == round((spec["accepted_tokens"] + spec["verify_steps"]) / spec["verify_steps"], 3)
+        assert spec["tokens_per_verify_step"] == round(
+            (spec["accepted_tokens"] + spec["verify_steps"]) / spec["verify_steps"], 3)
         cost = parse_stratum_cost(raw.headers["x-stratum-cost"])
-        assert (cost.spec_proposed_tokens, cost.spec_accepted_tokens) == (spec["proposed_tokens"], spec["accepted_tokens"])
+        assert ((cost.spec_proposed_tokens, cost.spec_accepted_tokens)
+                == (spec["proposed_tokens"], spec["accepted_tokens"]))
         metrics = httpx_get(server.url + "/metrics")
         assert f"stratum_spec_accepted_tokens_total {float(spec['accepted_tokens'])}" in metrics
         assert f"stratum_spec_verify_steps_total {float(spec['verify_steps'])}" in metrics

@@ -106,14 +106,16 @@ def test_a_cold_engine_switches_to_the_prepared_step_with_requests_in_flight(tin
     assert engine.upgrade is None and engine.kernel_choices["step"] == "native, packed blocks"
     assert engine.config.numerics.step == "native" and engine.config.numerics.key() != provisional.key()
     assert engine.kernel_choices["numerics"] == engine.config.numerics.key()  # the key follows the step
-    assert engine.speculator.draft.numerics == engine.config.numerics and engine.kernel_choices["speculative"]["mode"] == "draft"
+    assert (engine.speculator.draft.numerics == engine.config.numerics
+            and engine.kernel_choices["speculative"]["mode"] == "draft")
     assert engine.block_manager.num_cached_blocks == 0  # the old pool's cache is gone with it
     finals = []
     while engine.has_unfinished():
         finals += [out for out in engine.step() if out.finished]
     assert engine.block_manager.num_used_blocks == 0  # nothing leaked
     assert all(s.num_preemptions == 1 and s.num_output_tokens == MAX_TOKENS for s in seqs)
-    assert sum(out.stats.num_spec_accepted_tokens for out in finals) > 0  # the draft proposed after the switch, and was kept
+    # the draft proposed after the switch, and was kept
+    assert sum(out.stats.num_spec_accepted_tokens for out in finals) > 0
 
     # Up to the switch: the provisional step's tokens (another provisional engine, alone).
     alone = cold_engine(tiny_gguf)
@@ -181,7 +183,8 @@ def test_requests_during_start_up_get_503_in_their_api_shape_then_the_app_answer
         assert httpx.get(url + "/health").json()["status"] == "ok"
         reply = claude.messages.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": "hi"}])
         assert reply.usage.output_tokens > 0
-        assert gpt.chat.completions.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": "hi"}]).choices
+        assert gpt.chat.completions.create(model="tiny", max_tokens=4,
+                                           messages=[{"role": "user", "content": "hi"}]).choices
     finally:
         client.shutdown()
 

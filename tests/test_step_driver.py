@@ -52,7 +52,8 @@ def _build(compiler: str, flags: list[str], out_dir: Path) -> Path:
     exe = out_dir / f"step_driver-{key.hexdigest()[:16]}{'.o' if '-c' in flags else ''}"
     if not exe.exists():
         tmp = exe.with_name(f"{exe.name}.tmp{os.getpid()}")
-        proc = subprocess.run([compiler, *flags, str(DRIVER), "-o", str(tmp)], capture_output=True, text=True, timeout=600)
+        proc = subprocess.run([compiler, *flags, str(DRIVER), "-o", str(tmp)], capture_output=True, text=True,
+                              timeout=600)
         assert proc.returncode == 0, f"{compiler} {' '.join(flags)}:\n{proc.stderr[-4000:]}"
         tmp.rename(exe)
     return exe
@@ -69,7 +70,8 @@ def _assert_same(results: dict[str, str], reference: dict[str, str], what: str) 
     cases = [k for k in reference if k != "simd"]
     assert len(cases) > 100 and set(results) == set(reference), f"{what}: a different set of cases"
     differ = [k for k in cases if results[k] != reference[k]]
-    assert not differ, f"{what} ({results['simd']}) differs from {reference['simd']} in {len(differ)} cases: {differ[:8]}"
+    assert not differ, (f"{what} ({results['simd']}) differs from {reference['simd']} in {len(differ)} cases: "
+                        f"{differ[:8]}")
 
 
 def _is_x86() -> bool:

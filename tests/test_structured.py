@@ -70,7 +70,8 @@ def test_streamed_tool_arguments_arrive_incrementally(client):
                                 tool_choice={"type": "tool", "name": "tag"}, extra_body={"seed": 2}) as stream:
         events = list(stream)
         final = stream.get_final_message()
-    deltas = [e.delta.partial_json for e in events if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
+    deltas = [e.delta.partial_json for e in events
+              if e.type == "content_block_delta" and e.delta.type == "input_json_delta"]
     assert len(deltas) > 1, deltas
     assert json.loads("".join(deltas)) == final.content[0].input
     assert not any(e.type == "content_block_delta" and e.delta.type == "text_delta" for e in events)
@@ -126,11 +127,13 @@ def test_beta_output_format_matches_schema(client):
 def test_openai_response_format_json_schema(oai, stream):
     fmt = {"type": "json_schema", "json_schema": {"name": "thing", "schema": NESTED, "strict": True}}
     if not stream:
-        r = oai.chat.completions.create(model="tiny", messages=[user("json")], max_tokens=160, seed=3, response_format=fmt)
+        r = oai.chat.completions.create(model="tiny", messages=[user("json")], max_tokens=160, seed=3,
+                                        response_format=fmt)
         text = r.choices[0].message.content
     else:
         text = "".join(c.choices[0].delta.content or "" for c in oai.chat.completions.create(
-            model="tiny", messages=[user("json")], max_tokens=160, seed=3, response_format=fmt, stream=True) if c.choices)
+            model="tiny", messages=[user("json")], max_tokens=160, seed=3, response_format=fmt,
+            stream=True) if c.choices)
     jsonschema.validate(json.loads(text), NESTED)
 
 
@@ -199,11 +202,14 @@ def test_completions_echo_stop_n_stream(oai):
     r = oai.completions.create(model="tiny", prompt=prompt, max_tokens=4, echo=True, temperature=0, n=2, seed=0)
     assert all(c.text.startswith(prompt) for c in r.choices) and len(r.choices) == 2
     text = "".join(c.choices[0].text for c in oai.completions.create(
-        model="tiny", prompt=prompt, max_tokens=6, temperature=0, stream=True, extra_body={"ignore_eos": True}) if c.choices)
-    full = oai.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, extra_body={"ignore_eos": True})
+        model="tiny", prompt=prompt, max_tokens=6, temperature=0, stream=True,
+        extra_body={"ignore_eos": True}) if c.choices)
+    full = oai.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0,
+                                  extra_body={"ignore_eos": True})
     assert text == full.choices[0].text
     out = full.choices[0].text
-    stop = next((out[i: i + 2] for i in range(1, len(out) - 1) if out[i: i + 2].isascii() and out[i: i + 2].isalpha()), None)
+    stop = next((out[i: i + 2] for i in range(1, len(out) - 1) if out[i: i + 2].isascii() and out[i: i + 2].isalpha()),
+                None)
     if stop:
         cut = oai.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0, stop=[stop])
         assert cut.choices[0].text == out[: out.index(stop)]
@@ -213,7 +219,8 @@ def test_completions_score_an_echoed_prompt(oai):
     """echo + logprobs + max_tokens 0, as evaluation harnesses score a continuation: every prompt token but
     the first gets its logprob given the tokens before it, the same whatever follows it."""
     short = oai.completions.create(model="tiny", prompt="The capital of Japan", max_tokens=0, echo=True, logprobs=2)
-    long = oai.completions.create(model="tiny", prompt="The capital of Japan is Tokyo", max_tokens=0, echo=True, logprobs=2)
+    long = oai.completions.create(model="tiny", prompt="The capital of Japan is Tokyo", max_tokens=0, echo=True,
+                                  logprobs=2)
     a, b = short.choices[0].logprobs, long.choices[0].logprobs
     assert short.choices[0].text == "The capital of Japan" and "".join(a.tokens) == short.choices[0].text
     assert a.token_logprobs[0] is None and a.top_logprobs[0] is None
@@ -249,8 +256,10 @@ def test_thinking_blocks_are_accepted_and_left_out(client):
     assert client.messages.create(model="tiny", max_tokens=2, messages=history).content is not None
 
 
-@pytest.mark.parametrize("block", [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}},
-                                   {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "AA=="}},
+@pytest.mark.parametrize("block", [{"type": "image",
+                                    "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}},
+                                   {"type": "document",
+                                    "source": {"type": "base64", "media_type": "application/pdf", "data": "AA=="}},
                                    {"type": "hologram"}])
 def test_media_blocks_name_the_block(client, block):
     with pytest.raises(anthropic.BadRequestError) as e:

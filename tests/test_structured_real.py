@@ -27,9 +27,11 @@ TOOLS = [
                       "required": ["to", "subject"]}},
 ]
 SCHEMAS = {t["name"]: t["input_schema"] for t in TOOLS}
-QUESTIONS = ["What's the weather in Paris?", "Find recent news about solar power.", "Email bob@example.com about lunch.",
-             "Is it raining in Tokyo?", "Look up the population of Peru.", "Tell Alice the meeting moved to 3pm."]
-PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "role", "skills"], "properties": {
+QUESTIONS = ["What's the weather in Paris?", "Find recent news about solar power.",
+             "Email bob@example.com about lunch.", "Is it raining in Tokyo?", "Look up the population of Peru.",
+             "Tell Alice the meeting moved to 3pm."]
+PERSON = {"type": "object", "additionalProperties": False, "required": ["name", "age", "role", "skills"],
+          "properties": {
     "name": {"type": "string"}, "age": {"type": "integer", "minimum": 0, "maximum": 120},
     "role": {"type": "string", "enum": ["engineer", "designer", "manager"]},
     "skills": {"type": "array", "minItems": 1, "maxItems": 4, "items": {
@@ -41,7 +43,8 @@ N = 20
 
 async def _tool_call(claude, i: int, stream: bool):
     kwargs = dict(model="smollm2-135m", max_tokens=200, tools=TOOLS, tool_choice={"type": "any"},
-                  messages=[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}], extra_body={"seed": i, "temperature": 0.8})
+                  messages=[{"role": "user", "content": QUESTIONS[i % len(QUESTIONS)]}],
+                  extra_body={"seed": i, "temperature": 0.8})
     if not stream:
         return await claude.messages.create(**kwargs)
     async with claude.messages.stream(**kwargs) as s:

@@ -33,7 +33,8 @@ TRACE_STEP_KEYS = {
     "queue": {"name", "duration_us"},
     "prefill": {"name", "duration_us", "cache_hit", "cache_hit_ratio", "cached_tokens", "computed_tokens", "chunks",
                 "tiers", "disk_read_us", "memory_used_mb"},
-    "decode_loop": {"name", "duration_us", "tokens", "kv_sparsity", "kv_sparsity_samples", "tokens_per_second", "speculative"},
+    "decode_loop": {"name", "duration_us", "tokens", "kv_sparsity", "kv_sparsity_samples", "tokens_per_second",
+                    "speculative"},
 }
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -132,7 +133,8 @@ def test_article_formula_matches_docs():
 
 
 def test_token_pricing_and_spec_parsing():
-    usage = {"input_tokens": 1000, "cache_read_input_tokens": 4000, "output_tokens": 250, "cache_creation_input_tokens": 320}
+    usage = {"input_tokens": 1000, "cache_read_input_tokens": 4000, "output_tokens": 250,
+             "cache_creation_input_tokens": 320}
     p = pricing_from_spec("tokens:input_per_mtok=3,cached_input_per_mtok=0.3,output_per_mtok=15")
     assert p == TokenPricing(3.0, 0.3, 15.0)
     assert p.price(CostFields(0, 0, None), usage) == pytest.approx(tokens_usd(usage, 3, 0.3, 15), abs=1e-15)
@@ -255,31 +257,36 @@ def test_trace_documents_every_step(client, tiny_server, tiny_model_dir):
     # memory_used_mb: the KV bytes of the blocks held at the first token (the prompt's blocks)
     config = json.loads((tiny_model_dir / "config.json").read_text())
     hw = doc["hardware"]
-    per_block = 2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * BLOCK * ITEMSIZE[hw["dtype"]]
+    per_block = (2 * config["num_hidden_layers"] * config["num_key_value_heads"] * config["head_dim"] * BLOCK
+                 * ITEMSIZE[hw["dtype"]])
     assert prefill["memory_used_mb"] == round(math.ceil(prompt / BLOCK) * per_block / 2**20, 4)
     assert decode_loop["tokens"] == msg.usage.output_tokens - 1 == n_out - 1
     assert 0 < decode_loop["kv_sparsity"] <= 1
     assert decode_loop["kv_sparsity"] == doc["cost"]["kv_sparsity"]
     # sampled at the first token and at every 8th output token after it
     assert decode_loop["kv_sparsity_samples"] == (n_out - 1) // 8 + 1
-    assert decode_loop["tokens_per_second"] == pytest.approx(decode_loop["tokens"] / (decode_loop["duration_us"] / 1e6), rel=1e-3)
+    assert decode_loop["tokens_per_second"] == pytest.approx(
+        decode_loop["tokens"] / (decode_loop["duration_us"] / 1e6), rel=1e-3)
     # X-Stratum-Debug: full adds the hardware
     assert isinstance(hw["threads"], int) and hw["threads"] >= 1
     assert hw["rss_mb"] > 0
     assert hw["process_cpu_seconds"] >= 0
     assert hw["device"] in ("cpu", "cuda") or hw["device"].startswith("cuda")
     assert "kernels" in hw
-    plain = client.messages.with_raw_response.create(model="tiny", max_tokens=1, messages=[{"role": "user", "content": "x"}],
+    plain = client.messages.with_raw_response.create(model="tiny", max_tokens=1,
+                                                     messages=[{"role": "user", "content": "x"}],
                                                      extra_headers={"x-stratum-debug": "true"})
     assert "hardware" not in decode(plain.headers["x-stratum-trace"])
-    none = client.messages.with_raw_response.create(model="tiny", max_tokens=1, messages=[{"role": "user", "content": "x"}])
+    none = client.messages.with_raw_response.create(model="tiny", max_tokens=1,
+                                                    messages=[{"role": "user", "content": "x"}])
     assert "x-stratum-trace" not in none.headers
     assert "x-stratum-cost" in none.headers
 
 
 def test_default_article_estimate_recomputes_from_reported_fields(client):
     for _ in range(2):  # a miss, then a hit: the hit discount is exercised too
-        raw = client.messages.with_raw_response.create(model="tiny", max_tokens=4, system="Recompute the article price.",
+        raw = client.messages.with_raw_response.create(model="tiny", max_tokens=4,
+                                                       system="Recompute the article price.",
                                                        messages=[{"role": "user", "content": long_text(30)}],
                                                        extra_headers={"x-stratum-debug": "true"})
         doc = decode(raw.headers["x-stratum-trace"])
@@ -313,7 +320,8 @@ def expected_usd(kind: str, cost: dict, usage: dict) -> float:
 def test_configured_pricing_recomputes_from_reported_fields(priced_server):
     kind, server = priced_server
     c = anthropic.Anthropic(base_url=server.url, api_key="test", max_retries=0)
-    kwargs = dict(model="tiny", max_tokens=6, system="Pricing check.", messages=[{"role": "user", "content": long_text(30)}],
+    kwargs = dict(model="tiny", max_tokens=6, system="Pricing check.",
+                  messages=[{"role": "user", "content": long_text(30)}],
                   extra_headers={"x-stratum-debug": "true"})
     for _ in range(2):
         raw = c.messages.with_raw_response.create(**kwargs)
@@ -321,17 +329,20 @@ def test_configured_pricing_recomputes_from_reported_fields(priced_server):
         usage = usage_dict(raw.parse().usage)
         assert doc["pricing"]["name"] == kind
         assert doc["usage"] == usage
-        assert doc["final_cost_estimate"] == pytest.approx(expected_usd(kind, parse_cost(raw.headers["x-stratum-cost"]), usage), abs=1e-9)
+        assert doc["final_cost_estimate"] == pytest.approx(
+            expected_usd(kind, parse_cost(raw.headers["x-stratum-cost"]), usage), abs=1e-9)
     assert usage["cache_read_input_tokens"] > 0
     # a warm-up never samples: kv_sparsity is omitted from the header, null in the trace, and priced as 1
     raw = c.messages.with_raw_response.create(**{**kwargs, "max_tokens": 0})
     doc = decode(raw.headers["x-stratum-trace"])
     assert "kv_sparsity" not in raw.headers["x-stratum-cost"]
     assert doc["cost"]["kv_sparsity"] is None and doc["steps"][2]["kv_sparsity"] is None
-    assert doc["final_cost_estimate"] == pytest.approx(expected_usd(kind, doc["cost"], usage_dict(raw.parse().usage)), abs=1e-9)
+    assert doc["final_cost_estimate"] == pytest.approx(
+        expected_usd(kind, doc["cost"], usage_dict(raw.parse().usage)), abs=1e-9)
     # the stream's last event carries the same estimate
-    with httpx.stream("POST", server.url + "/v1/messages", json={**{k: v for k, v in kwargs.items() if k != "extra_headers"},
-                      "stream": True}, timeout=60) as r:
+    with httpx.stream("POST", server.url + "/v1/messages",
+                      json={**{k: v for k, v in kwargs.items() if k != "extra_headers"}, "stream": True},
+                      timeout=60) as r:
         events = sse_events(r.iter_lines())
     cost_event = [d for n, d in events if n == "stratum_cost"][0]
     usage = [d for n, d in events if n == "message_delta"][0]["usage"]
@@ -350,14 +361,16 @@ def test_openai_responses_carry_the_cost(tiny_server):
         chunks = [d for _, d in sse_events(r.iter_lines())]
     final = [c for c in chunks if "stratum_cost" in c]
     assert len(final) == 1
-    assert final[0]["stratum_cost"]["final_cost_estimate"] == pytest.approx(article_usd(final[0]["stratum_cost"]["cost"]), abs=1e-9)
+    assert final[0]["stratum_cost"]["final_cost_estimate"] == pytest.approx(
+        article_usd(final[0]["stratum_cost"]["cost"]), abs=1e-9)
 
 
 # ---- streaming: meta on every delta, the stratum_cost event, and the SDK ----------------------------------
 def test_stream_meta_states_and_cost_event(tiny_server):
     body = {"model": "tiny", "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True,
             "messages": [{"role": "user", "content": "Hello world!"}]}
-    with httpx.stream("POST", tiny_server.url + "/v1/messages", json=body, headers={"x-stratum-debug": "true"}, timeout=60) as r:
+    with httpx.stream("POST", tiny_server.url + "/v1/messages", json=body, headers={"x-stratum-debug": "true"},
+                      timeout=60) as r:
         assert r.status_code == 200
         early = parse_cost(r.headers["x-stratum-cost"])
         assert r.headers["x-stratum-mode"] == "normal"
@@ -475,7 +488,8 @@ def test_engine_reserves_kv_for_tool_arguments(tiny_engine):
     engine = tiny_engine
     ids = engine.tokenizer.encode(long_text(20))
     max_tokens = 40
-    seq = engine.add_request(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True), tool_marker="")
+    seq = engine.add_request(ids, SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+                             tool_marker="")
     seen = []
 
     def watch(s):
@@ -506,7 +520,8 @@ def test_engine_reservation_is_capped_and_absent_without_a_call(tiny_engine):
     assert seq.num_reserved_tokens == TOOL_RESERVE_TOKENS == 128
     assert len(seq.block_table) == math.ceil((len(ids) + 1 + 128) / BLOCK)
     engine.abort(seq.request_id)
-    plain = engine.add_request(ids, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True), tool_marker="<tool_call>")
+    plain = engine.add_request(ids, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                               tool_marker="<tool_call>")
     outs = run_to_end(engine, plain)
     assert plain.num_reserved_tokens == 0 and MetaState.TOOL_USE_PREPARED not in [o.state for o in outs]
     assert engine.block_manager.num_used_blocks == 0
@@ -516,11 +531,12 @@ def test_engine_reservation_is_capped_and_absent_without_a_call(tiny_engine):
 def test_trace_decode_cli_prints_the_json(client, capsys):
     from stratum.cli import main
 
-    raw = client.messages.with_raw_response.create(model="tiny", max_tokens=2, messages=[{"role": "user", "content": "trace me"}],
+    raw = client.messages.with_raw_response.create(model="tiny", max_tokens=2,
+                                                   messages=[{"role": "user", "content": "trace me"}],
                                                    extra_headers={"x-stratum-debug": "true"})
     value = raw.headers["x-stratum-trace"]
-    done = subprocess.run([sys.executable, "-m", "stratum.cli", "trace", "decode", value], capture_output=True, text=True,
-                          timeout=60)
+    done = subprocess.run([sys.executable, "-m", "stratum.cli", "trace", "decode", value], capture_output=True,
+                          text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout) == decode(value)
     assert main(["trace", "decode", f"x-stratum-trace: {value}"]) == 0

@@ -36,7 +36,8 @@ def shared_server(tiny_model_dir):
 def ask(server: ServerProcess, key: str, text: str):
     """(cache_hit_ratio from x-stratum-cost, usage) of one request."""
     client = anthropic.Anthropic(base_url=server.url, api_key=key, max_retries=0)
-    raw = client.messages.with_raw_response.create(model="tiny", max_tokens=1, messages=[{"role": "user", "content": text}])
+    raw = client.messages.with_raw_response.create(model="tiny", max_tokens=1,
+                                                   messages=[{"role": "user", "content": text}])
     fields = dict(f.split("=") for f in raw.headers["x-stratum-cost"].split(","))
     return float(fields["cache_hit_ratio"]), raw.parse().usage
 

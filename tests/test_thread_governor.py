@@ -30,7 +30,8 @@ def _threads_after(busy_cores: float, own_cores: float = 0.0, current: int = 2, 
 
 
 def test_parse_reads_busy_total_and_cores():
-    s = parse_stat("cpu  10 1 2 100 3 4 5 6 0 0\ncpu0 5 0 1 50 1 2 2 3 0 0\ncpu1 5 1 1 50 2 2 3 3 0 0\nintr 1\n", own_s=0.5)
+    s = parse_stat("cpu  10 1 2 100 3 4 5 6 0 0\ncpu0 5 0 1 50 1 2 2 3 0 0\ncpu1 5 1 1 50 2 2 3 3 0 0\nintr 1\n",
+                   own_s=0.5)
     assert (s.busy, s.total, s.cores, s.own_s) == (10 + 1 + 2 + 4 + 5 + 6, 131, 2, 0.5)
 
 
@@ -100,8 +101,9 @@ def test_greedy_output_is_the_same_whichever_threads_the_load_picks(tmp_path):
                      int4_max_tokens=0, enable_prefix_cache=False).engine
         load = _Load(tmp_path / "stat")
         engine.threads.governor = ThreadGovernor(2, stat_path=load.path, interval_s=0)
-        seqs = [engine.add_request(engine.tokenizer.encode(p), SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True,
-                                                                              return_logits=True), request_id=p)
+        seqs = [engine.add_request(engine.tokenizer.encode(p),
+                                   SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, return_logits=True),
+                                   request_id=p)
                 for p in ("The capital of Japan is", "def add(a, b):", "Once upon a time")]
         used = set()
         while engine.has_unfinished():

@@ -15,7 +15,8 @@ from stratum.models.loader import release_pages
 
 def _entries(g: torch.Generator) -> dict:
     return {
-        "a": [torch.randint(0, 256, (3, 5, 7), generator=g, dtype=torch.uint8), torch.randn(3, 4, generator=g).half(), 7, None],
+        "a": [torch.randint(0, 256, (3, 5, 7), generator=g, dtype=torch.uint8), torch.randn(3, 4, generator=g).half(),
+              7, None],
         "b": [[torch.randn(5, generator=g), torch.randn(2, 3, generator=g).bfloat16()], torch.zeros(4, 0), "x"],
         "c": torch.arange(9, dtype=torch.int32).view(3, 3),
     }

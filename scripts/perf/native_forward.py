@@ -1,12 +1,19 @@
 """The native step's forward on one checkout: a `context`-token prefill (best of 2) and 1-row decodes (median).
 Usage: python scripts/perf/native_forward.py MODEL CONTEXT CALLS [int16|int8]"""
-import json, statistics, sys, time, torch
+import json
+import statistics
+import sys
+import time
+
+import torch
+
 from stratum.engine import LLM
 from stratum.layers.attention import AttentionMetadata
 
 model_name, context, calls = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 activations = sys.argv[4] if len(sys.argv) > 4 else "int16"
-engine = LLM(model_name, native_step=True, dtype="float32", int4_max_tokens=0, num_kv_blocks=(2 * context + 256) // 16 + 8,
+engine = LLM(model_name, native_step=True, dtype="float32", int4_max_tokens=0,
+             num_kv_blocks=(2 * context + 256) // 16 + 8,
              enable_prefix_cache=False, kv_disk_gb=0, activations=activations).engine
 assert engine.kernel_choices["step"].startswith("native"), engine.kernel_choices
 model, caches, bs = engine.model, engine.runner.kv_caches, engine.config.block_size
@@ -15,9 +22,11 @@ tables = torch.arange(2 * per_seq).view(2, per_seq)
 g = torch.Generator().manual_seed(0)
 
 def forward(rows):
-    seq = torch.tensor([s for s, _ in rows]); pos = torch.tensor([p for _, p in rows])
+    seq = torch.tensor([s for s, _ in rows])
+    pos = torch.tensor([p for _, p in rows])
     ids = torch.randint(0, model.config.vocab_size, (len(rows),), generator=g)
-    meta = AttentionMetadata(slot_mapping=tables[seq, pos // bs] * bs + pos % bs, block_size=bs, row_tables=tables, row_seq=seq)
+    meta = AttentionMetadata(slot_mapping=tables[seq, pos // bs] * bs + pos % bs, block_size=bs, row_tables=tables,
+                             row_seq=seq)
     t = time.perf_counter()
     with torch.inference_mode():
         model.forward(ids, pos, meta, caches)
@@ -26,6 +35,8 @@ def forward(rows):
 forward([(0, p) for p in range(16)])  # warm: weights read once
 prefill = min(forward([(s, p) for p in range(context)]) for s in range(2))
 decode = statistics.median(forward([(0, context)]) for _ in range(calls))
-print(json.dumps({"simd": torch.ops.stratum.packed_simd(), "activations": activations, "threads": torch.get_num_threads(), "context": context,
+print(json.dumps({"simd": torch.ops.stratum.packed_simd(), "activations": activations,
+                  "threads": torch.get_num_threads(), "context": context,
                   "prefill_ms": round(prefill * 1e3, 1), "prefill_tok_s": round(context / prefill, 1),
-                  "decode_1_ms": round(decode * 1e3, 2), "kernel_choices": {k: str(v) for k, v in engine.kernel_choices.items()}}))
+                  "decode_1_ms": round(decode * 1e3, 2),
+                  "kernel_choices": {k: str(v) for k, v in engine.kernel_choices.items()}}))

@@ -29,9 +29,10 @@ STRATUM = str(ROOT / ".venv" / "bin" / "stratum")
 
 
 def one_stream(url: str, label: str, seed: int, requests: int) -> dict:
-    out = subprocess.run([STRATUM, "bench", "compare", "--api", "openai", "--model", "m", "--url", url, "--label", label,
-                          "--workload", "unique", "--concurrency", "1", "--max-tokens", "128", "--num-requests",
-                          str(requests), "--ignore-eos", "--seed", str(seed)], capture_output=True, text=True, check=True)
+    out = subprocess.run([STRATUM, "bench", "compare", "--api", "openai", "--model", "m", "--url", url,
+                          "--label", label, "--workload", "unique", "--concurrency", "1", "--max-tokens", "128",
+                          "--num-requests", str(requests), "--ignore-eos", "--seed", str(seed)],
+                         capture_output=True, text=True, check=True)
     target = json.loads(out.stdout)["targets"][0]
     return {"tpot_ms_p50": target["tpot_ms"]["p50"], "output_tok_s": target["output_tok_s"]}
 
@@ -40,7 +41,8 @@ def main() -> int:
     gguf, llama, weight_bytes = sys.argv[1], sys.argv[2], int(sys.argv[3])
     rounds = int(sys.argv[4]) if len(sys.argv) > 4 else 4
     work = Path(tempfile.mkdtemp())
-    servers = [Server("stratum", (STRATUM, "serve", "--model", gguf, "--served-model-name", "m", "--activations", "int8",
+    servers = [Server("stratum", (STRATUM, "serve", "--model", gguf, "--served-model-name", "m",
+                                  "--activations", "int8",
                                   "--kv-disk-dir", str(work / "kv"))),
                Server("llama-server", (llama, "-m", gguf, "-t", "2", "--parallel", "1", "-c", "4096", "-fa", "off"),
                       is_stratum=False)]
@@ -62,7 +64,8 @@ def main() -> int:
                 runs[name].append({**result, "read_gb_s": round(bw, 2), "floor_ms": round(floor_ms, 2),
                                    "floor_over_tpot": round(floor_ms / result["tpot_ms_p50"], 3)})
         summary = {name: {"floor_over_tpot_median": statistics.median(x["floor_over_tpot"] for x in v),
-                          "tpot_ms_p50_median": statistics.median(x["tpot_ms_p50"] for x in v)} for name, v in runs.items()}
+                          "tpot_ms_p50_median": statistics.median(x["tpot_ms_p50"] for x in v)}
+                   for name, v in runs.items()}
         pairs = [ll["tpot_ms_p50"] / s["tpot_ms_p50"] for s, ll in zip(runs["stratum"], runs["llama-server"])]
         print(json.dumps({"gguf": gguf, "weight_bytes": weight_bytes, "rounds": rounds, "summary": summary,
                           "tpot_ratio_llama_over_stratum_by_round": [round(p, 3) for p in pairs],

@@ -120,7 +120,8 @@ def run_rounds(args: argparse.Namespace, labels: list[str], targets: list) -> tu
     pairs = list(zip(labels, targets))
     load = None
     for r in range(args.rounds):
-        round_args = argparse.Namespace(**{**vars(args), "seed": args.seed + r, "num_warmups": args.num_warmups if r == 0 else 0})
+        round_args = argparse.Namespace(**{**vars(args), "seed": args.seed + r,
+                                           "num_warmups": args.num_warmups if r == 0 else 0})
         rounds.append({})
         for label, target in pairs if r % 2 == 0 else pairs[::-1]:
             [(load, run)] = run_target(target, round_args, f"{label} round {r + 1}")
@@ -148,10 +149,12 @@ def rounds_table(labels: list[str], by_round: dict[str, Any]) -> str:
     others = labels[1:]
     head = ["round", *(f"{x} tok/s" for x in labels), *(f"{x} / {labels[0]} tok/s" for x in others),
             *(f"{x} TPOT p50 ms" for x in labels), *(f"{x} / {labels[0]} TPOT" for x in others)]
-    lines = ["", "## By round", "", "| " + " | ".join(head) + " |", "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
+    lines = ["", "## By round", "", "| " + " | ".join(head) + " |",
+             "|" + "|".join(["---"] + ["---:"] * (len(head) - 1)) + "|"]
     ratios, median = by_round["ratios_vs_first"], by_round["median_ratios_vs_first"]
     for i, f in enumerate(by_round["figures"]):
-        row = [str(i + 1), *(_fmt(f[x]["output_tok_s"]) for x in labels), *(_fmt(ratios[x]["output_tok_s"][i]) for x in others),
+        row = [str(i + 1), *(_fmt(f[x]["output_tok_s"]) for x in labels),
+               *(_fmt(ratios[x]["output_tok_s"][i]) for x in others),
                *(_fmt(f[x]["tpot_ms_p50"]) for x in labels), *(_fmt(ratios[x]["tpot_ms_p50"][i]) for x in others)]
         lines.append("| " + " | ".join(row) + " |")
     blank = [""] * len(labels)

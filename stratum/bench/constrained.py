@@ -60,7 +60,8 @@ def main(argv: list[str] | None = None) -> int:
                         "step_overhead_ms": round(constrained["step_ms_mean"] - free["step_ms_mean"], 3),
                         "step_ratio": round(constrained["step_ms_mean"] / free["step_ms_mean"], 4)})
         print(f"batch {batch}: {results[-1]}", file=sys.stderr)
-    print(json.dumps({"benchmark": "constrained", "model": args.model, "machine": platform.processor() or platform.machine(),
+    print(json.dumps({"benchmark": "constrained", "model": args.model,
+                      "machine": platform.processor() or platform.machine(),
                       "threads": llm.engine.config.num_threads, "kernels": llm.engine.kernel_choices["dtype"],
                       "max_tokens": args.max_tokens, "results": results}, indent=2))
     return 0

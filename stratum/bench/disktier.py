@@ -78,7 +78,8 @@ class Server:
             if line.startswith("stratum_kv_tier_") and "{" in line:
                 name, rest = line.split("{", 1)
                 tier = rest.split('tier="', 1)[1].split('"', 1)[0]
-                out.setdefault(tier, {})[name.removeprefix("stratum_kv_tier_").removesuffix("_total")] = float(line.split()[-1])
+                out.setdefault(tier, {})[
+                    name.removeprefix("stratum_kv_tier_").removesuffix("_total")] = float(line.split()[-1])
         return out
 
 
@@ -184,7 +185,8 @@ def sessions(args, system: str, work: Path) -> dict:
             "with_tier": {**load_on, "after_eviction": after_on, "tiers": tiers},
             "ttft_ratio_after_eviction": round(after_on["ttft_s"] / after_off["ttft_s"], 4),
         },
-        "disk_bytes_read_per_token": round(disk["read_bytes"] / disk["hit_tokens"], 1) if disk.get("hit_tokens") else None,
+        "disk_bytes_read_per_token": round(disk["read_bytes"] / disk["hit_tokens"], 1)
+        if disk.get("hit_tokens") else None,
         "reader_cpu_ms_per_mib": round(disk["read_cpu_seconds"] * 1e3 / (disk["read_bytes"] / 2**20), 3)
         if disk.get("read_bytes") else None,
     }
@@ -258,10 +260,12 @@ def decode_while_writing(args, work: Path) -> dict:
     ratios = sorted(row["ratio"] for row in rounds)
     on = [row["tier_on"] for row in rounds]
     return {"rounds": rounds, "decode_step_slowdown_while_writing": round(statistics.median(ratios) - 1, 4),
-            "slowdown_quartiles": [round(q - 1, 4) for q in statistics.quantiles(ratios, n=4)] if len(ratios) > 1 else None,
+            "slowdown_quartiles": [round(q - 1, 4) for q in statistics.quantiles(ratios, n=4)]
+            if len(ratios) > 1 else None,
             "steps_while_writing": sum(x["steps_while_writing"] for x in on), "steps": sum(x["steps"] for x in on),
             # the writer's own CPU time (its thread's clock) over the wall time of the measured steps
-            "writer_cpu_share_of_a_core": round(sum(x["writer_cpu_s"] for x in on) / sum(x["measured_s"] for x in on), 4),
+            "writer_cpu_share_of_a_core": round(sum(x["writer_cpu_s"] for x in on)
+                                                / sum(x["measured_s"] for x in on), 4),
             "writer_cpu_ms_per_mib": round(disk["write_cpu_s"] * 1e3 / (disk["written_bytes"] / 2**20), 3)
             if disk["written_bytes"] else None,
             "loadavg_1min_before_after": load}
@@ -283,7 +287,8 @@ def _round(engine, long_prompt: list[int], args) -> dict:
             steps.append((s.step_s, writing or report()["disk"]["pending_blocks"] > 0))
             cpu_s += report()["disk"]["write_cpu_s"] - cpu
     return {"decode_step_ms": _ms([t for t, _ in steps]), "steps": len(steps),
-            "steps_while_writing": sum(w for _, w in steps), "decode_step_ms_while_writing": _ms([t for t, w in steps if w]),
+            "steps_while_writing": sum(w for _, w in steps),
+            "decode_step_ms_while_writing": _ms([t for t, w in steps if w]),
             "bytes_written_during_round": report()["disk"]["written_bytes"] - written0,
             "writer_cpu_s": cpu_s, "measured_s": sum(t for t, _ in steps),
             "writer_cpu_s_in_round": report()["disk"]["write_cpu_s"] - cpu0}
@@ -320,7 +325,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--kv-cache-mb", type=int, default=None,
                    help="the KV pool (default: the prompt, one load request and 512 tokens, so the load evicts it)")
     p.add_argument("--kv-disk-gb", type=float, default=8.0, help="the tier's bound where it is on")
-    p.add_argument("--load-tokens", type=int, default=1500, help="each unique request of the load that evicts the prompt")
+    p.add_argument("--load-tokens", type=int, default=1500,
+                   help="each unique request of the load that evicts the prompt")
     p.add_argument("--decode-streams", type=int, default=8)
     p.add_argument("--rounds", type=int, default=12, help="alternated tier off / on rounds of the decode figure")
     p.add_argument("--round-steps", type=int, default=16)
@@ -372,7 +378,8 @@ def _goals(doc: dict) -> dict:
     if "restart" in doc:
         goals["restart_ttft_ratio_le_0.1"] = doc["restart"]["ttft_ratio_after_restart"] <= GOAL_RESTART_RATIO
     if "decode_while_writing" in doc:
-        goals["decode_slowdown_le_5pct"] = doc["decode_while_writing"]["decode_step_slowdown_while_writing"] <= GOAL_DECODE_SLOWDOWN
+        goals["decode_slowdown_le_5pct"] = (doc["decode_while_writing"]["decode_step_slowdown_while_writing"]
+                                            <= GOAL_DECODE_SLOWDOWN)
     return goals
 
 

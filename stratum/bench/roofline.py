@@ -93,7 +93,8 @@ def _start_decode(engine, num_steps: int) -> None:
     from stratum.engine.sampling_params import SamplingParams
 
     ids = engine.tokenizer.encode("Write a long story about a dragon who learns to bake bread.")
-    engine.add_request(ids, SamplingParams(max_tokens=num_steps + 4, temperature=0.0, ignore_eos=True), request_id="roofline")
+    engine.add_request(ids, SamplingParams(max_tokens=num_steps + 4, temperature=0.0, ignore_eos=True),
+                       request_id="roofline")
     for _ in range(4):  # prefill and warm-up
         engine.step()
 

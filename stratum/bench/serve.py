@@ -24,7 +24,9 @@ from typing import Any, NamedTuple
 import httpx
 
 from stratum.bench.charts import plot_throughput, plot_ttft_cdf
-from stratum.bench.wire import API_PATHS, BenchError, RequestResult, Target, base_url, check_url, discover_model, send_request
+from stratum.bench.wire import (
+    API_PATHS, BenchError, RequestResult, Target, base_url, check_url, discover_model, send_request,
+)
 from stratum.bench.workloads import WORKLOADS, Conversation, Workload, WorkloadConfig, make_workload
 
 PERCENTILES = (50, 90, 99)

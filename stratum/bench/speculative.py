@@ -9,9 +9,9 @@ Servers, all started here and stopped at the end: `stratum serve --speculative o
 `stratum serve` (speculation on its default, auto), with `--draft-model` also Stratum with that draft;
 with `--llama-server PATH` also llama-server plain, with its n-gram lookup (`--spec-type ngram-simple`)
 and with the draft model. Each workload runs at one stream and at `-c 8`, greedy, over the OpenAI chat
-API, streaming, in rounds that visit every server in turn (`run_case`). Prints one JSON document: per server, workload and
-concurrency the decode tokens/s of a stream (output tokens after the first / time after the first
-token), the output tokens/s of the run and TTFT; Stratum's acceptance figures from its /metrics;
+API, streaming, in rounds that visit every server in turn (`run_case`). Prints one JSON document: per
+server, workload and concurrency the decode tokens/s of a stream (output tokens after the first / time
+after the first token), the output tokens/s of the run and TTFT; Stratum's acceptance figures from its /metrics;
 whether each answer equals the baseline's; and the ratios against the baseline with the goals (GOALS).
 """
 
@@ -47,19 +47,34 @@ NOUNS = ("item", "user", "order", "record", "invoice", "ticket", "session", "mes
 # Ordinary small functions over a noun ({n}, plural {ns}, class name {N}): files built from them read as
 # the code an agent edits, which a model copies far more faithfully than invented names
 FUNCTIONS = (
-    'def load_{ns}(path):\n    """Read the {ns} stored as JSON at path."""\n    with open(path) as f:\n        return json.load(f)\n',
-    'def save_{ns}({ns}, path):\n    """Write the {ns} to path as JSON."""\n    with open(path, "w") as f:\n        json.dump({ns}, f, indent=2)\n',
-    'def find_{n}({ns}, {n}_id):\n    """The {n} with the given id, or None."""\n    for {n} in {ns}:\n        if {n}["id"] == {n}_id:\n            return {n}\n    return None\n',
-    'def count_{ns}({ns}, status):\n    """How many {ns} have the given status."""\n    return sum(1 for {n} in {ns} if {n}.get("status") == status)\n',
-    'def group_{ns}_by_owner({ns}):\n    """The {ns} of each owner, in their order."""\n    groups = {{}}\n    for {n} in {ns}:\n        groups.setdefault({n}["owner"], []).append({n})\n    return groups\n',
-    'def newest_{n}({ns}):\n    """The {n} created last, or None when there is none."""\n    if not {ns}:\n        return None\n    return max({ns}, key=lambda {n}: {n}["created"])\n',
-    'def total_{n}_amount({ns}):\n    """The sum of the amounts of all {ns}, rounded to cents."""\n    total = 0.0\n    for {n} in {ns}:\n        total += {n}.get("amount", 0.0)\n    return round(total, 2)\n',
-    'def validate_{n}({n}):\n    """Raise ValueError when the {n} misses a required field."""\n    for field in ("id", "owner", "status"):\n        if field not in {n}:\n            raise ValueError(f"{n} is missing {{field}}")\n    return {n}\n',
-    'def {n}_path(root, {n}_id):\n    """Where the {n} with the given id is stored under root."""\n    return os.path.join(root, "{ns}", str({n}_id) + ".json")\n',
-    'def archive_{ns}({ns}, days):\n    """The {ns} older than the given number of days."""\n    cutoff = time.time() - days * 86400\n    return [{n} for {n} in {ns} if {n}["created"] < cutoff]\n',
-    'def format_{n}({n}):\n    """One line describing the {n}."""\n    return f"#{{{n}[\'id\']}} {{{n}[\'owner\']}} ({{{n}[\'status\']}})"\n',
-    'def sort_{ns}({ns}, reverse=False):\n    """The {ns} ordered by creation time."""\n    return sorted({ns}, key=lambda {n}: {n}["created"], reverse=reverse)\n',
-    'class {N}Store:\n    """Keeps {ns} in memory, by id."""\n\n    def __init__(self):\n        self.{ns} = {{}}\n\n    def add(self, {n}):\n        self.{ns}[{n}["id"]] = {n}\n\n    def remove(self, {n}_id):\n        return self.{ns}.pop({n}_id, None)\n',
+    'def load_{ns}(path):\n    """Read the {ns} stored as JSON at path."""\n'
+        '    with open(path) as f:\n        return json.load(f)\n',
+    'def save_{ns}({ns}, path):\n    """Write the {ns} to path as JSON."""\n'
+        '    with open(path, "w") as f:\n        json.dump({ns}, f, indent=2)\n',
+    'def find_{n}({ns}, {n}_id):\n    """The {n} with the given id, or None."""\n'
+        '    for {n} in {ns}:\n        if {n}["id"] == {n}_id:\n            return {n}\n    return None\n',
+    'def count_{ns}({ns}, status):\n    """How many {ns} have the given status."""\n'
+        '    return sum(1 for {n} in {ns} if {n}.get("status") == status)\n',
+    'def group_{ns}_by_owner({ns}):\n    """The {ns} of each owner, in their order."""\n    groups = {{}}\n'
+        '    for {n} in {ns}:\n        groups.setdefault({n}["owner"], []).append({n})\n    return groups\n',
+    'def newest_{n}({ns}):\n    """The {n} created last, or None when there is none."""\n'
+        '    if not {ns}:\n        return None\n    return max({ns}, key=lambda {n}: {n}["created"])\n',
+    'def total_{n}_amount({ns}):\n    """The sum of the amounts of all {ns}, rounded to cents."""\n    total = 0.0\n'
+        '    for {n} in {ns}:\n        total += {n}.get("amount", 0.0)\n    return round(total, 2)\n',
+    'def validate_{n}({n}):\n    """Raise ValueError when the {n} misses a required field."""\n'
+        '    for field in ("id", "owner", "status"):\n        if field not in {n}:\n'
+        '            raise ValueError(f"{n} is missing {{field}}")\n    return {n}\n',
+    'def {n}_path(root, {n}_id):\n    """Where the {n} with the given id is stored under root."""\n'
+        '    return os.path.join(root, "{ns}", str({n}_id) + ".json")\n',
+    'def archive_{ns}({ns}, days):\n    """The {ns} older than the given number of days."""\n'
+        '    cutoff = time.time() - days * 86400\n    return [{n} for {n} in {ns} if {n}["created"] < cutoff]\n',
+    'def format_{n}({n}):\n    """One line describing the {n}."""\n'
+        '    return f"#{{{n}[\'id\']}} {{{n}[\'owner\']}} ({{{n}[\'status\']}})"\n',
+    'def sort_{ns}({ns}, reverse=False):\n    """The {ns} ordered by creation time."""\n'
+        '    return sorted({ns}, key=lambda {n}: {n}["created"], reverse=reverse)\n',
+    'class {N}Store:\n    """Keeps {ns} in memory, by id."""\n\n    def __init__(self):\n        self.{ns} = {{}}\n\n'
+        '    def add(self, {n}):\n        self.{ns}[{n}["id"]] = {n}\n\n'
+        '    def remove(self, {n}_id):\n        return self.{ns}.pop({n}_id, None)\n',
 )
 RENAMES = {"load": "read", "save": "write", "find": "lookup", "count": "tally", "newest": "latest", "sort": "order",
            "format": "describe", "archive": "expire", "validate": "check"}
@@ -100,7 +115,8 @@ def json_conversations(n: int, seed: int) -> list[Conversation]:
     convs = []
     for _ in range(n):
         items = [{"id": rng.randint(1000, 9999), "name": " ".join(rng.sample(WORDS, 2)), "city": rng.choice(WORDS),
-                  "tags": rng.sample(WORDS, 3), "score": round(rng.random() * 100, 2)} for _ in range(rng.randint(5, 8))]
+                  "tags": rng.sample(WORDS, 3), "score": round(rng.random() * 100, 2)}
+                 for _ in range(rng.randint(5, 8))]
         doc = json.dumps({"status": "pending", "owner": rng.choice(WORDS), "items": items}, indent=2)
         convs.append(Conversation((f"Return this JSON document exactly as it is, except that \"status\" becomes "
                                    f"\"done\". Reply with the JSON only.\n\n{doc}",)))
@@ -182,7 +198,8 @@ def servers(args: argparse.Namespace, model_path: str) -> list[Server]:
         out.append(Server("stratum-draft", (*stratum, "--draft-model", args.draft_model)))
     if args.llama_server:
         threads = str(args.threads or os.cpu_count() or 1)
-        base = (args.llama_server, "-m", model_path, "-c", str(8 * 4096), "-np", "8", "-t", threads, "--host", "127.0.0.1")
+        base = (args.llama_server, "-m", model_path, "-c", str(8 * 4096), "-np", "8", "-t", threads,
+                "--host", "127.0.0.1")
         out.append(Server("llama-server", base, is_stratum=False))
         out.append(Server("llama-server-ngram", (*base, "--spec-type", "ngram-simple", "--spec-draft-n-max", "16"),
                           is_stratum=False))
@@ -217,13 +234,16 @@ def case_doc(results: list, duration_s: float, counters: dict[str, float] | None
         "output_tok_s": round(num_output / duration_s, 3) if duration_s > 0 else None,
         "decode_tok_s_per_stream": round(sum(decode) / len(decode), 2) if decode else None,
         "ttft_ms_p50": round(1000 * ttft[len(ttft) // 2], 1) if ttft else None,
-        "answers": [hashlib.sha256(r.text.encode()).hexdigest()[:16] for r in sorted(results, key=lambda r: r.conversation)],
+        "answers": [hashlib.sha256(r.text.encode()).hexdigest()[:16]
+                    for r in sorted(results, key=lambda r: r.conversation)],
     }
     if counters is not None:
         d = counters
         out["speculative"] = {**{k: int(v) for k, v in d.items()},
-                              "acceptance_rate": round(d["accepted_tokens"] / d["proposed_tokens"], 4) if d["proposed_tokens"] else None,
-                              "tokens_per_verify_step": round((d["accepted_tokens"] + d["verify_steps"]) / d["verify_steps"], 3)
+                              "acceptance_rate": round(d["accepted_tokens"] / d["proposed_tokens"], 4)
+                              if d["proposed_tokens"] else None,
+                              "tokens_per_verify_step": round((d["accepted_tokens"] + d["verify_steps"])
+                                                              / d["verify_steps"], 3)
                               if d["verify_steps"] else None}
     return out
 
@@ -242,7 +262,8 @@ def run_case(running: dict[str, tuple[Server, str]], args: argparse.Namespace, n
         server, url = running[label]
         spec[label] = spec_counters(url) if server.is_stratum else {}
     for r in range(rounds):
-        part = Workload(name, WorkloadConfig(num_requests=c, seed=args.seed), workload.conversations[r * c : (r + 1) * c])
+        part = Workload(name, WorkloadConfig(num_requests=c, seed=args.seed),
+                        workload.conversations[r * c : (r + 1) * c])
         for label in labels[r % len(labels) :] + labels[: r % len(labels)]:
             server, url = running[label]
             done, wall = measure(url, "default" if not server.is_stratum else args.model, part, c, args.max_tokens)
@@ -328,7 +349,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workloads", default=",".join(WORKLOADS), type=lambda s: [w for w in s.split(",") if w])
     p.add_argument("--concurrency", default="1,8", type=lambda s: [int(c) for c in s.split(",")])
     p.add_argument("--requests", type=int, default=3,
-                   help="rounds at one stream (one request each); at c > 1, requests in rounds of c (at least one round)")
+                   help="rounds at one stream (one request each); at c > 1, requests in rounds of c "
+                        "(at least one round)")
     p.add_argument("--max-tokens", type=int, default=1024)
     p.add_argument("--threads", type=int, default=None,
                    help="every server's threads (default: Stratum's own choice, llama-server every core)")
@@ -347,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
         chosen = [s for s in chosen if s.label in keep or s.label == "stratum-off"]
     args.log_dir.mkdir(parents=True, exist_ok=True)
     results = run_all(chosen, args, args.log_dir)
-    doc = {"benchmark": "speculative", "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version()},
+    doc = {"benchmark": "speculative",
+           "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version()},
            "config": {"model": args.model, "draft_model": args.draft_model, "llama_server": args.llama_server,
                       "workloads": args.workloads, "concurrency": args.concurrency, "requests": args.requests,
                       "max_tokens": args.max_tokens, "seed": args.seed, "temperature": 0.0},

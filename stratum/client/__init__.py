@@ -16,7 +16,8 @@ from stratum.client.warmup import WarmupReport, awarmup, read_prompts, warmup, w
 
 _EXPORTS = {
     "stratum.client.cost": ("StratumCost", "StratumInfo", "StratumMeta", "decode_trace", "parse_stratum_cost"),
-    "stratum.client.fingerprint": ("DEFAULT_PATTERNS", "FingerprintPattern", "Fingerprinter", "standardize_fingerprint"),
+    "stratum.client.fingerprint": ("DEFAULT_PATTERNS", "FingerprintPattern", "Fingerprinter",
+                                   "standardize_fingerprint"),
     "stratum.client.retry": ("DropOldestTurns", "RetryBudget", "RetryEvent", "RetryPolicy", "TrimChain",
                              "TruncateLongMessages", "derive_session_id", "estimate_tokens"),
     "stratum.client.sdk": ("AsyncStratum", "AsyncStratumStream", "Stratum", "StratumMessage", "StratumStream"),

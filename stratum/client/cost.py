@@ -44,12 +44,14 @@ class StratumCost:
         return self.prefill_latency_us / 1e6
 
     def header(self) -> str:
-        """The header value, in the server's own format: `cache_hit_ratio=0.82,prefill_latency_us=14200,kv_sparsity=0.33`."""
+        """The header value, in the server's own format:
+        `cache_hit_ratio=0.82,prefill_latency_us=14200,kv_sparsity=0.33`."""
         parts = [f"cache_hit_ratio={self.cache_hit_ratio:g}", f"prefill_latency_us={self.prefill_latency_us}"]
         if self.kv_sparsity is not None:
             parts.append(f"kv_sparsity={self.kv_sparsity:g}")
         if self.spec_proposed_tokens is not None:
-            parts += [f"spec_proposed_tokens={self.spec_proposed_tokens}", f"spec_accepted_tokens={self.spec_accepted_tokens}"]
+            parts += [f"spec_proposed_tokens={self.spec_proposed_tokens}",
+                      f"spec_accepted_tokens={self.spec_accepted_tokens}"]
         parts += [f"{k}={v}" for k, v in self.extra]
         return ",".join(parts)
 

@@ -56,20 +56,25 @@ _DAY = r"(?:Mon|Tue|Wed|Thu|Fri|Sat|Sun)"
 # timestamp contains digits that look like an epoch).
 DEFAULT_PATTERNS: tuple[FingerprintPattern, ...] = (
     FingerprintPattern("jwt", re.compile(
-        _NOT_ALNUM_BEFORE + r"eyJ[A-Za-z0-9_-]{4,}\.eyJ[A-Za-z0-9_-]{4,}\.[A-Za-z0-9_-]{8,}" + r"(?![A-Za-z0-9_-])"), "JWT"),
+        _NOT_ALNUM_BEFORE + r"eyJ[A-Za-z0-9_-]{4,}\.eyJ[A-Za-z0-9_-]{4,}\.[A-Za-z0-9_-]{8,}" + r"(?![A-Za-z0-9_-])"),
+        "JWT"),
     FingerprintPattern("uuid", re.compile(
-        _NOT_ALNUM_BEFORE + r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}" + _NOT_ALNUM_AFTER),
+        _NOT_ALNUM_BEFORE + r"[0-9a-fA-F]{8}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{4}-[0-9a-fA-F]{12}"
+        + _NOT_ALNUM_AFTER),
         "UUID"),
     FingerprintPattern("iso8601", re.compile(
         _NOT_ALNUM_BEFORE + r"\d{4}-\d{2}-\d{2}[T ]\d{2}:\d{2}(?::\d{2}(?:[.,]\d{1,9})?)?(?:\s?Z|[+-]\d{2}:?\d{2})?"
         r"|" + _NOT_ALNUM_BEFORE + r"\d{8}T\d{6}(?:\.\d{1,9})?Z?" + _NOT_ALNUM_AFTER), "TIMESTAMP"),
     FingerprintPattern("rfc2822", re.compile(
-        r"(?:" + _DAY + r",\s+)?\b\d{1,2}\s+" + _MONTH + r"\s+\d{4}\s+\d{2}:\d{2}(?::\d{2})?\s+(?:[+-]\d{4}|GMT|UTC|[ECMP][SD]T)\b"
+        r"(?:" + _DAY + r",\s+)?\b\d{1,2}\s+" + _MONTH + r"\s+\d{4}\s+\d{2}:\d{2}(?::\d{2})?\s+"
+        r"(?:[+-]\d{4}|GMT|UTC|[ECMP][SD]T)\b"
         r"|\b" + _DAY + r"\s+" + _MONTH + r"\s+\d{1,2}\s+\d{2}:\d{2}:\d{2}(?:\s+[A-Z]{3})?\s+\d{4}\b"), "TIMESTAMP"),
     FingerprintPattern("epoch", re.compile(
-        _NOT_ALNUM_BEFORE + r"1\d{9}(?:\d{3}|\d{6})?(?:\.\d{1,9})?" + r"(?![0-9A-Za-z])(?!\.\d)"), "EPOCH", _is_plausible_epoch),
+        _NOT_ALNUM_BEFORE + r"1\d{9}(?:\d{3}|\d{6})?(?:\.\d{1,9})?" + r"(?![0-9A-Za-z])(?!\.\d)"), "EPOCH",
+        _is_plausible_epoch),
     FingerprintPattern("hex", re.compile(
-        _NOT_ALNUM_BEFORE + r"(?:0x)?(?=[0-9a-fA-F]*[a-fA-F])(?=[0-9a-fA-F]*\d)[0-9a-fA-F]{16,}" + _NOT_ALNUM_AFTER), "HEX"),
+        _NOT_ALNUM_BEFORE + r"(?:0x)?(?=[0-9a-fA-F]*[a-fA-F])(?=[0-9a-fA-F]*\d)[0-9a-fA-F]{16,}" + _NOT_ALNUM_AFTER),
+        "HEX"),
     FingerprintPattern("ulid", re.compile(_NOT_ALNUM_BEFORE + r"[0-7][0-9A-HJKMNP-TV-Z]{25}" + _NOT_ALNUM_AFTER), "ID",
                        lambda s: sum(ch.isdigit() for ch in s) >= 4 and sum(ch.isalpha() for ch in s) >= 4),
     FingerprintPattern("token", re.compile(
@@ -156,7 +161,8 @@ def _pattern(name: str, regex: str | re.Pattern[str], placeholder: str | None = 
     return FingerprintPattern(name, re.compile(regex) if isinstance(regex, str) else regex, placeholder or name.upper())
 
 
-def standardize_fingerprint(target: Any = None, /, *, patterns: Fingerprinter | Sequence[FingerprintPattern] | None = None):
+def standardize_fingerprint(target: Any = None, /, *,
+                            patterns: Fingerprinter | Sequence[FingerprintPattern] | None = None):
     """Standardise request fingerprints, as a function or as a decorator.
 
     - `standardize_fingerprint("text")`, `(messages)` or `(request_dict)`: the standardised copy.

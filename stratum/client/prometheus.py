@@ -48,9 +48,10 @@ class ClientMetrics:
                                          buckets=_RATIO_BUCKETS, registry=registry)
         self.prefill_latency = Histogram("stratum_client_prefill_latency_seconds", "prefill_latency_us per response",
                                          ["model"], buckets=_LATENCY_BUCKETS, registry=registry)
-        self.kv_sparsity = Histogram("stratum_client_kv_sparsity", "kv_sparsity per response (when measured)", ["model"],
-                                     buckets=_RATIO_BUCKETS, registry=registry)
-        self.retries = Counter("stratum_client_retries", "Retry policy decisions", ["reason", "action"], registry=registry)
+        self.kv_sparsity = Histogram("stratum_client_kv_sparsity", "kv_sparsity per response (when measured)",
+                                     ["model"], buckets=_RATIO_BUCKETS, registry=registry)
+        self.retries = Counter("stratum_client_retries", "Retry policy decisions", ["reason", "action"],
+                               registry=registry)
 
     def observe(self, model: str, info: StratumInfo) -> None:
         """One finished response (a stream once its stratum_cost event arrived)."""

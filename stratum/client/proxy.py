@@ -14,14 +14,16 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 # Request headers a caller may send on to Stratum (besides x-stratum-*).
-FORWARD_REQUEST_HEADERS = ("content-type", "accept", "anthropic-version", "anthropic-beta", "x-api-key", "authorization")
+FORWARD_REQUEST_HEADERS = ("content-type", "accept", "anthropic-version", "anthropic-beta", "x-api-key",
+                           "authorization")
 # Response headers passed back (besides x-stratum-* and anthropic-ratelimit-*); hop-by-hop ones never are.
 FORWARD_RESPONSE_HEADERS = ("content-type", "content-encoding", "cache-control", "request-id", "retry-after")
 ROUTES = (("POST", "/v1/messages"), ("OPTIONS", "/v1/messages"), ("POST", "/v1/messages/count_tokens"),
           ("GET", "/v1/models"), ("POST", "/v1/chat/completions"))
 
 
-def _pick(headers: Iterable[tuple[str, str]], names: tuple[str, ...], prefixes: tuple[str, ...]) -> list[tuple[str, str]]:
+def _pick(headers: Iterable[tuple[str, str]], names: tuple[str, ...],
+          prefixes: tuple[str, ...]) -> list[tuple[str, str]]:
     return [(k, v) for k, v in headers if k.lower() in names or k.lower().startswith(prefixes)]
 
 

@@ -153,7 +153,8 @@ class _StratumOptions:
         self._negotiate = negotiate
         self._stratum_shared = shared if shared is not None else _Shared(is_stratum=None if negotiate else True)
 
-    def _stratum_copy_kwargs(self, kwargs: dict[str, Any], retry_policy, event_hooks, fingerprint, metrics) -> dict[str, Any]:
+    def _stratum_copy_kwargs(self, kwargs: dict[str, Any], retry_policy, event_hooks, fingerprint,
+                             metrics) -> dict[str, Any]:
         extra = dict(kwargs.pop("_extra_kwargs", None) or {})
         extra.update(
             retry_policy=retry_policy if retry_policy is not None else self.retry_policy,
@@ -273,7 +274,8 @@ class AsyncStratum(_StratumOptions, anthropic.AsyncAnthropic):
 class _Call:
     """One `messages.create` call: its request as it evolves through retries, and how its result is wrapped."""
 
-    def __init__(self, client: Stratum | AsyncStratum, params: dict[str, Any], event_hooks, session_keys, is_stratum: bool):
+    def __init__(self, client: Stratum | AsyncStratum, params: dict[str, Any], event_hooks, session_keys,
+                 is_stratum: bool):
         self.client = client
         self.is_stratum = is_stratum
         self.policy = client.retry_policy

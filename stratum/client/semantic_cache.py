@@ -97,7 +97,8 @@ class SemanticCache:
     """
 
     def __init__(self, threshold: float = 0.85, ttl_s: float | None = 3600.0, max_entries: int = 1024,
-                 path: str | Path | None = None, embedder: Embedder | None = None, clock: Callable[[], float] = time.time):
+                 path: str | Path | None = None, embedder: Embedder | None = None,
+                 clock: Callable[[], float] = time.time):
         if not 0 < threshold <= 1:
             raise ValueError(f"threshold must be in (0, 1], not {threshold}")
         if max_entries < 1:
@@ -134,7 +135,8 @@ class SemanticCache:
         self._store(query, vector, answer, scope)
         return _with_answer(found, answer)
 
-    async def aget_or_compute(self, query: str, compute: Callable[[str], Awaitable[Any]], scope: str = "") -> CacheLookup:
+    async def aget_or_compute(self, query: str, compute: Callable[[str], Awaitable[Any]],
+                              scope: str = "") -> CacheLookup:
         """As get_or_compute with an async `compute` (the embedding itself runs inline; it takes milliseconds)."""
         vector = self.embedder.embed([query])[0]
         found = self._lookup(vector, scope)
@@ -186,7 +188,8 @@ class SemanticCache:
         with self._lock:
             if self._db is not None:
                 cur = self._db.execute(
-                    "INSERT INTO entries (scope, query, answer, embedding, created_at, last_used_at) VALUES (?, ?, ?, ?, ?, ?)",
+                    "INSERT INTO entries (scope, query, answer, embedding, created_at, last_used_at) "
+                    "VALUES (?, ?, ?, ?, ?, ?)",
                     (scope, query, json.dumps(answer), vector.astype(np.float32).tobytes(), now, now))
                 entry_id = int(cur.lastrowid)
             else:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from stratum.engine.client import EngineClient, ReplicaView, Transport
 from stratum.engine.protocol import (
-    AddRequest, EngineSnapshot, ReplicaDescription, RequestFailed, StreamDecoder, decode, encode,
+    AddRequest, EngineSnapshot, ReplicaDescription, RequestFailed, StreamDecoder, encode,
 )
 from stratum.engine.request import prompt_block_keys
 

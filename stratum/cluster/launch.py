@@ -63,7 +63,8 @@ def start(config: EngineConfig, replicas: int, ray_address: str | None = None, r
         health_check_period_s=2.0, health_check_timeout_s=30.0, graceful_shutdown_timeout_s=5.0,
         request_router_config=RequestRouterConfig(
             request_router_class="stratum.cluster.router.StratumRouter",
-            request_router_kwargs={"policy": routing, **({"max_imbalance": max_imbalance} if routing == "prefix" else {})},
+            request_router_kwargs={"policy": routing,
+                                   **({"max_imbalance": max_imbalance} if routing == "prefix" else {})},
             request_routing_stats_period_s=0.5, request_routing_stats_timeout_s=5.0),
     )
     serve.start(proxy_location="Disabled")

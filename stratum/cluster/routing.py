@@ -153,7 +153,8 @@ class PrefixPolicy(Policy):
         matches = {s.name: s.matched_blocks(keys) for s in near}
         best = max(near, key=lambda s: (matches[s.name], -s.load, -spread[s.name]))
         if matches[best.name] > 0 and matches[best.name] >= self.min_match_ratio * len(keys):
-            return [best.name] + [s.name for s in sorted(near, key=lambda s: s.load) if s is not best] + [s.name for s in far]
+            return ([best.name] + [s.name for s in sorted(near, key=lambda s: s.load) if s is not best]
+                    + [s.name for s in far])
         if not keys:  # nothing to cache (a prompt under one block): the shortest queue
             near.sort(key=lambda s: (s.load, spread[s.name]))
             return [s.name for s in near] + [s.name for s in far]

@@ -12,7 +12,8 @@ _EXPORTS = {
     "start_thread_engine": "thread_transport",
     "EngineConfig": "config", "ResolvedConfig": "config", "SchedulerConfig": "config",
     "EngineCore": "core", "LLM": "llm",
-    "EngineDeadError": "outputs", "OrchestrationError": "outputs", "RequestOutput": "outputs", "RequestStats": "outputs",
+    "EngineDeadError": "outputs", "OrchestrationError": "outputs", "RequestOutput": "outputs",
+    "RequestStats": "outputs",
     "StepError": "outputs", "StepStats": "outputs",
     "InvalidRequestError": "sampling_params", "SamplingParams": "sampling_params",
 }

@@ -185,7 +185,8 @@ class BlockManager:
         bs, ids = self.block_size, seq.token_ids
         num_present = self.cache.insert(keys, seq.block_table[:num_full], tokens=lambda i: ids[i * bs : (i + 1) * bs])
         num_prompt_blocks = seq.num_prompt_tokens // self.block_size
-        seq.cache_stats.num_cache_written_tokens += max(0, min(num_full, num_prompt_blocks) - num_present) * self.block_size
+        seq.cache_stats.num_cache_written_tokens += (max(0, min(num_full, num_prompt_blocks) - num_present)
+                                                     * self.block_size)
         seq.num_inserted_blocks = num_full
         if pin_ttl_s > 0:
             self.cache.pin(keys, pin_ttl_s)

@@ -5,7 +5,6 @@ the numerics name (`build_model`), and the two with a runner and its KV pool (`b
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
@@ -14,19 +13,25 @@ import numpy as np
 import torch
 
 from stratum.engine import weight_cache
-from stratum.engine.config import EngineConfig, ResolvedConfig, configured_threads, default_prefill_threads, default_threads
+from stratum.engine.config import (
+    EngineConfig, ResolvedConfig, configured_threads, default_prefill_threads, default_threads,
+)
 from stratum.engine.model_runner import ModelRunner
 from stratum.home import stratum_home
 from stratum.kernels import KernelPlan, PlanSource, native
 from stratum.kernels import numerics as rule
 from stratum.kernels.cpu import cpu_flags, cpu_name
 from stratum.kernels.numerics import ACTIVATION_BITS, INT4, NATIVE, PACKED, Numerics, RuleInputs
-from stratum.kernels.packed import FUSED, PACKED_QTYPES, PackedSegments, PackedStack, PackedWeight, native_form, native_lookup
+from stratum.kernels.packed import (
+    FUSED, PACKED_QTYPES, PackedSegments, PackedStack, PackedWeight, native_form, native_lookup,
+)
 from stratum.kernels.packed import native_step_refusal, pack_fused
 from stratum.kernels.packed import LAYOUT_VERSION as PACKED_LAYOUT
 from stratum.kernels.packed import pack as packed_weight
 from stratum.kernels.plan import Shapes, select_plan
-from stratum.kernels.quant import DenseWeight, Int4Weight, Int8Weight, Parts, Q8Weight, RecentRows, unpack_q4, unpack_q8_0
+from stratum.kernels.quant import (
+    DenseWeight, Int4Weight, Int8Weight, Parts, Q8Weight, RecentRows, unpack_q4, unpack_q8_0,
+)
 from stratum.layers.linear import Linear
 from stratum.models.llama import LlamaForCausalLM
 from stratum.models.loader import Checkpoint, load_checkpoint, release_pages
@@ -63,12 +68,15 @@ def rule_inputs(config: EngineConfig, checkpoint: Checkpoint, device: str, load_
     told not to (`load_native=False`: a cold start's provisional step must not wait for a compile)."""
     quantized = checkpoint.quantized
     return RuleInputs(device, config.dtype, config.native_step, config.int4_max_tokens,
-                      tuple(sorted({t.qtype for t in quantized.values()})), native_step_refusal(checkpoint.config, quantized),
-                      device == "cpu" and load_native and native.available(), tuple(sorted(cpu_flags() & SIMD_FEATURES)),
+                      tuple(sorted({t.qtype for t in quantized.values()})),
+                      native_step_refusal(checkpoint.config, quantized),
+                      device == "cpu" and load_native and native.available(),
+                      tuple(sorted(cpu_flags() & SIMD_FEATURES)),
                       config.activations)
 
 
-def resolve(config: EngineConfig, checkpoint: Checkpoint, measure: bool = True, defer: bool = False) -> ResolvedConfig | None:
+def resolve(config: EngineConfig, checkpoint: Checkpoint, measure: bool = True,
+            defer: bool = False) -> ResolvedConfig | None:
     """Every "auto" of config, decided once for this machine and this checkpoint.
 
     The numerics follow their rule; the threads of the native step follow the kernel plan, cached, or
@@ -121,7 +129,8 @@ def free_memory(device: str) -> int:
     import psutil
 
     free = psutil.virtual_memory().available
-    for limit, usage in (("memory.max", "memory.current"), ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+    for limit, usage in (("memory.max", "memory.current"),
+                         ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
         try:  # cgroup v2, then v1, each as mounted in this process's namespace
             cap = (Path("/sys/fs/cgroup") / limit).read_text().strip()
             if cap != "max":
@@ -165,7 +174,8 @@ def _plan(config: EngineConfig, checkpoint: Checkpoint, numerics: Numerics, meas
     the PyTorch step's fp32 matmuls may sum in another order at another thread count."""
     configured = configured_threads(config.num_threads)
     if configured:
-        return KernelPlan(numerics.device, configured, cpu_name(), source=PlanSource.CONFIGURED, basis="set by the user")
+        return KernelPlan(numerics.device, configured, cpu_name(), source=PlanSource.CONFIGURED,
+                          basis="set by the user")
     threads = default_threads(config.serving, native_step=numerics.step == NATIVE)
     if numerics.step != NATIVE:
         return KernelPlan(numerics.device, threads, cpu_name(), source=PlanSource.RULE, basis="config.default_threads")
@@ -426,7 +436,8 @@ def _convert(form: str, tensors: list, dtype: torch.dtype) -> list:
         fields = [w.packed, w.scale_zeros, w.out_features, w.in_features]
     else:
         raw = np.concatenate([np.asarray(t.data).reshape(t.shape[0], -1) for t in tensors])
-        fields = list(packed_weight(tensors[0].qtype, raw, (sum(t.shape[0] for t in tensors), tensors[0].shape[1])).saved())
+        fields = list(packed_weight(tensors[0].qtype, raw,
+                                    (sum(t.shape[0] for t in tensors), tensors[0].shape[1])).saved())
     for t in tensors:
         t.release()
     return fields
@@ -465,7 +476,8 @@ def _warn_dense(model, quantized: dict) -> None:
             by_type[quantized[n].qtype] = by_type.get(quantized[n].qtype, 0) + 1
     for form, by_type in dense.items():
         log.warning("%s: dequantized to %s (no packed kernel here runs them, or the settings asked for dense "
-                    "weights): %s", model.config.name, form, ", ".join(f"{n} {q} tensors" for q, n in sorted(by_type.items())))
+                    "weights): %s", model.config.name, form,
+                    ", ".join(f"{n} {q} tensors" for q, n in sorted(by_type.items())))
 
 
 def attach_embedding(model, quantized: dict) -> int:

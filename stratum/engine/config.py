@@ -85,10 +85,12 @@ class EngineConfig:
     kv_disk_gb: float | None = None
     kv_disk_dir: str | None = None
     num_threads: int | None = None  # torch threads for decode-bound steps; None: `default_threads`
-    prefill_threads: int | None = None  # for steps of PREFILL_STEP_TOKENS tokens or more; None: `default_prefill_threads`
+    # for steps of PREFILL_STEP_TOKENS tokens or more; None: `default_prefill_threads`
+    prefill_threads: int | None = None
     replicas: int = 1  # engines of this machine that share its cores (`--replicas`)
     int4_max_tokens: int | None = None  # None: the numerics rule; 0: no packed weights (dense); N > 0: int4 copies
-    native_step: bool | None = None  # None: the numerics rule; True/False: the native step where the checkpoint allows / never
+    # None: the numerics rule; True/False: the native step where the checkpoint allows / never
+    native_step: bool | None = None
     # the native step's activation blocks: "int16" (the rule) or "int8" (llama.cpp's precision, faster where the
     # CPU's widest integer product is 8-bit; kernels/numerics.py)
     activations: str = "int16"

@@ -84,7 +84,8 @@ class EngineCore:
         self._started: list[str] = []
         # the disk tier under the prefix cache (its figures for the pool tier too, when the disk is off);
         # a clean exit writes what it has queued (a killed process loses only that: the tier stays consistent)
-        self.tier = DiskTier(open_store(config.kv_disk_gb, config.kv_disk_dir) if resolved.enable_prefix_cache else None)
+        self.tier = DiskTier(open_store(config.kv_disk_gb, config.kv_disk_dir)
+                             if resolved.enable_prefix_cache else None)
         weakref.finalize(self, self.tier.close, 5.0)
         self._adopt_kernels()
         self._renew_pool([], num_preemptions=0)
@@ -275,7 +276,8 @@ class EngineCore:
                 self.scheduler.end_speculation(item)
         return outputs
 
-    def _finish(self, seq: Sequence, reason: str, new_ids: list[int] | None = None, running: bool = True) -> RequestOutput:
+    def _finish(self, seq: Sequence, reason: str, new_ids: list[int] | None = None,
+                running: bool = True) -> RequestOutput:
         efficiency = seq.kv_cache_efficiency(self.config.block_size)
         if running:
             self.scheduler.finish(seq)
@@ -299,7 +301,8 @@ class EngineCore:
             kv_blocks = KVBlocks(bm.num_blocks, bm.num_free_blocks, bm.num_cached_blocks, bm.num_used_blocks)
         steps = list(islice(reversed(self.step_stats), 64))  # the latest, not a copy of all 1,024 (every step)
         total = sum(s.step_s for s in steps)
-        gpu = round(torch.cuda.memory_allocated(self.runner.device) / 2**20, 1) if self.config.device == "cuda" else None
+        gpu = (round(torch.cuda.memory_allocated(self.runner.device) / 2**20, 1)
+               if self.config.device == "cuda" else None)
         return EngineSnapshot(
             alive=True, mode=self.mode, degraded_reason=self.degraded_reason,
             num_running=len(sched.running), num_waiting=len(sched.waiting), kv_blocks=kv_blocks,

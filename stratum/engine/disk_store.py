@@ -35,7 +35,8 @@ CREATE TABLE IF NOT EXISTS blocks (
     binding BLOB NOT NULL, key BLOB NOT NULL, nbytes INTEGER NOT NULL, last_used REAL NOT NULL,
     UNIQUE (binding, key));
 CREATE INDEX IF NOT EXISTS blocks_lru ON blocks (last_used);
-CREATE TABLE IF NOT EXISTS totals (id INTEGER PRIMARY KEY CHECK (id = 0), nbytes INTEGER NOT NULL, nblocks INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS totals (
+    id INTEGER PRIMARY KEY CHECK (id = 0), nbytes INTEGER NOT NULL, nblocks INTEGER NOT NULL);
 INSERT OR IGNORE INTO totals VALUES (0, 0, 0);
 CREATE TRIGGER IF NOT EXISTS blocks_added AFTER INSERT ON blocks
     BEGIN UPDATE totals SET nbytes = nbytes + NEW.nbytes, nblocks = nblocks + 1; END;
@@ -97,7 +98,8 @@ class DiskStore:
         """Keys stored for `binding` with ids above after_id, and the highest id seen: the index read at
         start (after_id 0), then what other processes added since."""
         if after_id:  # `+binding`: the rowid range (new rows only) is searched, not the binding's whole index
-            rows = conn.execute("SELECT id, key FROM blocks WHERE id > ? AND +binding = ?", (after_id, binding)).fetchall()
+            rows = conn.execute("SELECT id, key FROM blocks WHERE id > ? AND +binding = ?",
+                                (after_id, binding)).fetchall()
         else:
             rows = conn.execute("SELECT id, key FROM blocks WHERE binding = ?", (binding,)).fetchall()
         return [k for _, k in rows], max((i for i, _ in rows), default=after_id)
@@ -126,7 +128,8 @@ class DiskStore:
         """Mark blocks recently used (eviction is least recently used first)."""
         now = time.time()
         with _transaction(conn):
-            conn.executemany("UPDATE blocks SET last_used = ? WHERE binding = ? AND key = ?", [(now, binding, k) for k in keys])
+            conn.executemany("UPDATE blocks SET last_used = ? WHERE binding = ? AND key = ?",
+                             [(now, binding, k) for k in keys])
 
     def drop(self, conn: sqlite3.Connection, binding: bytes, keys: list[bytes]) -> None:
         """Forget blocks (a corrupt or missing file) and delete their files."""

@@ -18,7 +18,8 @@ class LLM:
         self.engine = EngineCore(EngineConfig(model=model, **config), checkpoint=checkpoint)
         self._ids = itertools.count()
 
-    def generate(self, prompts: list[str] | list[list[int]], sampling: SamplingParams | list[SamplingParams] | None = None,
+    def generate(self, prompts: list[str] | list[list[int]],
+                 sampling: SamplingParams | list[SamplingParams] | None = None,
                  priorities: list[int] | None = None) -> list[RequestOutput]:
         """Run every prompt to completion, batched together. Strings are tokenized as plain text."""
         sampling = sampling or SamplingParams()

@@ -59,8 +59,8 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype,
-                 use_native: bool = True):
+    def __init__(self, model: LlamaForCausalLM, num_blocks: int, block_size: int, device: torch.device,
+                 dtype: torch.dtype, use_native: bool = True):
         cfg = model.config
         self.model = model
         self.block_size = block_size
@@ -246,7 +246,8 @@ class ModelRunner:
             if packed:  # every row attends through its sequence's block table
                 row_seq += [len(tables)] * n
                 tables.append(table[: -(-(start + n) // bs)])
-            elif item.is_decode and n == 1 and not prefills:  # the batch's leading decodes (a late one-token chunk stays a prefill)
+            elif item.is_decode and n == 1 and not prefills:
+                # the batch's leading decodes (a late one-token chunk stays a prefill)
                 decode_seqs.append(seq)
             elif start == 0:
                 prefills.append(PrefillSpan(row0, row0 + n))
@@ -254,8 +255,8 @@ class ModelRunner:
                 ctx = start + n
                 mask = torch.ones(n, ctx, dtype=torch.bool, device=self.device).tril(diagonal=start)
                 prefills.append(PrefillSpan(row0, row0 + n, self._slots_of(table, ctx), mask))
-        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device), native=self.native,
-                                 block_size=bs)
+        meta = AttentionMetadata(slot_mapping=torch.tensor(slots, dtype=torch.long, device=self.device),
+                                 native=self.native, block_size=bs)
         if packed:
             width = max(len(t) for t in tables)
             meta.row_tables = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.long)

@@ -83,7 +83,8 @@ class KernelUpgrade:
             log.warning("the kernels could not be prepared; the engine stays on its current step: %s", self.error)
 
     def _prepare_in_child(self) -> None:
-        cmd = [sys.executable, "-m", "stratum.engine.prepare", "--config", self.config.to_json(), "--nice", str(CHILD_NICE)]
+        cmd = [sys.executable, "-m", "stratum.engine.prepare", "--config", self.config.to_json(),
+               "--nice", str(CHILD_NICE)]
         self._child = child = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
         if self._cancelled:
             child.kill()

@@ -35,7 +35,8 @@ class SamplingParams:
     skip_special_tokens: bool = True
     return_logits: bool = False  # keep the fp32 logits of every prompt position and sampled token (tests)
     logprobs: int | None = None  # report each sampled token's log-probability and this many top alternatives
-    prompt_logprobs: int | None = None  # score every prompt token (and this many alternatives); the prompt is recomputed
+    # score every prompt token (and this many alternatives); the prompt is recomputed
+    prompt_logprobs: int | None = None
     grammar: str | None = None  # an llguidance grammar the output must follow (see stratum.engine.grammar)
 
     def __post_init__(self) -> None:

@@ -267,7 +267,8 @@ class Scheduler:
             any request, with the prefix cache).
         """
         parent = seq.fork_of
-        if seq.num_output_tokens or parent.is_finished or parent.token_ids[: seq.num_prompt_tokens] != seq.prompt_token_ids:
+        if (seq.num_output_tokens or parent.is_finished
+                or parent.token_ids[: seq.num_prompt_tokens] != seq.prompt_token_ids):
             seq.fork_of = None
             return False
         if parent.status is not SequenceStatus.RUNNING or parent.num_computed_tokens < parent.num_prompt_tokens:

@@ -214,7 +214,8 @@ def read(path: Path) -> dict[str, object] | None:
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if mapped is not None and size >= _HUGE and huge_pages_offered():  # serving starts on the mapping meanwhile
-        thread = threading.Thread(target=_move_onto_huge_pages, args=(mapped,), name="weights-onto-huge-pages", daemon=True)
+        thread = threading.Thread(target=_move_onto_huge_pages, args=(mapped,), name="weights-onto-huge-pages",
+                                  daemon=True)
         _moves.append(thread)
         thread.start()
 

@@ -96,8 +96,8 @@ def build(lib: Library, directory: Path) -> None:
                 built.unlink(missing_ok=True)
         from torch.utils.cpp_extension import load
 
-        load(name=lib.name, sources=[str(CSRC / s) for s in lib.sources], extra_cflags=flags, extra_ldflags=["-fopenmp"],
-             build_directory=str(directory), is_python_module=False, verbose=False)
+        load(name=lib.name, sources=[str(CSRC / s) for s in lib.sources], extra_cflags=flags,
+             extra_ldflags=["-fopenmp"], build_directory=str(directory), is_python_module=False, verbose=False)
         built.touch()
 
 
@@ -155,7 +155,8 @@ def _load() -> bool:
                             "it ahead)", lib.name, march())
             build(lib, directory)
     except Exception as exc:  # no compiler, no ninja, a failed build: the PyTorch paths remain
-        _state["status"] = f"unavailable: {type(exc).__name__}: {str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}"
+        _state["status"] = (f"unavailable: {type(exc).__name__}: "
+                            f"{str(exc).strip().splitlines()[-1] if str(exc).strip() else ''}")
         log.warning("native kernels %s", _state["status"])
         return False
     _state["status"] = f"loaded ({torch.ops.stratum.packed_simd()}, -march={march()})"

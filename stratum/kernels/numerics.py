@@ -104,9 +104,10 @@ def choose_numerics(inputs: RuleInputs, model: str) -> Numerics:
       what no kernel here takes (or everything, with `int4_max_tokens=0`);
     - with `--activations int8` (the user's choice, never the rule's) the native step quantizes its
       activation blocks to int8, as llama.cpp does: a CPU whose widest integer product is 8-bit
-      (vpmaddubsw on AVX2, vpdpbusd on AVX-512 VNNI) then runs about twice the multiply-adds per instruction; it costs top-1
-      agreement with the fp32 model (316 of 325 vs 325 of 325 on SmolLM2). Every SIMD family still gives
-      the same bits, since a block's integer sums are exact whichever instruction computes them;
+      (vpmaddubsw on AVX2, vpdpbusd on AVX-512 VNNI) then runs about twice the multiply-adds per
+      instruction; it costs top-1 agreement with the fp32 model (316 of 325 vs 325 of 325 on
+      SmolLM2). Every SIMD family still gives the same bits, since a block's integer sums are exact
+      whichever instruction computes them;
     - the int8 output projection a request may ask for ("Prioritize low-latency over accuracy") exists
       only where the user chose bf16 on the PyTorch step: elsewhere no request is served lossier.
     On CUDA: the PyTorch step in bf16 (or `--dtype`), weights dense.
@@ -126,7 +127,8 @@ def choose_numerics(inputs: RuleInputs, model: str) -> Numerics:
         raise _pytorch_step_refusal(inputs)
     if inputs.device != "cpu":
         dtype = "bfloat16" if inputs.dtype == "auto" else inputs.dtype
-        return Numerics(model, inputs.device, PYTORCH, dtype, dtype, tuple((t, dense(dtype)) for t in types), PYTORCH, None)
+        return Numerics(model, inputs.device, PYTORCH, dtype, dtype, tuple((t, dense(dtype)) for t in types),
+                        PYTORCH, None)
     if native:
         kv = "bfloat16" if inputs.dtype == "bfloat16" else "float32"
         return Numerics(model, "cpu", NATIVE, "float32", kv, tuple((t, AS_STORED) for t in types), "native step", None,
@@ -149,8 +151,8 @@ def _pytorch_step_refusal(inputs: RuleInputs) -> ValueError:
         why = "the native kernels are not built"
     else:
         why = inputs.native_refusal or "the file has no quantized projections"
-    return ValueError(f"--activations {inputs.activations} quantizes the native step's activations, and this start runs "
-                      f"the PyTorch step ({why})")
+    return ValueError(f"--activations {inputs.activations} quantizes the native step's activations, "
+                      f"and this start runs the PyTorch step ({why})")
 
 
 def dense(dtype: str) -> str:

@@ -232,12 +232,14 @@ def _packed(fmt: int, q: np.ndarray, scales: list[np.ndarray]) -> PackedWeight:
     else:
         tiles = [_tiles(s.astype(np.float16)).transpose(0, 2, 1) for s in scales]  # [T, b, i] each
         scale = np.concatenate(tiles, axis=-1) if tiles else np.zeros((-(-n // TILE), k // GROUP_SIZE, 0), np.float16)
-    return PackedWeight(torch.from_numpy(np.ascontiguousarray(_data(fmt, q))), torch.from_numpy(np.ascontiguousarray(scale)),
+    return PackedWeight(torch.from_numpy(np.ascontiguousarray(_data(fmt, q))),
+                        torch.from_numpy(np.ascontiguousarray(scale)),
                         n, k, fmt)
 
 
 # the GGUF types as csrc/repack.cpp numbers them
-REPACK_TYPES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7, "F16": 8, "BF16": 9}
+REPACK_TYPES = {"Q4_0": 0, "Q4_1": 1, "Q8_0": 2, "Q5_0": 3, "Q5_1": 4, "Q4_K": 5, "Q5_K": 6, "Q6_K": 7, "F16": 8,
+                "BF16": 9}
 
 
 def pack(qtype: str, raw: np.ndarray, shape: tuple[int, int]) -> PackedWeight:
@@ -282,7 +284,8 @@ def dequantize_rows(qtype: str, table: torch.Tensor, k: int, ids: torch.Tensor) 
     return torch.ops.stratum.dequantize_rows(table, REPACK_TYPES[qtype], k, ids.long())
 
 
-def reference_matmul(qtype: str, raw: np.ndarray, shape: tuple[int, int], x: torch.Tensor, activation_bits: int = 16) -> torch.Tensor:
+def reference_matmul(qtype: str, raw: np.ndarray, shape: tuple[int, int], x: torch.Tensor,
+                     activation_bits: int = 16) -> torch.Tensor:
     """What the native kernel computes, in float64 PyTorch: x quantized to int16 (or int8) per block of
     32 (scale max|x| / 32767 or 127, round half to even), exact integer block sums (half-block sums for Q6K),
     each scaled once; F16 / BF16 weights times x as it is. For tests of the kernel; the model's own
@@ -367,7 +370,8 @@ def _pack_run(run: list) -> PackedWeight:
     type (Q4_0 and Q4_1, both Q4 tiles, are decoded apart)."""
     n, k = sum(t.shape[0] for t in run), run[0].shape[1]
     if len({t.qtype for t in run}) == 1:
-        raw = run[0].data if len(run) == 1 else np.concatenate([np.asarray(t.data).reshape(t.shape[0], -1) for t in run])
+        raw = (run[0].data if len(run) == 1
+               else np.concatenate([np.asarray(t.data).reshape(t.shape[0], -1) for t in run]))
         return pack(run[0].qtype, raw, (n, k))
     decoded = [decode(t.qtype, t.data, t.shape) for t in run]
     return _packed(decoded[0][0], np.concatenate([q for _, q, _ in decoded]),

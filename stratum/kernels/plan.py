@@ -68,7 +68,8 @@ class Shapes:
         return self.formats.get(name) or {((STAND_IN, self.layer[name][0]),): 1}
 
     def key(self) -> list:
-        formats = sorted((n, sorted([list(map(list, seg)), c] for seg, c in v.items())) for n, v in self.formats.items())
+        formats = sorted((n, sorted([list(map(list, seg)), c] for seg, c in v.items()))
+                         for n, v in self.formats.items())
         return [sorted((n, list(s)) for n, s in self.layer.items()), formats]
 
 
@@ -130,8 +131,8 @@ def _busy_seconds() -> float | None:
 
 # where each block format keeps its fp16 scales (llama.cpp ggml-common.h): set to a normal number in a
 # stand-in of random bytes, so that its weights are finite
-_FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2),
-                "Q6_K": (208,)}
+_FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q4_K": (0, 2),
+                "Q5_K": (0, 2), "Q6_K": (208,)}
 
 
 def stand_in(qtype: str, n: int, k: int, g: torch.Generator) -> PackedWeight | None:
@@ -263,8 +264,8 @@ def plan_dir(home: Path) -> Path:
 def plan_cache_path(home: Path, shapes: Shapes, cores: int) -> Path:
     """Keyed on what makes a measurement stale: the CPU and its features, torch, the native step's
     build (its source, flags and instructions), the cores and the model's shapes and formats."""
-    key = json.dumps([PLAN_VERSION, cpu_name(), sorted(cpu_flags()), torch.__version__, native.build_dir(home, native.STEP).name, cores,
-                      shapes.key()])
+    key = json.dumps([PLAN_VERSION, cpu_name(), sorted(cpu_flags()), torch.__version__,
+                      native.build_dir(home, native.STEP).name, cores, shapes.key()])
     return plan_dir(home) / (hashlib.sha256(key.encode()).hexdigest()[:16] + ".json")
 
 

@@ -71,7 +71,8 @@ class Int4Weight:
         self.dtype = dtype
 
     @classmethod
-    def from_packed(cls, packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int, in_features: int) -> "Int4Weight":
+    def from_packed(cls, packed: torch.Tensor, scale_zeros: torch.Tensor, out_features: int,
+                    in_features: int) -> "Int4Weight":
         w = cls.__new__(cls)
         w.out_features, w.in_features = out_features, in_features
         w.packed, w.scale_zeros, w.dtype = packed, scale_zeros, scale_zeros.dtype
@@ -83,7 +84,8 @@ class Int4Weight:
 
     @property
     def nbytes(self) -> int:
-        return self.packed.numel() * self.packed.element_size() + self.scale_zeros.numel() * self.scale_zeros.element_size()
+        return (self.packed.numel() * self.packed.element_size()
+                + self.scale_zeros.numel() * self.scale_zeros.element_size())
 
 
 class Q8Weight:

@@ -74,14 +74,16 @@ class ChatTemplate:
     def __init__(self, source: str | None, tokenizer: TextTokenizer):
         self.source = source or DEFAULT_TEMPLATE
         self.tokenizer = tokenizer
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
         env.filters["tojson"] = _tojson
         env.filters["trim"] = _trim
         env.globals["raise_exception"] = _raise
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self._template = env.from_string(self.source)
 
-    def render(self, messages: list[dict[str, Any]], tools: list[dict] | None = None, add_generation_prompt: bool = True) -> str:
+    def render(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
+               add_generation_prompt: bool = True) -> str:
         """Render to text, exactly as `transformers.apply_chat_template(tokenize=False)` would."""
         try:
             return self._template.render(

@@ -93,7 +93,8 @@ class ModelConfig:
         if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
             raise UnsupportedModelError(f"{self.architecture}: activation {self.hidden_act!r} is not supported")
         if self.sliding_layers and len(self.sliding_layers) != self.num_layers:
-            raise UnsupportedModelError(f"{self.architecture}: {len(self.sliding_layers)} layer types for {self.num_layers} layers")
+            raise UnsupportedModelError(f"{self.architecture}: {len(self.sliding_layers)} layer types "
+                                        f"for {self.num_layers} layers")
         return self
 
     def with_context(self, max_model_len: int | None, scaling: str | None = None, factor: float | None = None,
@@ -116,14 +117,15 @@ class ModelConfig:
         if scaling in (None, "none"):
             if max_model_len is not None and max_model_len > trained:
                 raise ContextLengthError(
-                    f"--max-model-len {max_model_len} is beyond {self.name or 'the model'}'s trained context of {trained} "
-                    f"tokens: serve at most {trained}, or extend it explicitly with --rope-scaling yarn (or linear), "
-                    f"e.g. --max-model-len {max_model_len} --rope-scaling yarn")
+                    f"--max-model-len {max_model_len} is beyond {self.name or 'the model'}'s trained context "
+                    f"of {trained} tokens: serve at most {trained}, or extend it explicitly with --rope-scaling "
+                    f"yarn (or linear), e.g. --max-model-len {max_model_len} --rope-scaling yarn")
             return self
         if scaling not in CONTEXT_SCALINGS:
             raise ContextLengthError(f"--rope-scaling {scaling!r}: expected one of none, {', '.join(CONTEXT_SCALINGS)}")
         if rope_type(self.rope_scaling) != "default":
-            raise ContextLengthError(f"{self.name or 'the model'} already scales RoPE ({rope_type(self.rope_scaling)}); "
+            raise ContextLengthError(f"{self.name or 'the model'} already scales RoPE "
+                                     f"({rope_type(self.rope_scaling)}); "
                                      "--rope-scaling cannot be applied over it")
         base = original or trained
         factor = factor or (max_model_len / base if max_model_len else None)

@@ -45,9 +45,11 @@ class Attention(nn.Module):
         v = qkv[:, self.q_size + self.kv_size :].view(num_tokens, self.num_kv_heads, self.head_dim)
         written = meta.native and self.q_norm is None and qkv.dtype == kv_cache[0].dtype
         if written:  # rotation and the pool write in one native pass
-            qk = torch.ops.stratum.rotary_cache(qkv, rope[0], rope[1], kv_cache[0], kv_cache[1], meta.slot_mapping, self.num_heads)
+            qk = torch.ops.stratum.rotary_cache(qkv, rope[0], rope[1], kv_cache[0], kv_cache[1], meta.slot_mapping,
+                                                self.num_heads)
         else:
-            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            qk = qkv[:, : self.q_size + self.kv_size].view(num_tokens, self.num_heads + self.num_kv_heads,
+                                                           self.head_dim)
             if self.q_norm is not None:
                 qk = torch.cat([self.q_norm(qk[:, : self.num_heads]), self.k_norm(qk[:, self.num_heads :])], dim=1)
             qk = apply_rotary(qk, *rope)  # q and k rotated together: one pass instead of two
@@ -102,7 +104,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         # _weight skips the random init: every value is overwritten by load_weights
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size,
+                                         _weight=torch.empty(cfg.vocab_size, cfg.hidden_size))
         self.embed_tokens.weight.requires_grad_(False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)

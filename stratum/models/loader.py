@@ -21,7 +21,9 @@ import numpy as np
 import torch
 
 from stratum.models.config import GEMMA, HF_FAMILIES, ModelConfig, UnsupportedModelError
-from stratum.models.tokenizer import TextTokenizer, tokenizer_from_file, tokenizer_from_gguf, tokenizer_from_sentencepiece
+from stratum.models.tokenizer import (
+    TextTokenizer, tokenizer_from_file, tokenizer_from_gguf, tokenizer_from_sentencepiece,
+)
 
 log = logging.getLogger("stratum.models")
 
@@ -67,7 +69,8 @@ class QuantizedTensor:
     so a start that never reads them (the native step's repacked cache is current) never copies them."""
 
     qtype: str  # gguf GGMLQuantizationType name, e.g. "Q4_1"
-    stored: np.ndarray  # the raw blocks as the file holds them, [rows, bytes_per_row] uint8 (F16: [rows, in_features] float16)
+    # the raw blocks as the file holds them, [rows, bytes_per_row] uint8 (F16: [rows, in_features] float16)
+    stored: np.ndarray
     shape: tuple[int, int]  # logical [out_features, in_features]
     permuted_heads: int = 0  # llama.cpp's Q/K row permutation over this many heads, undone by `data` (0: none)
 
@@ -161,7 +164,8 @@ def load_checkpoint(path: str | Path) -> Checkpoint:
         return load_gguf(path)
     if path.is_dir() and (path / "config.json").exists():
         return load_hf_folder(path)
-    raise ModelLoadError(f"{path}: expected a .gguf file or a folder with config.json, *.safetensors and tokenizer.json")
+    raise ModelLoadError(f"{path}: expected a .gguf file or a folder with config.json, *.safetensors "
+                         "and tokenizer.json")
 
 
 def _field_value(field_):
@@ -313,7 +317,8 @@ def _read_gguf(path: Path) -> tuple[Checkpoint, list[_Entry]]:
     meta = read_gguf_metadata(reader)
     arch = meta.get("general.architecture")
     if arch not in GGUF_ARCHITECTURES:
-        raise ModelLoadError(f"{path.name}: architecture {arch!r} is not supported (supported: {', '.join(GGUF_ARCHITECTURES)})")
+        raise ModelLoadError(f"{path.name}: architecture {arch!r} is not supported "
+                             f"(supported: {', '.join(GGUF_ARCHITECTURES)})")
     try:
         tokenizer = tokenizer_from_gguf(meta)
     except ValueError as e:
@@ -404,7 +409,8 @@ def _dequantize(qtype: str, raw: np.ndarray, shape: tuple[int, int], by_gguf: bo
 
     if qtype in kquant.BLOCK_BYTES and not by_gguf:
         return kquant.dequantize(qtype, raw, shape)
-    return torch.from_numpy(np.asarray(dequantize(np.asarray(raw), GGMLQuantizationType[qtype]), dtype=np.float32).reshape(shape))
+    return torch.from_numpy(np.asarray(dequantize(np.asarray(raw), GGMLQuantizationType[qtype]),
+                                       dtype=np.float32).reshape(shape))
 
 
 def _gguf_config(meta: dict, arch: str, tensors: dict, tokenizer, stem: str) -> ModelConfig:
@@ -425,7 +431,8 @@ def _gguf_config(meta: dict, arch: str, tensors: dict, tokenizer, stem: str) -> 
         rope_scaling = {"rope_type": "freq_factors",
                         "factors": np.asarray(tensors["rope_freqs.weight"].data, dtype=np.float32).tolist()}
     if "rope_factors_long.weight" in tensors:
-        raise UnsupportedModelError(f"{arch}: long-context RoPE factors (rope_factors_long, LongRoPE) are not supported")
+        raise UnsupportedModelError(f"{arch}: long-context RoPE factors (rope_factors_long, LongRoPE) "
+                                    "are not supported")
     window = m("attention.sliding_window") or None
     sliding: tuple[bool, ...] = ()
     if window:  # llama.cpp's swa patterns: every n-th layer (the last of each group) attends globally
@@ -535,7 +542,8 @@ def load_hf_folder(path: Path) -> Checkpoint:
         raise ModelLoadError(f"{path / 'config.json'}: not valid JSON: {e}") from e
     model_type = cfg.get("model_type")
     if model_type not in HF_FAMILIES:
-        raise ModelLoadError(f"{path}: model_type {model_type!r} is not supported (supported: {', '.join(HF_FAMILIES)})")
+        raise ModelLoadError(f"{path}: model_type {model_type!r} is not supported "
+                             f"(supported: {', '.join(HF_FAMILIES)})")
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"{path}: no *.safetensors files")
@@ -544,8 +552,10 @@ def load_hf_folder(path: Path) -> Checkpoint:
     weights: dict[str, torch.Tensor] = {}
     for f in files:
         weights.update({k: v.float() for k, v in load_file(str(f)).items()})
-    tok_cfg = json.loads((path / "tokenizer_config.json").read_text()) if (path / "tokenizer_config.json").exists() else {}
-    gen_cfg = json.loads((path / "generation_config.json").read_text()) if (path / "generation_config.json").exists() else {}
+    tok_cfg = (json.loads((path / "tokenizer_config.json").read_text())
+               if (path / "tokenizer_config.json").exists() else {})
+    gen_cfg = (json.loads((path / "generation_config.json").read_text())
+               if (path / "generation_config.json").exists() else {})
 
     def token_str(value):
         return value.get("content") if isinstance(value, dict) else value

@@ -49,7 +49,8 @@ class TextTokenizer:
     eos_token: str | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    add_bos: bool = False  # a prompt begins with BOS (the GGUF's tokenizer.ggml.add_bos_token, or the folder's add_bos_token)
+    # a prompt begins with BOS (the GGUF's tokenizer.ggml.add_bos_token, or the folder's add_bos_token)
+    add_bos: bool = False
     _plain: Tokenizer | None = field(default=None, init=False, repr=False)  # see `plain`
     _helper: "_HelperProcess | None" = field(default=None, init=False, repr=False)  # see offload_large_texts
     _offload_chars: int = field(default=0, init=False, repr=False)
@@ -255,7 +256,8 @@ def _serve_helper() -> None:
             sys.stdout.buffer.flush()
 
 
-def tokenizer_from_file(path: str, eos_tokens: list[str], bos_token: str | None, add_bos: bool | None = None) -> TextTokenizer:
+def tokenizer_from_file(path: str, eos_tokens: list[str], bos_token: str | None,
+                        add_bos: bool | None = None) -> TextTokenizer:
     """A tokenizer.json; add_bos as the folder's tokenizer_config.json says, else as the file's post-processor
     does (Llama 3's adds <|begin_of_text|>)."""
     backend = Tokenizer.from_file(path)
@@ -308,7 +310,8 @@ def tokenizer_from_gguf(meta: dict) -> TextTokenizer:
     )
 
 
-def tokenizer_from_sentencepiece(path: str, eos_tokens: list[str], bos_token: str | None, add_bos: bool = True) -> TextTokenizer:
+def tokenizer_from_sentencepiece(path: str, eos_tokens: list[str], bos_token: str | None,
+                                 add_bos: bool = True) -> TextTokenizer:
     """A Hugging Face folder's SentencePiece `tokenizer.model` (a folder without tokenizer.json), built as
     `tokenizer_from_gguf` builds a "llama" vocabulary. Needs the `sentencepiece` package to read the file.
 
@@ -382,8 +385,8 @@ def _sentencepiece(pieces: list[tuple[str, float, int]], is_bpe: bool, unk_id: i
             local.sort(key=lambda lr: (vocab[lr[0]], vocab[lr[1]]))
             ranked += [(score, left, right) for left, right in local]
         ranked.sort(key=lambda m: (m[0], len(m[1]), len(m[2])), reverse=True)  # stable: ties keep vocab order
-        model = models.BPE(vocab=vocab, merges=[(left, right) for _, left, right in ranked], unk_token=pieces[unk_id][0],
-                           fuse_unk=True, byte_fallback=True)
+        model = models.BPE(vocab=vocab, merges=[(left, right) for _, left, right in ranked],
+                           unk_token=pieces[unk_id][0], fuse_unk=True, byte_fallback=True)
     else:
         model = models.Unigram([(p, s) for p, s, _ in pieces], unk_id=unk_id, byte_fallback=True)
     backend = Tokenizer(model)
@@ -403,7 +406,8 @@ def _add_special_tokens(backend: Tokenizer, tokens: list[str], types: list[int])
     user-defined ones are matched in any text, as llama.cpp and SentencePiece do."""
     backend.add_special_tokens([AddedToken(t, special=True, normalized=False)
                                 for t, k in zip(tokens, types) if k in (_CONTROL, _UNKNOWN)])
-    backend.add_tokens([AddedToken(t, special=False, normalized=False) for t, k in zip(tokens, types) if k == _USER_DEFINED])
+    backend.add_tokens([AddedToken(t, special=False, normalized=False)
+                        for t, k in zip(tokens, types) if k == _USER_DEFINED])
 
 
 if __name__ == "__main__":

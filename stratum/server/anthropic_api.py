@@ -78,7 +78,8 @@ class Messages:
         yield from self._blocks(self.splitter.flush(), stream_meta(final))
         yield from self._close()
         reason, sequence = stop_reason(self.ctx, final, self.has_calls)
-        yield sse("message_delta", {"type": "message_delta", "delta": {"stop_reason": reason, "stop_sequence": sequence},
+        yield sse("message_delta", {"type": "message_delta",
+                                    "delta": {"stop_reason": reason, "stop_sequence": sequence},
                                     "usage": usage_of(final, self.ctx.cache_breakpoint)})
         yield sse("stratum_cost", {"type": "stratum_cost", **cost})
         yield sse("message_stop", {"type": "message_stop"})
@@ -106,7 +107,8 @@ class Messages:
                         "type": "text_delta", "text": text, "meta": meta}})
                 case CallStart(name):
                     self.has_calls = True
-                    yield from self._open("tool_use", {"type": "tool_use", "id": new_tool_id(), "name": name, "input": {}})
+                    yield from self._open("tool_use", {"type": "tool_use", "id": new_tool_id(), "name": name,
+                                                       "input": {}})
                 case CallArguments(fragment):
                     yield sse("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": {
                         "type": "input_json_delta", "partial_json": fragment, "meta": self.call_meta or meta}})

@@ -55,8 +55,9 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     app.add_middleware(Envelope, max_body_bytes=settings.max_body_bytes, digests=settings.key_digests, runner=runner,
                        max_batch_bytes=settings.max_batch_bytes)
     if settings.cors_origins:  # outermost: a browser's preflight is answered before authentication
-        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins), allow_methods=["GET", "POST", "OPTIONS"],
-                           allow_headers=["*"], expose_headers=EXPOSED_HEADERS, max_age=600)
+        app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
+                           allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"],
+                           expose_headers=EXPOSED_HEADERS, max_age=600)
     _error_handlers(app, rt)
 
     @app.get("/health")
@@ -247,4 +248,5 @@ def replica_health(v: ReplicaView) -> dict[str, Any]:
 
 
 def _model_card(settings: ServerSettings) -> dict[str, Any]:
-    return {"type": "model", "id": settings.model_name, "display_name": settings.model_name, "created_at": settings.created_at}
+    return {"type": "model", "id": settings.model_name, "display_name": settings.model_name,
+            "created_at": settings.created_at}

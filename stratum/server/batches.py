@@ -98,8 +98,8 @@ class BatchStore:
     def get(self, batch_id: str, tenant: str | None) -> dict[str, Any] | None:
         """The batch in the API's shape; None if absent, deleted, or another tenant's (tenant None: any)."""
         with self.lock:
-            row = self.db.execute("select id, tenant, created_at, expires_at, cancel_initiated_at, ended_at from batches "
-                                  "where id = ? and deleted = 0", (batch_id,)).fetchone()
+            row = self.db.execute("select id, tenant, created_at, expires_at, cancel_initiated_at, ended_at "
+                                  "from batches where id = ? and deleted = 0", (batch_id,)).fetchone()
             if row is None or (tenant is not None and row[1] != tenant):
                 return None
             counts = dict(self.db.execute("select state, count(*) from requests where batch_id = ? group by state",
@@ -124,8 +124,9 @@ class BatchStore:
                 if op == ">":
                     order = "asc"
         with self.lock:
-            ids = [r[0] for r in self.db.execute(f"select id from batches where {where} order by created_at {order}, id "
-                                                 f"{order} limit ?", (*args, limit + 1)).fetchall()]
+            ids = [r[0] for r in self.db.execute(f"select id from batches where {where} "
+                                                 f"order by created_at {order}, id {order} limit ?",
+                                                 (*args, limit + 1)).fetchall()]
         has_more = len(ids) > limit
         ids = ids[:limit]
         if order == "asc":
@@ -153,16 +154,18 @@ class BatchStore:
         with self.lock:
             rows = self.db.execute("select custom_id, result from requests where batch_id = ? order by seq",
                                    (batch_id,)).fetchall()
-        return [json.dumps({"custom_id": cid, "result": json.loads(result)}, ensure_ascii=False) for cid, result in rows]
+        return [json.dumps({"custom_id": cid, "result": json.loads(result)}, ensure_ascii=False)
+                for cid, result in rows]
 
     # ---- the runner's side ----------------------------------------------------------------------------
     def pending(self, limit: int, skip: set[tuple[str, str]]) -> list[tuple[str, str, str, str]]:
         """(batch id, tenant, custom_id, params) of the oldest pending requests of running batches."""
         with self.lock:
             rows = self.db.execute(
-                "select r.batch_id, b.tenant, r.custom_id, r.params from requests r join batches b on b.id = r.batch_id "
-                "where r.state = 'pending' and b.ended_at is null and b.cancel_initiated_at is null and b.deleted = 0 "
-                "order by b.created_at, r.seq limit ?", (limit + len(skip),)).fetchall()
+                "select r.batch_id, b.tenant, r.custom_id, r.params "
+                "from requests r join batches b on b.id = r.batch_id "
+                "where r.state = 'pending' and b.ended_at is null and b.cancel_initiated_at is null "
+                "and b.deleted = 0 order by b.created_at, r.seq limit ?", (limit + len(skip),)).fetchall()
         return [r for r in rows if (r[0], r[2]) not in skip][:limit]
 
     def finish(self, batch_id: str, custom_id: str, result: dict[str, Any]) -> bool:
@@ -179,7 +182,8 @@ class BatchStore:
         with self.lock:
             self.db.execute("begin immediate")
             for batch_id, cancel, expires in self.db.execute(
-                    "select id, cancel_initiated_at, expires_at from batches where ended_at is null and deleted = 0").fetchall():
+                    "select id, cancel_initiated_at, expires_at from batches "
+                    "where ended_at is null and deleted = 0").fetchall():
                 if cancel is not None or expires <= now:
                     kind = "canceled" if cancel is not None else "expired"
                     for (custom_id,) in self.db.execute("select custom_id from requests where batch_id = ? and state = "
@@ -314,7 +318,8 @@ def batch_routes(app: FastAPI, rt: Runtime, settings: ServerSettings, store: Bat
         return await get(request, batch_id)
 
     @app.get(BATCHES_PATH)
-    async def list_batches(request: Request, limit: int = 20, after_id: str | None = None, before_id: str | None = None):
+    async def list_batches(request: Request, limit: int = 20, after_id: str | None = None,
+                           before_id: str | None = None):
         if not 1 <= limit <= 1000:
             raise InvalidRequest("limit must be in [1, 1000]")
         page = await asyncio.to_thread(store.list, owner(request), limit, after_id, before_id)

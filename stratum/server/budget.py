@@ -65,7 +65,8 @@ class CostAdmission:
             w = self._window(tenant, now)
             reset = w.start + self.window_s
             if w.spent + tokens > self.budget:
-                return Decision(False, self.budget, max(0, self.budget - w.spent), reset, max(1, int(reset - now + 0.999)))
+                return Decision(False, self.budget, max(0, self.budget - w.spent), reset,
+                                max(1, int(reset - now + 0.999)))
             if reserve:
                 w.spent += tokens
             return Decision(True, self.budget, self.budget - w.spent, reset)

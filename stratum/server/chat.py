@@ -159,7 +159,8 @@ def append_turn(messages: list[dict[str, Any]], turn: dict[str, Any]) -> None:
     their tool calls in order (text after an assistant's calls starts a turn of its own). Tool results
     stay one turn each."""
     last = messages[-1] if messages else None
-    if last is None or last["role"] != turn["role"] or turn["role"] == "tool" or (last.get("tool_calls") and turn["content"]):
+    if (last is None or last["role"] != turn["role"] or turn["role"] == "tool"
+            or (last.get("tool_calls") and turn["content"])):
         messages.append(dict(turn))
         return
     last["content"] = "\n".join(t for t in (last["content"], turn["content"]) if t)
@@ -195,7 +196,8 @@ def anthropic_input(req: MessagesRequest | CountTokensRequest) -> ChatInput:
                                    and any(later.role == "user" for later in req.messages[i + 1:])):
             continue  # only output_config, or cleared by the user message after it
         blocks = [] if isinstance(m.content, str) else m.content
-        turns = [{"role": m.role, "content": m.content}] if isinstance(m.content, str) else _anthropic_turns(m.role, blocks, names)
+        turns = ([{"role": m.role, "content": m.content}] if isinstance(m.content, str)
+                 else _anthropic_turns(m.role, blocks, names))
         if m.role == "system":
             system_texts.append(turns[0]["content"])
         for turn in turns:
@@ -232,9 +234,11 @@ def _anthropic_tools(req: MessagesRequest | CountTokensRequest) -> tuple[list[di
         raise InvalidRequest(f"tool_choice {choice.type!r} requires tools")
     if not offered or (choice and choice.type == "none"):
         return None, False
-    tools = [{"name": t.name, "description": t.description or "", "parameters": t.input_schema, "strict": bool(t.strict)}
+    tools = [{"name": t.name, "description": t.description or "", "parameters": t.input_schema,
+              "strict": bool(t.strict)}
              for t in offered.values()]
-    return tools, True if choice is not None and choice.type == "any" else choice.name if choice and choice.type == "tool" else False
+    return tools, (True if choice is not None and choice.type == "any"
+                   else choice.name if choice and choice.type == "tool" else False)
 
 
 def _change_tools(offered: dict[str, Any], declared: dict[str, Any], change) -> None:
@@ -300,8 +304,8 @@ def _openai_tools(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | No
     if offered and choice != "none":
         tools = [{"name": t.custom.name, "description": t.custom.description or "", "format": t.format}
                  if t.type == "custom" else
-                 {"name": t.function.name, "description": t.function.description or "", "parameters": t.function.parameters,
-                  "strict": bool(t.function.strict)} for t in offered]
+                 {"name": t.function.name, "description": t.function.description or "",
+                  "parameters": t.function.parameters, "strict": bool(t.function.strict)} for t in offered]
     named = choice.name if choice is not None and not isinstance(choice, str) else None
     return tools, forced_function(choice, named, tools)
 
@@ -341,7 +345,8 @@ def build_prompt(template: ChatTemplate, chat: ChatInput) -> Prompt:
     messages = [dict(m) for m in chat.messages]
     tools, forced_tool = chat.tools, chat.forced_tool
     if chat.output_schema is not None:
-        _add_system(messages, "Answer with JSON that matches this JSON schema:\n" + json.dumps(chat.output_schema, ensure_ascii=False))
+        _add_system(messages, "Answer with JSON that matches this JSON schema:\n"
+                    + json.dumps(chat.output_schema, ensure_ascii=False))
     if tools and "tools" not in template.source:
         _add_system(messages, tool_fmt.tools_system_prompt(tools))
         template_tools, fmt = None, tool_fmt.HERMES
@@ -352,7 +357,8 @@ def build_prompt(template: ChatTemplate, chat: ChatInput) -> Prompt:
         forced_tool = tools[0]["name"]  # "any" with one tool is that tool
     # a forced call's opening is the server's text, written after the template's generation prompt (or
     # after an assistant prefill) with its special tokens read, as the model itself would write it
-    forced_prefix = fmt.forced_prefix(forced_tool if isinstance(forced_tool, str) else None) if forced_tool is not False else ""
+    forced_prefix = (fmt.forced_prefix(forced_tool if isinstance(forced_tool, str) else None)
+                     if forced_tool is not False else "")
     is_continuation = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
     prefill = forced_prefix or (messages[-1]["content"] if is_continuation else "")
     try:
@@ -373,9 +379,10 @@ def _template_tool(tool: dict[str, Any]) -> dict[str, Any]:
     format in its description."""
     if "format" in tool:
         fmt = tool["format"]
-        how = (f"Its input is raw text in this {fmt['syntax']} grammar:\n{fmt['definition']}" if fmt.get("type") == "grammar"
-               else "Its input is raw text.")
-        return {"type": "function", "function": {"name": tool["name"], "description": f"{tool['description']}\n{how}".strip()}}
+        how = (f"Its input is raw text in this {fmt['syntax']} grammar:\n{fmt['definition']}"
+               if fmt.get("type") == "grammar" else "Its input is raw text.")
+        return {"type": "function",
+                "function": {"name": tool["name"], "description": f"{tool['description']}\n{how}".strip()}}
     return {"type": "function", "function": {k: tool[k] for k in ("name", "description", "parameters") if tool.get(k)}}
 
 

@@ -126,7 +126,8 @@ def error_body(e: APIError, request_id: str, path: str) -> dict[str, Any]:
 
 
 def error_response(e: APIError, request_id: str, path: str) -> JSONResponse:
-    return JSONResponse(error_body(e, request_id, path), status_code=e.status, headers={**e.headers, "request-id": request_id})
+    return JSONResponse(error_body(e, request_id, path), status_code=e.status,
+                        headers={**e.headers, "request-id": request_id})
 
 
 def sse_error(e: APIError, request_id: str, path: str, sequence_number: int = 0) -> bytes:
@@ -134,8 +135,8 @@ def sse_error(e: APIError, request_id: str, path: str, sequence_number: int = 0)
     OpenAI `data:` chunk holding the error object, or the Responses API's `error` event."""
     if path.startswith(RESPONSES_PATH):
         error = error_body(e, request_id, path)["error"]
-        body = json.dumps({"type": "error", "code": error["code"] or error["type"], "message": e.message, "param": e.param,
-                           "sequence_number": sequence_number}, ensure_ascii=False)
+        body = json.dumps({"type": "error", "code": error["code"] or error["type"], "message": e.message,
+                           "param": e.param, "sequence_number": sequence_number}, ensure_ascii=False)
         return f"event: error\ndata: {body}\n\n".encode()
     body = json.dumps(error_body(e, request_id, path), ensure_ascii=False)
     return f"data: {body}\n\n".encode() if is_openai(path) else f"event: error\ndata: {body}\n\n".encode()

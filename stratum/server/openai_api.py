@@ -11,7 +11,9 @@ from typing import Any, Iterable
 
 from stratum.engine.outputs import RequestOutput
 from stratum.server.errors import APIError, sse_error
-from stratum.server.render import RenderContext, answer_splitter, new_call_id, new_id, split_output, stream_meta, to_json
+from stratum.server.render import (
+    RenderContext, answer_splitter, new_call_id, new_id, split_output, stream_meta, to_json,
+)
 from stratum.server.tools import CallArguments, CallStart, TextPiece
 from stratum.server.usage import merge
 
@@ -32,7 +34,8 @@ def usage(out: RequestOutput) -> dict[str, Any]:
 def tool_calls(calls) -> list[dict[str, Any]]:
     """The calls as chat completions' `tool_calls`: a function's arguments as JSON, a custom tool's raw input."""
     return [{"id": new_call_id(), "type": "custom", "custom": {"name": n, "input": a}} if isinstance(a, str) else
-            {"id": new_call_id(), "type": "function", "function": {"name": n, "arguments": to_json(a)}} for n, a in calls]
+            {"id": new_call_id(), "type": "function", "function": {"name": n, "arguments": to_json(a)}}
+            for n, a in calls]
 
 
 # ---- log-probabilities -----------------------------------------------------------------------------

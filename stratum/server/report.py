@@ -30,7 +30,8 @@ class Facts:
 @dataclass(frozen=True, slots=True)
 class Report:
     headers: dict[str, str]
-    cost: dict[str, Any]  # the cost event's body: cost, header, final_cost_estimate, mode, cache_written_tokens[, trace]
+    # the cost event's body: cost, header, final_cost_estimate, mode, cache_written_tokens[, trace]
+    cost: dict[str, Any]
     cache_hit_ratio: float
 
     def with_headers(self, more: dict[str, str]) -> "Report":

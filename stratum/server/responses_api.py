@@ -37,7 +37,8 @@ def usage(out: RequestOutput) -> dict[str, Any]:
 
 
 def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
-    content = [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}] if status == "completed" else []
+    content = ([{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]
+               if status == "completed" else [])
     return {"type": "message", "id": item_id, "status": status, "role": "assistant", "content": content}
 
 

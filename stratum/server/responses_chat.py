@@ -84,7 +84,8 @@ def conversation(req: ResponsesRequest, store: ResponseStore, owner: str) -> tup
             try:
                 item = _ITEMS.validate_python(raw)
             except ValidationError as e:
-                raise InvalidRequest(f"input.{i}: the item '{item.id}' it references cannot be read: {e.errors()[0]['msg']}")
+                raise InvalidRequest(f"input.{i}: the item '{item.id}' it references cannot be read: "
+                                     f"{e.errors()[0]['msg']}")
         else:
             raw = item.model_dump(by_alias=True, exclude_none=True)
         items.append(item)
@@ -96,7 +97,8 @@ def _new_item_id(kind: str) -> str:
     from stratum.server.render import new_id
 
     return new_id({"message": "msg_", "function_call": "fc_", "function_call_output": "fco_",
-                   "custom_tool_call": "ctc_", "custom_tool_call_output": "ctco_", "reasoning": "rs_"}.get(kind, "item_"))
+                   "custom_tool_call": "ctc_", "custom_tool_call_output": "ctco_",
+                   "reasoning": "rs_"}.get(kind, "item_"))
 
 
 def offered_tools(req: ResponsesRequest, items: list) -> list[ToolSpec]:
@@ -140,7 +142,8 @@ def choose_tools(req: ResponsesRequest, specs: list[ToolSpec]) -> tuple[list[Too
         kind = choice.type == "custom"
         named = [s for s in specs if s.is_custom == kind and choice.name in (s.name, s.model_name)]
         if len(named) != 1:
-            why = "which is not in tools" if not named else "which names several namespaced tools; name it NAMESPACE.NAME"
+            why = ("which is not in tools" if not named
+                   else "which names several namespaced tools; name it NAMESPACE.NAME")
             raise InvalidRequest(f"tool_choice names the {choice.type} tool {choice.name!r}, {why}")
         return specs, named[0].model_name
     what = f"{choice.type} ({choice.server_label})" if choice.server_label else choice.type
@@ -224,7 +227,8 @@ def _recorded_turns(item, names: dict[str, str]) -> list[dict[str, Any]]:
         fields["arguments"] = call_arguments(fields.get("arguments", "{}"))
     names[call_id] = name
     result = {k: fields.pop(k) for k in _RESULT_FIELDS if k in fields}
-    turns = [{"role": "assistant", "content": "", "tool_calls": [tool_call(call_id, name, fields.get("arguments", fields))]}]
+    turns = [{"role": "assistant", "content": "",
+              "tool_calls": [tool_call(call_id, name, fields.get("arguments", fields))]}]
     if result:
         turns.append(tool_result(call_id, _json(result if len(result) > 1 else next(iter(result.values()))), names))
     return turns

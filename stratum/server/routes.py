@@ -96,7 +96,8 @@ def responses_routes(app: FastAPI, rt: Runtime, settings: ServerSettings, read) 
         sampling = settings.sampling_defaults.apply(max_tokens=req.max_output_tokens, temperature=req.temperature,
                                                     top_p=req.top_p, seed=req.seed, ignore_eos=req.ignore_eos)
         names = {s.model_name: (s.namespace, s.name, s.is_custom) for s in asked.offered}
-        keep = (lambda body: store.put(owner, body, asked.stored_input, req.previous_response_id)) if req.is_stored else None
+        keep = ((lambda body: store.put(owner, body, asked.stored_input, req.previous_response_id))
+                if req.is_stored else None)
         async with RequestLifecycle.admit(rt, request, "/v1/responses", req.max_output_tokens,
                                           req.safety_identifier or req.user) as lc:
             await lc.prepare(asked.chat, sampling, default_max=req.max_output_tokens is None)

@@ -84,7 +84,8 @@ def fit_to_context(sampling: SamplingParams, config: ResolvedConfig,
     # the same words, naming the pool, not the context it fits (the engine's check would name that)
     pool = config.num_kv_blocks * config.block_size
     if num_prompt_tokens >= pool:
-        raise InvalidRequest(f"prompt is too long: {num_prompt_tokens} tokens > {pool - 1} maximum (one sequence's KV pool "
+        raise InvalidRequest(f"prompt is too long: {num_prompt_tokens} tokens > {pool - 1} maximum "
+                             f"(one sequence's KV pool "
                              f"holds {pool} tokens here, fewer than the {limit}-token context)")
     room = min(room, pool - num_prompt_tokens)
     if sampling.max_tokens > room > 0:

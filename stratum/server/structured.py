@@ -98,7 +98,8 @@ def _lark(rules: list[str], subgrammars: dict[str, str] | None = None) -> str:
     grammar = llguidance.LLMatcher.grammar_from_lark("\n".join(rules) + "\n")
     if subgrammars:
         grammar = json.dumps({"grammars": [{"lark_grammar": grammar},
-                                           *({"name": name, "lark_grammar": lark} for name, lark in subgrammars.items())]})
+                                           *({"name": name, "lark_grammar": lark}
+                                             for name, lark in subgrammars.items())]})
     try:
         engine_grammar.check(grammar)
     except InvalidRequestError as e:
@@ -163,7 +164,8 @@ def tool_grammar(tools: list[dict[str, Any]], forced: bool | str, text_schema: d
     """
     subgrammars: dict[str, str] = {}
     bodies = {t["name"]: _custom_input(t, i, subgrammars) if "format" in t else
-              _schema(t.get("parameters") or {"type": "object"}, bool(t.get("strict")), f"tools.{i}.input_schema ({t['name']})")
+              _schema(t.get("parameters") or {"type": "object"}, bool(t.get("strict")),
+                      f"tools.{i}.input_schema ({t['name']})")
               for i, t in enumerate(tools)}
     kinds = {t["name"]: "custom" if "format" in t else "function" for t in tools}
     many = parallel and fmt.parallel

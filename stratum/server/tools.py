@@ -121,7 +121,8 @@ def tools_system_prompt(tools: list[dict[str, Any]]) -> str:
         "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
         + "\n".join(lines)
         + "\n</tools>\n\nFor each function call, return a json object with function name and arguments "
-        "within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>"
+        "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+        "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call>"
     )
     if any("format" in t for t in tools):
         text += ("\n\nA custom tool takes raw text, not JSON: call it last, as\n<tool_call>\n{\"name\": <tool-name>, "

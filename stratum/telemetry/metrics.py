@@ -31,19 +31,31 @@ class Metrics:
                 and has not yet released (`lifecycle.RequestLifecycle`).
         """
         r = self.registry = CollectorRegistry()
-        self.requests = Counter("stratum_request_count", "Requests answered, by endpoint and outcome", ["endpoint", "status"], registry=r)
-        self.cache_hit_tokens = Counter("stratum_cache_hit_count", "Prompt tokens served from the prefix cache", registry=r)
-        self.cache_query_tokens = Counter("stratum_cache_query_count", "Prompt tokens looked up in the prefix cache", registry=r)
-        self.kv_sparsity = Histogram("stratum_kv_sparsity", "Per-request attention coverage (kv_sparsity)", buckets=_RATIO_BUCKETS, registry=r)
-        self.cost = Counter("stratum_cost_dollars", "Estimated cost in USD by the configured pricing model", ["model", "cache_hit"], registry=r)
+        self.requests = Counter("stratum_request_count", "Requests answered, by endpoint and outcome",
+                                ["endpoint", "status"], registry=r)
+        self.cache_hit_tokens = Counter("stratum_cache_hit_count", "Prompt tokens served from the prefix cache",
+                                        registry=r)
+        self.cache_query_tokens = Counter("stratum_cache_query_count", "Prompt tokens looked up in the prefix cache",
+                                          registry=r)
+        self.kv_sparsity = Histogram("stratum_kv_sparsity", "Per-request attention coverage (kv_sparsity)",
+                                     buckets=_RATIO_BUCKETS, registry=r)
+        self.cost = Counter("stratum_cost_dollars", "Estimated cost in USD by the configured pricing model",
+                            ["model", "cache_hit"], registry=r)
         self.prompt_tokens = Counter("stratum_prompt_tokens", "Prompt tokens of answered requests", registry=r)
-        self.generation_tokens = Counter("stratum_generation_tokens", "Generated tokens of answered requests", registry=r)
-        self.ttft = Histogram("stratum_time_to_first_token_seconds", "Arrival to first token", buckets=_LATENCY_BUCKETS, registry=r)
-        self.itl = Histogram("stratum_inter_token_latency_seconds", "Time between consecutive output tokens", buckets=_ITL_BUCKETS, registry=r)
-        self.e2e = Histogram("stratum_e2e_request_latency_seconds", "Arrival to finish", buckets=_LATENCY_BUCKETS, registry=r)
-        self.queue = Histogram("stratum_queue_time_seconds", "Arrival to first scheduled", buckets=_LATENCY_BUCKETS, registry=r)
-        self.prefill = Histogram("stratum_prefill_time_seconds", "First scheduled to first token (prefill_latency_us)", buckets=_LATENCY_BUCKETS, registry=r)
-        self.rejections = Counter("stratum_admission_rejections", "Requests rejected before any work, by reason", ["reason"], registry=r)
+        self.generation_tokens = Counter("stratum_generation_tokens", "Generated tokens of answered requests",
+                                         registry=r)
+        self.ttft = Histogram("stratum_time_to_first_token_seconds", "Arrival to first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("stratum_inter_token_latency_seconds", "Time between consecutive output tokens",
+                             buckets=_ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("stratum_e2e_request_latency_seconds", "Arrival to finish",
+                             buckets=_LATENCY_BUCKETS, registry=r)
+        self.queue = Histogram("stratum_queue_time_seconds", "Arrival to first scheduled",
+                               buckets=_LATENCY_BUCKETS, registry=r)
+        self.prefill = Histogram("stratum_prefill_time_seconds", "First scheduled to first token (prefill_latency_us)",
+                                 buckets=_LATENCY_BUCKETS, registry=r)
+        self.rejections = Counter("stratum_admission_rejections", "Requests rejected before any work, by reason",
+                                  ["reason"], registry=r)
         self.advice = Counter("stratum_pollution_advice", "Responses carrying x-stratum-advice", registry=r)
         self._speculative_series()
         # The console's window: (wall time, tenant, ttft s, inter-token gaps, output tokens, usd) per answered request
@@ -61,14 +73,18 @@ class Metrics:
     def _speculative_series(self) -> None:
         """Speculative decoding, over answered requests: counters, and their ratios as gauges."""
         r = self.registry
-        self.spec_proposed = Counter("stratum_spec_proposed_tokens", "Tokens proposed for verification (speculative decoding)", registry=r)
-        self.spec_accepted = Counter("stratum_spec_accepted_tokens", "Proposed tokens the target model accepted", registry=r)
-        self.spec_steps = Counter("stratum_spec_verify_steps", "Steps in which a request verified proposed tokens", registry=r)
+        self.spec_proposed = Counter("stratum_spec_proposed_tokens",
+                                     "Tokens proposed for verification (speculative decoding)", registry=r)
+        self.spec_accepted = Counter("stratum_spec_accepted_tokens", "Proposed tokens the target model accepted",
+                                     registry=r)
+        self.spec_steps = Counter("stratum_spec_verify_steps", "Steps in which a request verified proposed tokens",
+                                  registry=r)
         self.num_spec = [0, 0, 0]  # proposed, accepted, verify steps
         Gauge("stratum_spec_acceptance_rate", "Accepted / proposed tokens since start", registry=r).set_function(
             lambda: self.num_spec[1] / self.num_spec[0] if self.num_spec[0] else 0.0)
-        Gauge("stratum_spec_tokens_per_verify_step", "Tokens a verify step yielded (accepted + the target's own), mean since start",
-              registry=r).set_function(lambda: (self.num_spec[1] + self.num_spec[2]) / self.num_spec[2] if self.num_spec[2] else 0.0)
+        Gauge("stratum_spec_tokens_per_verify_step",
+              "Tokens a verify step yielded (accepted + the target's own), mean since start", registry=r).set_function(
+            lambda: (self.num_spec[1] + self.num_spec[2]) / self.num_spec[2] if self.num_spec[2] else 0.0)
 
     def _engine_gauges(self, snapshot_source) -> None:
         r = self.registry
@@ -76,12 +92,18 @@ class Metrics:
         def read(fn):
             return lambda: float(fn(snapshot_source()))
 
-        Gauge("stratum_num_requests_running", "Requests in the running batch", registry=r).set_function(read(lambda s: s.num_running))
-        Gauge("stratum_num_requests_waiting", "Requests in the waiting queue", registry=r).set_function(read(lambda s: s.num_waiting))
-        Gauge("stratum_kv_cache_usage_ratio", "KV blocks held by running requests / all blocks", registry=r).set_function(read(lambda s: s.kv_usage))
-        Gauge("stratum_kv_cache_cached_blocks", "Unreferenced blocks kept by the prefix cache", registry=r).set_function(read(lambda s: s.kv_blocks.cached))
-        Gauge("stratum_num_preemptions", "Recompute preemptions since start (in the current scheduler)", registry=r).set_function(read(lambda s: s.num_preemptions))
-        Gauge("stratum_runtime_overhead_ratio", "Time outside the model forward / step time, over recent steps", registry=r).set_function(read(lambda s: s.overhead_ratio))
+        Gauge("stratum_num_requests_running", "Requests in the running batch",
+              registry=r).set_function(read(lambda s: s.num_running))
+        Gauge("stratum_num_requests_waiting", "Requests in the waiting queue",
+              registry=r).set_function(read(lambda s: s.num_waiting))
+        Gauge("stratum_kv_cache_usage_ratio", "KV blocks held by running requests / all blocks",
+              registry=r).set_function(read(lambda s: s.kv_usage))
+        Gauge("stratum_kv_cache_cached_blocks", "Unreferenced blocks kept by the prefix cache",
+              registry=r).set_function(read(lambda s: s.kv_blocks.cached))
+        Gauge("stratum_num_preemptions", "Recompute preemptions since start (in the current scheduler)",
+              registry=r).set_function(read(lambda s: s.num_preemptions))
+        Gauge("stratum_runtime_overhead_ratio", "Time outside the model forward / step time, over recent steps",
+              registry=r).set_function(read(lambda s: s.overhead_ratio))
         Gauge("stratum_engine_steps", "Engine steps run", registry=r).set_function(read(lambda s: s.num_steps))
         Gauge("stratum_engine_alive", "1 while the engine loop runs", registry=r).set_function(read(lambda s: s.alive))
         r.register(_TierCollector(snapshot_source))
@@ -107,7 +129,8 @@ class Metrics:
             self.spec_proposed.inc(stats.num_spec_proposed_tokens)
             self.spec_accepted.inc(stats.num_spec_accepted_tokens)
             self.spec_steps.inc(stats.num_spec_steps)
-            for i, n in enumerate((stats.num_spec_proposed_tokens, stats.num_spec_accepted_tokens, stats.num_spec_steps)):
+            for i, n in enumerate((stats.num_spec_proposed_tokens, stats.num_spec_accepted_tokens,
+                                   stats.num_spec_steps)):
                 self.num_spec[i] += n
         if cost.kv_sparsity is not None:
             self.kv_sparsity.observe(cost.kv_sparsity)
@@ -172,14 +195,20 @@ class _ReplicaCollector:
 
     GAUGES = (
         ("stratum_replica_alive", "1 while the replica's engine loop runs", lambda v: v.snapshot.alive),
-        ("stratum_replica_requests_running", "Requests in the replica's running batch", lambda v: v.snapshot.num_running),
-        ("stratum_replica_requests_waiting", "Requests in the replica's waiting queue", lambda v: v.snapshot.num_waiting),
-        ("stratum_replica_requests_in_flight", "Requests routed to the replica, not yet completed", lambda v: v.in_flight),
-        ("stratum_replica_kv_cache_usage_ratio", "The replica's KV blocks held by running requests / all", lambda v: v.snapshot.kv_usage),
-        ("stratum_replica_kv_cache_cached_blocks", "The replica's unreferenced cached blocks", lambda v: v.snapshot.kv_blocks.cached),
+        ("stratum_replica_requests_running", "Requests in the replica's running batch",
+         lambda v: v.snapshot.num_running),
+        ("stratum_replica_requests_waiting", "Requests in the replica's waiting queue",
+         lambda v: v.snapshot.num_waiting),
+        ("stratum_replica_requests_in_flight", "Requests routed to the replica, not yet completed",
+         lambda v: v.in_flight),
+        ("stratum_replica_kv_cache_usage_ratio", "The replica's KV blocks held by running requests / all",
+         lambda v: v.snapshot.kv_usage),
+        ("stratum_replica_kv_cache_cached_blocks", "The replica's unreferenced cached blocks",
+         lambda v: v.snapshot.kv_blocks.cached),
         ("stratum_replica_kv_cache_free_blocks", "The replica's free KV blocks", lambda v: v.snapshot.kv_blocks.free),
         ("stratum_replica_engine_steps", "Engine steps the replica has run", lambda v: v.snapshot.num_steps),
-        ("stratum_replica_num_preemptions", "The replica's recompute preemptions", lambda v: v.snapshot.num_preemptions),
+        ("stratum_replica_num_preemptions", "The replica's recompute preemptions",
+         lambda v: v.snapshot.num_preemptions),
     )
 
     def __init__(self, source):
@@ -205,8 +234,10 @@ class _TierCollector:
         ("stratum_kv_tier_read_bytes", "KV bytes read from the tier for hits", "read_bytes"),
         ("stratum_kv_tier_written_bytes", "KV bytes written to the tier", "written_bytes"),
         ("stratum_kv_tier_evicted_blocks", "Blocks the tier evicted", "evicted_blocks"),
-        ("stratum_kv_tier_dropped_blocks", "Blocks not written to the tier (queue full, evicted first)", "dropped_blocks"),
-        ("stratum_kv_tier_corrupt_blocks", "Blocks that failed their checksum on read (dropped, recomputed)", "corrupt_blocks"),
+        ("stratum_kv_tier_dropped_blocks", "Blocks not written to the tier (queue full, evicted first)",
+         "dropped_blocks"),
+        ("stratum_kv_tier_corrupt_blocks", "Blocks that failed their checksum on read (dropped, recomputed)",
+         "corrupt_blocks"),
         ("stratum_kv_tier_write_cpu_seconds", "CPU time of the tier's writer thread (its own clock)", "write_cpu_s"),
         ("stratum_kv_tier_read_cpu_seconds", "CPU time of the tier's reader thread (its own clock)", "read_cpu_s"),
     )

@@ -76,7 +76,8 @@ def decode_trace(value: str) -> dict[str, Any]:
     return doc
 
 
-def hardware_view(info, snapshot, cpu_seconds: float | None = None, wall_seconds: float | None = None) -> dict[str, Any]:
+def hardware_view(info, snapshot, cpu_seconds: float | None = None,
+                  wall_seconds: float | None = None) -> dict[str, Any]:
     """`X-Stratum-Debug: full`: the engine's threads, kernels, memory and mode (from its last published
     snapshot), and the CPU time this request's handling took.
 

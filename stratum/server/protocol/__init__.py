@@ -7,5 +7,5 @@ from stratum.server.protocol.messages import BatchCreateRequest, CountTokensRequ
 from stratum.server.protocol.response_items import RespMessage
 from stratum.server.protocol.responses import InputTokensRequest, ResponsesRequest
 
-__all__ = ["BatchCreateRequest", "ChatCompletionRequest", "CompletionRequest", "CountTokensRequest", "InputTokensRequest",
-           "MessagesRequest", "RespMessage", "ResponsesRequest"]
+__all__ = ["BatchCreateRequest", "ChatCompletionRequest", "CompletionRequest", "CountTokensRequest",
+           "InputTokensRequest", "MessagesRequest", "RespMessage", "ResponsesRequest"]

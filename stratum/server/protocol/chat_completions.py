@@ -58,7 +58,8 @@ def _call_kind(v: Any) -> str | None:
     return (v.get("type") or "function") if isinstance(v, dict) else None  # `type` may be left out of a function call
 
 
-OAIToolCall = Annotated[Union[Annotated[OAIFunctionToolCall, Tag("function")], Annotated[OAICustomToolCall, Tag("custom")]],
+OAIToolCall = Annotated[Union[Annotated[OAIFunctionToolCall, Tag("function")],
+                              Annotated[OAICustomToolCall, Tag("custom")]],
                         Discriminator(_call_kind, custom_error_type="call_type",
                                       custom_error_message="Input should be a function or custom tool call")]
 

@@ -42,7 +42,8 @@ def refuse_media(blocks: Any, known: set[str], where: str = "content") -> None:
         kind = block.get("type") if isinstance(block, dict) else None
         if isinstance(kind, str) and kind not in known:
             raise PydanticCustomError("unsupported_content", "{where}.{j}: content blocks of type {kind} are not "
-                                      "supported: this model is text-only", {"where": where, "j": j, "kind": repr(kind)})
+                                      "supported: this model is text-only",
+                                      {"where": where, "j": j, "kind": repr(kind)})
         if kind == "document":
             source = block.get("source")
             source_type = source.get("type") if isinstance(source, dict) else None

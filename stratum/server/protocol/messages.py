@@ -26,7 +26,8 @@ def _check_messages(messages: list, tools: list | None) -> None:
         if messages[i - 1].role != "user" and not _ends_in_server_tool_use(messages[i - 1]):
             raise ValueError(f"messages.{i}: a system message must follow a user message")
         if i + 1 < len(messages) and messages[i + 1].role != "assistant":
-            raise ValueError(f"messages.{i}: a system message must be the last message or be followed by an assistant message")
+            raise ValueError(f"messages.{i}: a system message must be the last message "
+                             "or be followed by an assistant message")
     names = [t.name for t in tools or []]
     if len(names) != len(set(names)):
         raise ValueError("tools: tool names must be unique")

@@ -185,4 +185,5 @@ def _item_kind(v: Any) -> str | None:
 RespInputItem = Annotated[
     Union[tuple(Annotated[model, Tag(kind)] for kind, model in _INPUT_ITEMS.items())],
     Discriminator(_item_kind, custom_error_type="item_type",
-                  custom_error_message="Input should be an object whose type is one of the Responses API's input item types")]
+                  custom_error_message="Input should be an object whose type is one of "
+                                       "the Responses API's input item types")]

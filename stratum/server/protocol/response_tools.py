@@ -82,7 +82,8 @@ class RespHostedTool(Loose):
 _TOOLS: dict[str, type] = {"function": RespFunctionTool, "custom": RespCustomTool, "namespace": RespNamespaceTool,
                            **{kind: RespHostedTool for kind in HOSTED_TOOLS}}
 RespTool = Annotated[Union[tuple(Annotated[model, Tag(kind)] for kind, model in _TOOLS.items())],
-                     Discriminator(by_type, custom_error_type="item_type", custom_error_message="Input should be an object")]
+                     Discriminator(by_type, custom_error_type="item_type",
+                                   custom_error_message="Input should be an object")]
 
 
 # ---- tool_choice --------------------------------------------------------------------------------------
@@ -115,14 +116,16 @@ _CHOICES: dict[str, Any] = {"#str": Literal["none", "auto", "required"], "functi
                             **{kind: RespHostedChoice for kind in HOSTED_TOOLS}}
 RespToolChoice = Annotated[Union[tuple(Annotated[model, Tag(kind)] for kind, model in _CHOICES.items())],
                            Discriminator(by_type, custom_error_type="item_type",
-                                         custom_error_message="Input should be 'none', 'auto', 'required' or an object")]
+                                         custom_error_message="Input should be 'none', 'auto', 'required' "
+                                                              "or an object")]
 
 
 def check_unique(tools: list) -> None:
     """Names are unique among the tools offered at one level (top level, or within a namespace)."""
     names = [t.name for t in tools if t.type in ("function", "custom", "namespace")]
     if len(names) != len(set(names)):
-        raise ValueError(f"tools: tool names must be unique ({sorted(n for n in set(names) if names.count(n) > 1)[0]!r} "
+        raise ValueError("tools: tool names must be unique "
+                         f"({sorted(n for n in set(names) if names.count(n) > 1)[0]!r} "
                          "is repeated)")
     for t in tools:
         if t.type == "namespace":
