@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, ignore_eos=True)
     solo = [llm.generate([ids], params)[0] for ids in prompts]
     batched = llm.generate(prompts, params)
-    doc = {"module": sys.modules["stratum.engine"].__file__, "dtype": str(llm.engine.dtype),
+    doc = {"module": sys.modules["stratum.engine"].__file__, "dtype": str(llm.engine.config.torch_dtype),
            "solo": [{"text": o.text, "token_ids": o.token_ids} for o in solo],
            "batched": [{"text": o.text, "token_ids": o.token_ids} for o in batched]}
     doc["digest"] = hashlib.sha256(json.dumps([doc["solo"], doc["batched"]]).encode()).hexdigest()

@@ -66,14 +66,8 @@ class EngineCore:
         self._chat_template_source = checkpoint.chat_template
         self.built = builder.build(resolved, checkpoint, use_native=self.upgrade is None)
         self.faults = Faults.from_env()
-        draft = None
-        if spec.uses_draft:
-            from stratum.engine.spec_decode.draft import DraftModel
-
-            draft = DraftModel(spec.draft_model, checkpoint.tokenizer, config, resolved.num_threads,
-                               provisional=self.upgrade is not None)
-            draft.attach(resolved.num_kv_blocks, resolved.block_size)
-        self.speculator = Speculator(spec, lambda: self.config.numerics, self.model, resolved.kernel_plan, draft)
+        self.speculator = Speculator.build(spec, config, resolved, checkpoint.tokenizer, self.model,
+                                           lambda: self.config.numerics, provisional=self.upgrade is not None)
         self.outputs = OutputProcessor(self.tokenizer, checkpoint.config.eos_token_ids, resolved.block_size,
                                        lambda: self.kv_bytes_per_block, lambda: self.mode, self.speculator.counts)
         self.requests: dict[str, Sequence] = {}

@@ -99,6 +99,23 @@ class Speculator:
         self.states: dict[str, SpecState] = {}  # by request id, from its first proposal to `forget`
         self.set_target(model, plan)
 
+    @classmethod
+    def build(cls, spec: SpecConfig, settings, resolved, tokenizer, model, numerics: Callable,
+              provisional: bool) -> "Speculator":
+        """The engine's speculator, with its draft model (and the draft's KV pool) where spec names one.
+
+        Args:
+            settings, resolved: the engine's EngineConfig and ResolvedConfig.
+            provisional: the engine starts on a cold start's provisional step (so does the draft).
+        """
+        draft = None
+        if spec.uses_draft:
+            from stratum.engine.spec_decode.draft import DraftModel
+
+            draft = DraftModel(spec.draft_model, tokenizer, settings, resolved.num_threads, provisional=provisional)
+            draft.attach(resolved.num_kv_blocks, resolved.block_size)
+        return cls(spec, numerics, model, resolved.kernel_plan, draft)
+
     def set_target(self, model, plan) -> None:
         self.model = model
         # a plan measured while other processes held the cores kept its figures only to show why
