@@ -287,7 +287,9 @@ def _serving_app(args, client, name: str):
                               default_temperature=config.default_temperature, default_top_p=config.default_top_p,
                               tenant_budget_tokens=args.tenant_budget_tokens, budget_window_s=args.budget_window_s,
                               pollution_policy=args.pollution_policy, pricing=pricing_from_spec(args.pricing),
-                              responses_store_bytes=args.responses_store_mb * 2**20)
+                              responses_store_bytes=args.responses_store_mb * 2**20,
+                              reasoning_format=args.reasoning_format,
+                              reasoning_budget=args.reasoning_budget if args.reasoning_budget >= 0 else None)
     client.tokenizer.offload_large_texts(LARGE_TEXT_CHARS)
     if keys:
         print(f"stratum: {len(keys)} API key{'s' if len(keys) != 1 else ''}; " + (
@@ -442,6 +444,12 @@ def _serve_parser(sub) -> None:
                    help="admission by cost: tokens a tenant may spend per window (default: unlimited)")
     p.add_argument("--budget-window-s", type=float, default=60.0)
     p.add_argument("--pollution-policy", default="advise", choices=["reject", "advise", "off"])
+    p.add_argument("--reasoning-format", default="auto", choices=["auto", "none"],
+                   help="a reasoning model's thought: auto returns it apart (thinking blocks, reasoning_content, "
+                        "reasoning items); none leaves it in the answer's text as the model wrote it")
+    p.add_argument("--reasoning-budget", type=int, default=-1,
+                   help="thought tokens before the runtime ends a thought, for requests that set no budget "
+                        "(-1: no budget, max_tokens alone)")
     p.add_argument("--pricing", default="article", help="article[:k=v,...] or tokens[:k=v,...] (see docs/telemetry.md)")
     p.add_argument("--replicas", type=int, default=1,
                    help="engine replicas on Ray Serve behind this server, routed by prefix (default 1: no Ray)")

@@ -38,7 +38,8 @@ def make_scripted_model(path: Path, chat_template: str, scripts: list[list[str]]
 
     Args:
         scripts: each a list of pieces; a piece may appear in several scripts only with the same
-            successor (a token has one greedy next token).
+            successor (a token has one greedy next token); a script that ends on a piece it had before
+            loops back to it.
         added: tokens added to the vocabulary besides the scripts' pieces (a family's markers).
     Raises:
         AssertionError: two scripts give one token different successors, or the weights do not make
@@ -62,8 +63,9 @@ def make_scripted_model(path: Path, chat_template: str, scripts: list[list[str]]
         return ids[0]
 
     successor: dict[int, int] = {}
-    for script in scripts:
-        for a, b in zip(script, script[1:] + [eos]):
+    for script in scripts:  # a script whose last piece came earlier loops back to it (no end)
+        ends = [] if script[-1] in script[:-1] else [eos]
+        for a, b in zip(script, script[1:] + ends):
             ta, tb = token(a), tok.token_to_id(b) if b == eos else token(b)
             assert successor.setdefault(ta, tb) == tb, f"{a!r} has two successors"
     vocab = tok.get_vocab_size(with_added_tokens=True)
@@ -94,6 +96,7 @@ def make_scripted_model(path: Path, chat_template: str, scripts: list[list[str]]
     model.save_pretrained(str(path), safe_serialization=True)
     (path / "tokenizer_config.json").write_text(json.dumps({
         "bos_token": None, "eos_token": eos, "chat_template": chat_template,
-        "added_tokens_decoder": {str(tok.token_to_id(p)): {"content": p, "special": False} for p in new},
+        "added_tokens_decoder": {str(i): {"content": t.content, "special": t.special}
+                                 for i, t in tok.get_added_tokens_decoder().items()},
     }))
     return path

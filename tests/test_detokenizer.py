@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from stratum.engine.config import SchedulerConfig
-from stratum.engine.detokenizer import Detokenizer
+from stratum.engine.detokenizer import Detokenizer, StopStrings
 from stratum.engine import LLM
 from stratum.models.loader import load_checkpoint
 from stratum.engine.sampling_params import SamplingParams
@@ -28,27 +28,26 @@ def tok(tiny_model_dir):
     return load_checkpoint(tiny_model_dir).tokenizer
 
 
-def stream(tok, ids: list[int], stop: list[str] | None = None) -> tuple[Detokenizer, list[str]]:
-    """Feed ids one at a time as the engine does; returns the detokenizer and every delta released.
+def stream(tok, ids: list[int], stop: list[str] | None = None) -> tuple[StopStrings, list[str]]:
+    """Feed ids one at a time as the engine does (decoded text into the stop strings); returns the
+    answer's text and every delta released.
 
     Asserts after each token that everything released so far is a prefix of the final text.
     """
-    detok = Detokenizer(tok, list(stop or []))
+    detok, answer = Detokenizer(tok), StopStrings(list(stop or []))
     deltas = []
     for token in ids:
-        detok.add(token)
-        finished = detok.stop_hit is not None
-        if finished:
-            detok.flush()
-        deltas.append(detok.take_delta(finished))
+        answer.add(detok.add(token))
+        finished = answer.stop_hit is not None
+        deltas.append(answer.take_delta(finished))
         released = "".join(deltas)
-        assert detok.text.startswith(released)
+        assert answer.text.startswith(released)
         if finished:
             break
     else:
-        detok.flush()
-        deltas.append(detok.take_delta(True))
-    return detok, deltas
+        answer.add(detok.flush())
+        deltas.append(answer.take_delta(True))
+    return answer, deltas
 
 
 @pytest.mark.parametrize("text", MULTIBYTE_TEXTS)
@@ -65,10 +64,8 @@ def test_a_partial_character_is_held_until_its_last_byte(tok):
     assert len(ids) > 1
     detok = Detokenizer(tok)
     for token in ids[:-1]:
-        detok.add(token)
-        assert detok.take_delta(False) == "" and detok.text == ""
-    detok.add(ids[-1])
-    assert detok.take_delta(False) == "🚀"
+        assert detok.add(token) == ""
+    assert detok.add(ids[-1]) == "🚀"
 
 
 def test_special_tokens_are_skipped_without_breaking_the_stream(tok):
@@ -107,15 +104,15 @@ def test_every_stop_in_the_cases_above_spans_several_tokens(tok):
 
 
 def test_text_is_held_back_only_while_a_stop_could_still_complete(tok):
-    detok = Detokenizer(tok, ["XYZ"])
+    detok, answer = Detokenizer(tok), StopStrings(["XYZ"])
     released = ""
     for token in tok.encode("The capital of Japan"):
-        detok.add(token)
-        released += detok.take_delta(False)
-        assert len(detok.text) - len(released) <= 2  # at most len("XYZ") - 1 characters held
-    detok.flush()
-    released += detok.take_delta(True)
-    assert released == "The capital of Japan" and detok.stop_hit is None
+        answer.add(detok.add(token))
+        released += answer.take_delta(False)
+        assert len(answer.text) - len(released) <= 2  # at most len("XYZ") - 1 characters held
+    answer.add(detok.flush())
+    released += answer.take_delta(True)
+    assert released == "The capital of Japan" and answer.stop_hit is None
 
 
 # ---- through the engine ----------------------------------------------------------------------------

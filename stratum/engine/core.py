@@ -32,6 +32,7 @@ from stratum.engine.output_processor import OutputProcessor
 from stratum.engine.outputs import OrchestrationError, RequestOutput, StepError, StepStats
 from stratum.engine.prepare import KernelUpgrade
 from stratum.engine.protocol import EngineInfo, EngineSnapshot, KVBlocks
+from stratum.engine.reasoning import Reasoning
 from stratum.engine.request import CachePolicy, SamplerState, Sequence, SequenceStatus
 from stratum.engine.sampling_params import InvalidRequestError, SamplingParams
 from stratum.engine.scheduler import Scheduler, SchedulerOutput
@@ -125,6 +126,7 @@ class EngineCore:
         pin_prefixes: list[tuple[int, float]] | None = None,
         low_latency: bool = False,
         fork_of: str | None = None,
+        reasoning: Reasoning | None = None,
     ) -> Sequence:
         """Validate and queue one request.
 
@@ -153,7 +155,7 @@ class EngineCore:
         if parent is not None and parent.prompt_token_ids == seq.prompt_token_ids and sampling.prompt_logprobs is None:
             seq.fork_of = parent  # a sample of n: it starts from the parent's computed prompt
         self.scheduler.add(seq)
-        self.outputs.add(seq, tool_marker)
+        self.outputs.add(seq, tool_marker, reasoning)
         self.requests[request_id] = seq
         return seq
 
@@ -258,14 +260,15 @@ class EngineCore:
                     outputs.append(self._finish(seq, "length"))
                 continue
             taken = self.outputs.take(seq, tokens, token_logprobs, now)
+            kept = tokens[: taken.num_kept]
             for _ in range(taken.num_kept - 1):
                 self.scheduler.advance(seq)
             if taken.finish_reason is not None:
-                outputs.append(self._finish(seq, taken.finish_reason, tokens[: taken.num_kept]))
+                outputs.append(self._finish(seq, taken.finish_reason, kept))
                 continue
             if taken.num_reserve_tokens:  # a tool call began: room for its arguments, so they decode without stalls
                 self.scheduler.reserve(seq, taken.num_reserve_tokens)
-            outputs.append(self.outputs.output(seq, tokens))
+            outputs.append(self.outputs.output(seq, kept))
             if item.num_spec_tokens:
                 self.scheduler.end_speculation(item)
         return outputs

@@ -1,4 +1,5 @@
-"""Incremental detokenization that never splits a UTF-8 character and never repeats one.
+"""Incremental text: decoding that never splits a UTF-8 character and never repeats one (`Detokenizer`),
+and stop strings matched on the answer as it grows, never leaked (`StopStrings`).
 
 Byte-level BPE tokens can end in the middle of a multi-byte character. Text is released only up
 to the last complete character (the pending tail decodes to U+FFFD until its bytes arrive), as in
@@ -16,30 +17,46 @@ from stratum.models.tokenizer import TextTokenizer
 @dataclass(slots=True)
 class Detokenizer:
     tokenizer: TextTokenizer
-    stop: list[str] = field(default_factory=list)
     skip_special_tokens: bool = True
     ids: list[int] = field(default_factory=list)
-    text: str = ""  # decoded text so far (complete characters only)
-    emitted: int = 0  # characters of `text` already released
     prefix_offset: int = 0
     read_offset: int = 0
-    stop_hit: str | None = None
 
-    def add(self, token_id: int) -> None:
-        """Append one token; updates `text`, and `stop_hit` if a stop string completed."""
+    def add(self, token_id: int) -> str:
+        """Append one token. Returns the text it completes (empty while a character is still partial)."""
         self.ids.append(token_id)
         prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
         full = self.tokenizer.decode(self.ids[self.prefix_offset :], self.skip_special_tokens)
         if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            self.text += full[len(prefix):]
             self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
-            self._check_stop(len(full) - len(prefix))
+            return full[len(prefix):]
+        return ""
 
-    def _check_stop(self, num_new: int) -> None:
+    def flush(self) -> str:
+        """At the end of a request: whatever text remains, a partial character's replacement included."""
+        full = self.tokenizer.decode(self.ids[self.prefix_offset :], self.skip_special_tokens)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full[len(prefix):]
+
+
+@dataclass(slots=True)
+class StopStrings:
+    """The answer's text as it grows, cut at the first stop string (`stop_hit` then says which)."""
+
+    stop: list[str] = field(default_factory=list)
+    text: str = ""  # the answer so far, up to a stop string
+    emitted: int = 0  # characters of `text` already released
+    stop_hit: str | None = None
+
+    def add(self, new: str) -> None:
+        if not new or self.stop_hit is not None:
+            return
+        self.text += new
         if not self.stop:
             return
         longest = max(len(s) for s in self.stop)
-        begin = max(0, len(self.text) - num_new - longest + 1)
+        begin = max(0, len(self.text) - len(new) - longest + 1)
         best = None
         for s in self.stop:
             i = self.text.find(s, begin)
@@ -49,18 +66,10 @@ class Detokenizer:
             self.text = self.text[: best[0]]
             self.stop_hit = best[1]
 
-    def flush(self) -> None:
-        """At the end of a request: release whatever complete or incomplete text remains."""
-        if self.stop_hit is None:
-            full = self.tokenizer.decode(self.ids[self.prefix_offset :], self.skip_special_tokens)
-            prefix = self.tokenizer.decode(self.ids[self.prefix_offset : self.read_offset], self.skip_special_tokens)
-            self.text += full[len(prefix):]
-            self.prefix_offset = self.read_offset = len(self.ids)
-
     def take_delta(self, finished: bool) -> str:
         """New text to release. Unless finished, keeps back a possible partial stop string."""
         end = len(self.text)
-        if not finished and self.stop:
+        if not finished and self.stop and self.stop_hit is None:
             end = max(self.emitted, end - (max(len(s) for s in self.stop) - 1))
         delta = self.text[self.emitted : end]
         self.emitted = end

@@ -68,12 +68,16 @@ class GrammarCompiler:
         return self._closers
 
     def _ll_tokenizer(self):
+        """llguidance's view of the vocabulary: each token's bytes, the special tokens apart. Built from
+        the bytes rather than the tokenizer's JSON, which llguidance reads with every added token as
+        special: an added token that is text (Qwen's `<tool_call>`, `<think>`) would then never match the
+        text a grammar spells it with."""
         if self._ll is None:
             import llguidance
 
-            tok = self._tokenizer
-            self._ll = llguidance.LLTokenizer(tok.backend.to_str(), n_vocab=self.vocab_size,
-                                              eos_token=list(tok.eos_token_ids) or None)
+            vocabulary = llguidance.TokenizerWrapper(_Vocabulary(self._tokenizer, self.vocab_size))
+            self._ll = llguidance.LLTokenizer(vocabulary, n_vocab=self.vocab_size,
+                                              eos_token=list(self._tokenizer.eos_token_ids) or None)
         return self._ll
 
     def matcher(self, grammar: str):
@@ -88,6 +92,22 @@ class GrammarCompiler:
         if m.is_error():
             raise InvalidRequestError(f"grammar: {m.get_error()}")
         return m
+
+
+class _Vocabulary:
+    """A tokenizer as llguidance's `TokenizerWrapper` reads one: token bytes by id, the special ids, and
+    text -> ids."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self._tokenizer = tokenizer
+        self.eos_token_id = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
+        self.bos_token_id = tokenizer.bos_token_id
+        self.tokens = [tokenizer.token_bytes(i) for i in range(vocab_size)]
+        special = tokenizer.special_ids
+        self.special_token_ids = [i for i in range(vocab_size) if i in special]
+
+    def __call__(self, text: str) -> list[int]:
+        return self._tokenizer.encode(text)
 
 
 def wind_down(allowed: "torch.Tensor", closers: "tuple[torch.Tensor, torch.Tensor]") -> "torch.Tensor":

@@ -20,6 +20,7 @@ from stratum.engine.protocol import (
     Abort, Accepted, AddRequest, Command, EngineDied, EngineInfo, EngineSnapshot, Event, HeldKeys, KVBlocks, ListHeld,
     RequestFailed, Started,
 )
+from stratum.engine.reasoning import Reasoning
 from stratum.engine.request import CachePolicy, Sequence, short_key
 from stratum.engine.sampling_params import InvalidRequestError, SamplingParams
 
@@ -32,7 +33,8 @@ class LoopEngine(Protocol):
     def add_request(self, prompt_token_ids: list[int], sampling: SamplingParams, request_id: str | None = None,
                     priority: int = 0, cache_salt: str | None = None, cache_policy: CachePolicy | None = None,
                     tool_marker: str | None = None, pin_prefixes: list[tuple[int, float]] | None = None,
-                    low_latency: bool = False, fork_of: str | None = None) -> Sequence: ...
+                    low_latency: bool = False, fork_of: str | None = None,
+                    reasoning: Reasoning | None = None) -> Sequence: ...
     def expected_cached_tokens(self, seq: Sequence) -> int: ...
     def abort(self, request_id: str) -> RequestOutput | None: ...
     def recent_cache_keys(self, max_keys: int) -> list[bytes]: ...
@@ -133,7 +135,8 @@ class EngineLoop:
                         command.prompt_token_ids, command.sampling, request_id=rid, priority=command.priority,
                         cache_salt=command.cache_salt, cache_policy=command.cache_policy,
                         tool_marker=command.tool_marker, pin_prefixes=command.pin_prefixes,
-                        low_latency=command.low_latency, fork_of=command.fork_of)
+                        low_latency=command.low_latency, fork_of=command.fork_of,
+                        reasoning=command.reasoning)
                 except InvalidRequestError as e:
                     events.append(RequestFailed(rid, str(e), "invalid_request"))
                     return

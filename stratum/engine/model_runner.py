@@ -145,6 +145,11 @@ class ModelRunner:
                     mask = grammar.wind_down(mask, self.grammars.closers)
                 allowed[i] = mask
             out.mask_s = time.perf_counter() - t1
+        for i, seq in enumerate(seqs):
+            if seq.sampler.forced_token_ids:  # the engine writes this token (a thought's end at its budget)
+                allowed = allowed if allowed is not None else {}
+                allowed[i] = torch.zeros(logits.shape[-1], dtype=torch.bool)
+                allowed[i][seq.sampler.forced_token_ids[0]] = True
         # usually every row samples: no copy, unless grammar masks will write into the rows (the
         # logits are an inference-mode tensor, not writable here)
         rows = logits if allowed is None and idx == list(range(len(logits))) else logits[idx]

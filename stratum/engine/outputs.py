@@ -32,6 +32,7 @@ class MetaState(enum.Enum):
     QUEUED = "queued"
     PREFILL_CHUNK = "prefill_chunk"  # numbered by chunk, from 1
     PREFILL_COMPLETE = "prefill_complete"
+    THINKING = "thinking"  # a reasoning model's thought, before its answer
     DECODE_STEP = "decode_step"  # numbered by the output tokens before this one
     TOOL_USE_PREPARED = "tool_use_prepared"  # the model began a tool call: KV reserved for its arguments
     FINISHED = "finished"
@@ -67,6 +68,9 @@ class RequestStats:
     num_spec_proposed_tokens: int = 0
     num_spec_accepted_tokens: int = 0
     num_spec_steps: int = 0
+    # reasoning: the thought's tokens (output tokens too), and whether its budget ended it
+    num_reasoning_tokens: int = 0
+    is_reasoning_cut: bool = False
 
     @property
     def queue_s(self) -> float | None:
@@ -84,7 +88,7 @@ class RequestStats:
 @dataclass(slots=True)
 class RequestOutput:
     request_id: str
-    delta_text: str
+    delta_text: str  # the answer's new text (a reasoning model's thought is `delta_reasoning`)
     delta_token_ids: list[int]
     text: str
     token_ids: list[int]
@@ -101,6 +105,8 @@ class RequestOutput:
     delta_logprobs: list | None = None
     logprobs: list | None = None
     prompt_logprobs: list | None = None  # with sampling.prompt_logprobs, on the finished output: per prompt token
+    delta_reasoning: str = ""  # a reasoning model's thought: its new text, and all of it so far
+    reasoning: str = ""
 
     @property
     def state_label(self) -> str:

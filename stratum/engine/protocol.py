@@ -15,6 +15,7 @@ from typing import Any, Callable, Literal, Union
 
 from stratum.engine.config import ResolvedConfig, SchedulerConfig
 from stratum.engine.outputs import EngineDeadError, MetaState, RequestOutput, RequestStats
+from stratum.engine.reasoning import Reasoning
 from stratum.engine.request import CachePolicy
 from stratum.engine.sampling_params import InvalidRequestError, SamplingParams
 
@@ -183,6 +184,7 @@ class AddRequest:
     pin_prefixes: list[tuple[int, float]] = field(default_factory=list)  # (prefix length, ttl seconds)
     low_latency: bool = False
     fork_of: str | None = None  # an earlier request of the same prompt whose computed prompt it starts from
+    reasoning: Reasoning | None = None  # a reasoning model's thought: its markers and budget
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,7 +324,7 @@ _MESSAGES: dict[type, dict[str, Callable]] = {
     Accepted: {}, Started: {}, RequestFailed: {}, HeldKeys: {}, EngineDied: {}, Routed: {},
     EngineInfo: {"config": _config},
     AddRequest: {"sampling": _record(SamplingParams), "cache_policy": _record(CachePolicy),
-                 "pin_prefixes": lambda prefixes: [tuple(p) for p in prefixes]},
+                 "pin_prefixes": lambda prefixes: [tuple(p) for p in prefixes], "reasoning": _record(Reasoning)},
     Abort: {}, ListHeld: {}, Stop: {},
     Starting: {}, TokenizerData: {}, StartFailed: {},
     ReplicaDescription: {"info": _message, "tokenizer": _message, "snapshot": _message},
@@ -331,18 +333,19 @@ _MESSAGES: dict[type, dict[str, Callable]] = {
 _TAGS = {cls: tag for tag, cls in enumerate(_MESSAGES)}
 _FIELDS = {cls: tuple(f.name for f in fields(cls)) for cls in _MESSAGES}
 _RECORD_FIELDS = {cls: tuple(f.name for f in fields(cls))  # the records nested in messages
-                  for cls in (RequestStats, KVBlocks, SamplingParams, CachePolicy)}
+                  for cls in (RequestStats, KVBlocks, SamplingParams, CachePolicy, Reasoning)}
 _DECODERS = [(cls, [(_FIELDS[cls].index(name), rebuild) for name, rebuild in nested.items()])
              for cls, nested in _MESSAGES.items()]
-_SENT_TEXT = [1 + _FIELDS[RequestOutput].index(name) for name in ("text", "token_ids")]  # positions in a message
+_SENT_TEXT = [1 + _FIELDS[RequestOutput].index(name)  # positions in a message
+              for name in ("text", "token_ids", "reasoning")]
 
 
 def encode(message: Message) -> list:
     """[tag, field values...] with nested records as lists of their field values, and nested messages
     (a replica's description carries its engine's) as their own encoding (msgpack-ready).
 
-    A running RequestOutput carries only its deltas (`text` and `token_ids` are None): the reader
-    assembles them (`StreamDecoder`). A finished one also carries its full text and tokens.
+    A running RequestOutput carries only its deltas (`text`, `token_ids` and `reasoning` are None): the
+    reader assembles them (`StreamDecoder`). A finished one also carries its full text and tokens.
     """
     cls = type(message)
     values = [_TAGS[cls]]
@@ -377,7 +380,8 @@ class StreamDecoder:
     """Decodes one stream of events, assembling each running request's text and tokens from its deltas."""
 
     def __init__(self):
-        self._partial: dict[str, tuple[list[str], list[int]]] = {}  # request id -> (text pieces, token ids)
+        # request id -> (text pieces, token ids, thought pieces)
+        self._partial: dict[str, tuple[list[str], list[int], list[str]]] = {}
 
     def decode(self, data: list) -> Event:
         event = decode(data)
@@ -385,10 +389,11 @@ class StreamDecoder:
             case RequestOutput(finished=True):
                 self._partial.pop(event.request_id, None)
             case RequestOutput():
-                pieces, ids = self._partial.setdefault(event.request_id, ([], []))
+                pieces, ids, thought = self._partial.setdefault(event.request_id, ([], [], []))
                 pieces.append(event.delta_text)
                 ids.extend(event.delta_token_ids)
-                event.text, event.token_ids = "".join(pieces), list(ids)
+                thought.append(event.delta_reasoning)
+                event.text, event.token_ids, event.reasoning = "".join(pieces), list(ids), "".join(thought)
             case RequestFailed(request_id=rid):
                 self._partial.pop(rid, None)
         return event

@@ -33,6 +33,8 @@ class Reasoning:
     is_open: bool = False
     budget: int | None = None
     end_token_ids: list[int] = field(default_factory=list)
+    # markers the vocabulary holds as special tokens (decoding skips those): id -> the marker's text
+    marker_token_ids: dict[int, str] = field(default_factory=dict)
 
 
 class Phase(enum.Enum):

@@ -88,11 +88,14 @@ class CacheStats:
 @dataclass(slots=True)
 class SamplerState:
     """What sampling a request's rows reads besides its params: set when the request is added; the
-    grammar's matcher is advanced by the output processor, one accepted token at a time."""
+    grammar's matcher (attached when its answer begins) and the forced tokens are the output
+    processor's, advanced one accepted token at a time."""
 
     generator: "torch.Generator | None" = None  # a seeded request's own
     matcher: "llguidance.LLMatcher | None" = None  # a constrained request's grammar state
     is_low_latency: bool = False  # latency over accuracy: sampled from the fast (int8) output projection
+    # what the engine writes next instead of sampling, a token a step (a thought's end marker at its budget)
+    forced_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import re
 import uuid
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -25,6 +26,22 @@ DEFAULT_TEMPLATE = (
     "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
     "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+
+# The markers reasoning families write their thought between (Qwen3, QwQ and DeepSeek-R1's distills;
+# Magistral), as their templates spell them.
+THOUGHT_MARKERS = (("<think>", "</think>"), ("[THINK]", "[/THINK]"))
+THINKING_SWITCH = "enable_thinking"  # the template variable that turns thinking off (Qwen3's)
+
+
+@dataclass(frozen=True, slots=True)
+class ThoughtMarkers:
+    """How a template's family writes its thought: between `start` and `end`; `has_switch`: the template
+    reads `enable_thinking` (False renders the thought closed, as Qwen3's does)."""
+
+    start: str
+    end: str
+    has_switch: bool
 
 
 class ChatTemplateError(ValueError):
@@ -82,9 +99,19 @@ class ChatTemplate:
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         self._template = env.from_string(self.source)
 
+    @property
+    def thought_markers(self) -> ThoughtMarkers | None:
+        """How this template's model reasons, if it does: the first pair of `THOUGHT_MARKERS` the template
+        writes (None: it writes none, so its model does not reason)."""
+        for start, end in THOUGHT_MARKERS:
+            if start in self.source and end in self.source:
+                return ThoughtMarkers(start, end, THINKING_SWITCH in self.source)
+        return None
+
     def render(self, messages: list[dict[str, Any]], tools: list[dict] | None = None,
-               add_generation_prompt: bool = True) -> str:
-        """Render to text, exactly as `transformers.apply_chat_template(tokenize=False)` would."""
+               add_generation_prompt: bool = True, **variables: Any) -> str:
+        """Render to text, exactly as `transformers.apply_chat_template(tokenize=False, **variables)` would
+        (`variables`: what else the template reads, as `enable_thinking`)."""
         try:
             return self._template.render(
                 messages=messages,
@@ -92,6 +119,7 @@ class ChatTemplate:
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.tokenizer.bos_token or "",
                 eos_token=self.tokenizer.eos_token or "",
+                **variables,
             )
         except TemplateError as e:
             raise ChatTemplateError(f"chat template failed: {e}") from e
@@ -103,6 +131,7 @@ class ChatTemplate:
         add_generation_prompt: bool = True,
         continue_final: bool = False,
         suffix: str = "",
+        **variables: Any,
     ) -> list[int]:
         """Render and tokenize, treating every message string as plain text; the ids begin with BOS
         once where the tokenizer adds it (`TextTokenizer.add_bos`), whether or not the template writes it.
@@ -112,6 +141,7 @@ class ChatTemplate:
                 its text instead of closing the turn.
             suffix: the server's own text to end the prompt with (a forced tool call's opening),
                 tokenized as template text: its special tokens are read.
+            variables: what else the template reads (`render`).
         """
         marker = uuid.uuid4().hex
         pieces: dict[str, str] = {}
@@ -130,7 +160,7 @@ class ChatTemplate:
         if continue_final and hidden and str(hidden[-1].get("content")).startswith("@@"):
             tail = re.escape(hidden[-1]["content"][:-2]) + "[a-z]*@@"  # the prefill's text, whatever ops it got
         text = self.render(hidden, tools=_hide_strings(tools, hide) if tools else None,
-                           add_generation_prompt=add_generation_prompt and not continue_final)
+                           add_generation_prompt=add_generation_prompt and not continue_final, **variables)
         if tail is not None:
             ends = [m.end() for m in re.finditer(tail, text)]
             text = text[: ends[-1]] if ends else text

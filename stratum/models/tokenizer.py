@@ -153,6 +153,11 @@ class TextTokenizer:
     def _special_ids(self) -> set[int]:
         return set(self.backend.get_added_tokens_decoder())
 
+    @property
+    def special_ids(self) -> set[int]:
+        """The ids of the special tokens (read in templates, never in user text, skipped when decoding)."""
+        return {i for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
+
     @functools.cached_property
     def _special_by_text(self) -> dict[str, int]:
         return {t.content: i for i, t in self.backend.get_added_tokens_decoder().items() if t.special}

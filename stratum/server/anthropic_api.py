@@ -26,12 +26,21 @@ def stop_reason(ctx: RenderContext, out: RequestOutput, has_calls: bool) -> tupl
     return "end_turn", None
 
 
+def usage(ctx: RenderContext, out: RequestOutput) -> dict[str, Any]:
+    """`usage_of`, with the thought's tokens apart where the model thought (they are output tokens too)."""
+    use: dict[str, Any] = usage_of(out, ctx.cache_breakpoint)
+    if out.stats.num_reasoning_tokens:
+        use["output_tokens_details"] = {"thinking_tokens": out.stats.num_reasoning_tokens}
+    return use
+
+
 def sse(event: str, data: dict[str, Any]) -> bytes:
     return f"event: {event}\ndata: {to_json(data)}\n\n".encode()
 
 
 class Messages:
-    """A `render.Renderer`. The stream: message_start, per block content_block_start / _delta / _stop,
+    """A `render.Renderer`. The stream: message_start, per block content_block_start / _delta / _stop (a
+    reasoning model's thought first, as a thinking block: thinking_delta events, then its signature_delta),
     message_delta, the Stratum cost event, message_stop; pings while waiting. Text deltas carry `meta`
     from the runtime's state machine; a tool call's arguments stream as `input_json_delta`s while they
     are generated."""
@@ -45,11 +54,14 @@ class Messages:
         self.kind: str | None = None  # the open block's type
         self.has_calls = False
         self.call_meta: dict[str, Any] | None = None  # the meta of the output where a tool call began
+        self.thought = ""  # the open thinking block's text
 
     def body(self, outs: list[RequestOutput]) -> dict[str, Any]:
         out, = outs
         text, calls = split_output(self.ctx.prompt, out.text)
         content: list[dict[str, Any]] = []
+        if out.reasoning:
+            content.append({"type": "thinking", "thinking": out.reasoning, "signature": self._sign(out.reasoning)})
         if text:
             content.append({"type": "text", "text": text})
         for name, args in calls:
@@ -57,8 +69,11 @@ class Messages:
         reason, sequence = stop_reason(self.ctx, out, bool(calls))
         return {
             "id": self.id, "type": "message", "role": "assistant", "model": self.ctx.model, "content": content,
-            "stop_reason": reason, "stop_sequence": sequence, "usage": usage_of(out, self.ctx.cache_breakpoint),
+            "stop_reason": reason, "stop_sequence": sequence, "usage": usage(self.ctx, out),
         }
+
+    def _sign(self, thought: str) -> str:
+        return self.ctx.thoughts.sign(thought) if self.ctx.thoughts is not None else ""
 
     def start(self, first: RequestOutput | None, admitted: dict[str, int]) -> Iterable[bytes]:
         usage = admitted
@@ -71,6 +86,12 @@ class Messages:
     def output(self, out: RequestOutput, choice: int) -> Iterable[bytes]:
         if out.state is MetaState.TOOL_USE_PREPARED:
             self.call_meta = stream_meta(out)
+        if out.delta_reasoning:
+            if self.kind != "thinking":
+                yield from self._open("thinking", {"type": "thinking", "thinking": "", "signature": ""})
+            self.thought += out.delta_reasoning
+            yield sse("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": {
+                "type": "thinking_delta", "thinking": out.delta_reasoning}})
         if out.delta_text:
             yield from self._blocks(self.splitter.feed(out.delta_text), stream_meta(out))
 
@@ -80,7 +101,7 @@ class Messages:
         reason, sequence = stop_reason(self.ctx, final, self.has_calls)
         yield sse("message_delta", {"type": "message_delta",
                                     "delta": {"stop_reason": reason, "stop_sequence": sequence},
-                                    "usage": usage_of(final, self.ctx.cache_breakpoint)})
+                                    "usage": usage(self.ctx, final)})
         yield sse("stratum_cost", {"type": "stratum_cost", **cost})
         yield sse("message_stop", {"type": "message_stop"})
 
@@ -88,6 +109,9 @@ class Messages:
         return sse_error(e, self.ctx.request_id, self.ctx.endpoint)
 
     def _close(self) -> Iterable[bytes]:
+        if self.kind == "thinking":  # its signature, once its whole text is known (Anthropic's order)
+            yield sse("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": {
+                "type": "signature_delta", "signature": self._sign(self.thought)}})
         if self.kind is not None:
             self.kind = None
             yield sse("content_block_stop", {"type": "content_block_stop", "index": self.index})

@@ -48,6 +48,7 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     rt = make_runtime(engine, settings.model_name, settings.pricing, settings.tenant_budget_tokens,
                       settings.budget_window_s, settings.pollution_policy, settings.isolate_tenants,
                       settings.header_wait_s, settings.ping_interval_s, settings.responses_store_bytes)
+    rt.parse_thought, rt.reasoning_budget = settings.reasoning_format != "none", settings.reasoning_budget
     app.state.runtime = rt
     runner = _batches(app, rt, settings)
     if settings.console:
@@ -109,7 +110,8 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     async def count_tokens(request: Request):
         req = await read_request(request, CountTokensRequest, settings.max_body_bytes, settings.body_timeout_s)
         settings.check_model(req.model)
-        prompt = await asyncio.to_thread(build_prompt, engine.chat_template, anthropic_input(req))
+        chat = anthropic_input(req, rt.thoughts)
+        prompt = await asyncio.to_thread(build_prompt, engine.chat_template, chat, rt.parse_thought)
         return {"input_tokens": len(prompt.token_ids)}
 
     generation_routes(app, rt, settings)

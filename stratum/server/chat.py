@@ -8,12 +8,14 @@ import re
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from stratum.engine.reasoning import Reasoning
 from stratum.models.chat_template import ChatTemplate, ChatTemplateError
 from stratum.server import structured
 from stratum.server import tools as tool_fmt
 from stratum.server.errors import InvalidRequest
 from stratum.server.protocol import ChatCompletionRequest, CountTokensRequest, MessagesRequest
 from stratum.server.protocol.messages import Tool
+from stratum.server.reasoning import Thinking, ThoughtSigner
 
 
 @dataclass
@@ -27,6 +29,7 @@ class ChatInput:
     pinned: dict[int, str | None] = field(default_factory=dict)  # message index -> cache_control ttl
     output_schema: dict[str, Any] | None = None  # structured outputs: the answer is JSON matching it
     parallel_calls: bool = True  # the answer may hold several tool calls (OpenAI's parallel_tool_calls)
+    thinking: Thinking = Thinking()  # what a reasoning model's thought should be
 
     def fold_late_system(self) -> bool:
         """Folds each system turn after the first message into the user turn before it (or makes it a
@@ -85,6 +88,7 @@ class Prompt:
 
     token_ids: list[int]
     prefill: str = ""  # assistant text the output continues (part of the answer only if it is a forced tool call)
+    reasoning: Reasoning | None = None  # the model thinks first: how its thought is told from its answer
     tool_names: set[str] = field(default_factory=set)
     is_forced_tool: bool = False
     template_tools: list[dict] | None = None
@@ -134,11 +138,14 @@ def _block_text(block) -> str:
 
 def _anthropic_turns(role: str, blocks, names: dict[str, str]) -> list[dict[str, Any]]:
     """One Anthropic message's blocks as chat turns: an assistant's tool calls (its server tools' too) as
-    its `tool_calls`; each tool result (a server tool's as the JSON of its content) as a `tool` turn,
-    before the rest of the message's text."""
-    texts, calls, results = [], [], []
+    its `tool_calls`, its thinking as its `reasoning_content` (as reasoning families' templates read it);
+    each tool result (a server tool's as the JSON of its content) as a `tool` turn, before the rest of the
+    message's text."""
+    texts, calls, results, thoughts = [], [], [], []
     for block in blocks:
-        if block.type in ("tool_use", "server_tool_use", "mcp_tool_use"):
+        if block.type == "thinking" and role == "assistant":
+            thoughts.append(block.thinking)
+        elif block.type in ("tool_use", "server_tool_use", "mcp_tool_use"):
             names[block.id] = block.name
             calls.append(tool_call(block.id, block.name, block.input))
         elif block.type == "tool_result":
@@ -149,8 +156,13 @@ def _anthropic_turns(role: str, blocks, names: dict[str, str]) -> list[dict[str,
         elif text := _block_text(block):
             texts.append(text)
     turns = results
-    if texts or calls or not results:
-        turns.append({"role": role, "content": "\n".join(texts), **({"tool_calls": calls} if calls else {})})
+    if texts or calls or thoughts or not results:
+        turn: dict[str, Any] = {"role": role, "content": "\n".join(texts)}
+        if thoughts:
+            turn["reasoning_content"] = "\n".join(thoughts)
+        if calls:
+            turn["tool_calls"] = calls
+        turns.append(turn)
     return turns
 
 
@@ -160,10 +172,14 @@ def append_turn(messages: list[dict[str, Any]], turn: dict[str, Any]) -> None:
     stay one turn each."""
     last = messages[-1] if messages else None
     if (last is None or last["role"] != turn["role"] or turn["role"] == "tool"
-            or (last.get("tool_calls") and turn["content"])):
-        messages.append(dict(turn))
+            or (last.get("tool_calls") and turn["content"])
+            or (last.get("tool_calls") or last["content"]) and turn.get("reasoning_content")):
+        messages.append(dict(turn))  # (a thought after an answer or a call begins the next step's turn)
         return
     last["content"] = "\n".join(t for t in (last["content"], turn["content"]) if t)
+    if turn.get("reasoning_content"):
+        thoughts = (last.get("reasoning_content"), turn["reasoning_content"])
+        last["reasoning_content"] = "\n".join(t for t in thoughts if t)
     if turn.get("tool_calls"):
         last["tool_calls"] = last.get("tool_calls", []) + turn["tool_calls"]
 
@@ -172,10 +188,16 @@ def _marks(blocks) -> list:
     return [b.cache_control for b in blocks if getattr(b, "cache_control", None)]
 
 
-def anthropic_input(req: MessagesRequest | CountTokensRequest) -> ChatInput:
+def anthropic_input(req: MessagesRequest | CountTokensRequest, signer: ThoughtSigner | None = None) -> ChatInput:
     """Anthropic body -> chat messages. Consecutive turns of one role are merged, as the Messages API
     does; a system message inside `messages` stays a system turn at its place in the conversation (one
-    with `clear_at: next_user_message` only until a user message follows it)."""
+    with `clear_at: next_user_message` only until a user message follows it).
+
+    Raises:
+        InvalidRequest: a thinking block's signature is not the one this server gave it (with `signer`).
+    """
+    if signer is not None:
+        check_thought_signatures(req, signer)
     messages: list[dict[str, Any]] = []
     pinned: dict[int, str | None] = {}
     system = req.system
@@ -210,7 +232,32 @@ def anthropic_input(req: MessagesRequest | CountTokensRequest) -> ChatInput:
     choice = req.tool_choice
     parallel = not (choice is not None and choice.disable_parallel_tool_use)
     return ChatInput(messages, tools, forced, "\n".join(system_texts), pinned, output_schema=req.output_schema,
-                     parallel_calls=parallel)
+                     parallel_calls=parallel, thinking=anthropic_thinking(req))
+
+
+def anthropic_thinking(req: MessagesRequest | CountTokensRequest) -> Thinking:
+    """The Messages API's `thinking`: enabled with its budget; adaptive as the model decides (its
+    template's default), within the effort's budget; disabled, between_tools or absent: no thought (the
+    API's default)."""
+    config, effort = req.thinking, req.output_config.effort if req.output_config else None
+    if config is None or config.type in ("disabled", "between_tools"):
+        return Thinking(enabled=False)
+    if config.type == "enabled":
+        return Thinking(enabled=True, budget=config.budget_tokens)
+    return Thinking(budget=Thinking.of_effort(effort).budget)
+
+
+def check_thought_signatures(req: MessagesRequest | CountTokensRequest, signer: ThoughtSigner) -> None:
+    """Every thinking block sent back carries the signature this server gave its text: a client can
+    neither write nor alter what the model thought.
+
+    Raises:
+        InvalidRequest: one does not (Anthropic's words for it).
+    """
+    for i, m in enumerate(req.messages):
+        for j, block in enumerate(m.content if isinstance(m.content, list) else ()):
+            if block.type == "thinking" and not signer.verify(block.thinking, block.signature):
+                raise InvalidRequest(f"messages.{i}.content.{j}: Invalid `signature` in `thinking` block")
 
 
 def _anthropic_tools(req: MessagesRequest | CountTokensRequest) -> tuple[list[dict[str, Any]] | None, bool | str]:
@@ -276,6 +323,9 @@ def openai_input(req: ChatCompletionRequest) -> ChatInput:
             append_turn(messages, {**tool_result(call_id, m.text, names), **({"name": m.name} if m.name else {})})
             continue
         turn = {"role": "system" if m.role == "developer" else m.role, "content": m.text}
+        thought = m.reasoning_content or m.reasoning  # (the field vLLM and DeepSeek's API name both ways)
+        if thought and m.role == "assistant":
+            turn["reasoning_content"] = thought
         calls = [(c.id, c.function.name, call_arguments(c.function.arguments)) if c.type == "function"
                  else (c.id, c.custom.name, c.custom.input) for c in m.tool_calls or []]
         if m.function_call is not None:
@@ -288,7 +338,8 @@ def openai_input(req: ChatCompletionRequest) -> ChatInput:
     system_text = "\n".join(m["content"] for m in messages if m["role"] == "system")
     schema = req.response_format.schema if req.response_format else None
     return ChatInput(messages, tools, forced, system_text, output_schema=schema,
-                     parallel_calls=req.parallel_tool_calls is not False)
+                     parallel_calls=req.parallel_tool_calls is not False,
+                     thinking=Thinking.of_effort(req.reasoning_effort))
 
 
 def _openai_tools(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, bool | str]:
@@ -331,8 +382,11 @@ def call_arguments(arguments: str):
         return arguments
 
 
-def build_prompt(template: ChatTemplate, chat: ChatInput) -> Prompt:
-    """Render messages (+ tools) and tokenize; a final assistant turn becomes a prefill.
+def build_prompt(template: ChatTemplate, chat: ChatInput, parse_thought: bool = True) -> Prompt:
+    """Render messages (+ tools) and tokenize; a final assistant turn becomes a prefill. A template whose
+    family reasons is rendered with its thought on or off as `chat.thinking` asks, and (unless
+    parse_thought is False: `--reasoning-format none`) the prompt says how to tell the thought from
+    the answer (`Prompt.reasoning`).
 
     Raises:
         InvalidRequest: the template cannot render these messages.
@@ -361,17 +415,39 @@ def build_prompt(template: ChatTemplate, chat: ChatInput) -> Prompt:
                      if forced_tool is not False else "")
     is_continuation = messages[-1]["role"] == "assistant" and not messages[-1].get("tool_calls")
     prefill = forced_prefix or (messages[-1]["content"] if is_continuation else "")
+    markers = template.thought_markers if parse_thought else None
+    # a forced call is the answer's start: no thought comes before it
+    think = False if forced_tool is not False else chat.thinking.enabled
+    variables = {"enable_thinking": think} if markers and markers.has_switch and think is not None else {}
     try:
-        ids = template.encode(messages, tools=template_tools, continue_final=is_continuation, suffix=forced_prefix)
+        ids = template.encode(messages, tools=template_tools, continue_final=is_continuation, suffix=forced_prefix,
+                              **variables)
+        is_open = markers is not None and _opens_thought(template, ids, markers.start, markers.end)
+        if is_open and think is False:  # a template that always opens the thought (DeepSeek-R1's): closed at once
+            ids = template.encode(messages, tools=template_tools, continue_final=is_continuation,
+                                  suffix=markers.end + "\n\n" + forced_prefix, **variables)
+            is_open = False
     except ChatTemplateError as e:
         if not chat.fold_late_system():
             raise InvalidRequest(str(e)) from None
-        return build_prompt(template, chat)  # a template that allows a system turn only first
-    prompt = Prompt(ids, prefill, {t["name"] for t in tools or []}, forced_tool is not False, template_tools,
+        return build_prompt(template, chat, parse_thought)  # a template that allows a system turn only first
+    reasoning = None
+    if markers is not None and (think is not False or is_open):
+        tok = template.tokenizer
+        special = {i: m for m in (markers.start, markers.end) if (i := tok.special_token_id(m)) is not None}
+        reasoning = Reasoning(markers.start, markers.end, is_open, chat.thinking.budget,
+                              tok.encode("\n" + markers.end + "\n\n", allow_special=True), special)
+    prompt = Prompt(ids, prefill, reasoning, {t["name"] for t in tools or []}, forced_tool is not False, template_tools,
                     forced_tool if isinstance(forced_tool, str) else None, tool_format=fmt,
                     parallel_calls=chat.parallel_calls and fmt.parallel and template_tools is not None,
                     raw_tools=frozenset(t["name"] for t in tools or [] if "format" in t))
     return replace(prompt, grammar=structured.answer_grammar(chat, prompt))
+
+
+def _opens_thought(template: ChatTemplate, ids: list[int], start: str, end: str) -> bool:
+    """Whether the prompt ends inside a thought: its generation prompt wrote the start marker last."""
+    tail = template.tokenizer.decode(ids[-16:], skip_special_tokens=False)
+    return tail.rfind(start) > tail.rfind(end)
 
 
 def _template_tool(tool: dict[str, Any]) -> dict[str, Any]:

@@ -178,7 +178,7 @@ class RequestLifecycle:
                 messages, compression = await compress(engine, rt.compression, chat.messages, self.request_id,
                                                        self.controls.priority, self.who.cache_salt, self.reservation)
                 chat = replace(chat, messages=messages)
-            prompt = await asyncio.to_thread(build_prompt, engine.chat_template, chat)
+            prompt = await asyncio.to_thread(build_prompt, engine.chat_template, chat, rt.parse_thought)
             prompts, text = [prompt.token_ids], chat.text
         sampling = fit.for_prompt(sampling, prompt)
         if default_max:
@@ -202,7 +202,7 @@ class RequestLifecycle:
         """What the request's renderer knows of it (`model`: the name the client sent)."""
         p = self.prepared
         return RenderContext(self.request_id, self.endpoint, model, p.prompt, p.prompt_ids, p.n, p.cache_breakpoint,
-                             p.is_context_capped)
+                             p.is_context_capped, self.rt.thoughts)
 
     # ---- submit -----------------------------------------------------------------------------------
     async def submit(self) -> None:
@@ -219,8 +219,12 @@ class RequestLifecycle:
         marker = None
         if p.prompt.tool_names:
             marker = "" if p.prompt.is_forced_tool else p.prompt.tool_format.marker
+        reasoning = p.prompt.reasoning
+        if reasoning is not None and reasoning.budget is None and self.rt.reasoning_budget is not None:
+            reasoning = replace(reasoning, budget=self.rt.reasoning_budget)
         options = dict(priority=self.controls.priority, cache_policy=p.cache_policy, cache_salt=self.who.cache_salt,
-                       tool_marker=marker, pin_prefixes=list(p.pins), low_latency=self.controls.is_low_latency)
+                       tool_marker=marker, pin_prefixes=list(p.pins), low_latency=self.controls.is_low_latency,
+                       reasoning=reasoning)
         n, total = p.n, len(p.prompt_ids) * p.n
         self.choices = {self.request_id if i == 0 else f"{self.request_id}.{i}": i for i in range(total)}
         if total == 1:

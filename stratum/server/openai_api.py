@@ -28,7 +28,8 @@ def usage(out: RequestOutput) -> dict[str, Any]:
     s = out.stats
     return {"prompt_tokens": s.num_prompt_tokens, "completion_tokens": s.num_output_tokens,
             "total_tokens": s.num_prompt_tokens + s.num_output_tokens,
-            "prompt_tokens_details": {"cached_tokens": s.num_cached_tokens}}
+            "prompt_tokens_details": {"cached_tokens": s.num_cached_tokens},
+            "completion_tokens_details": {"reasoning_tokens": s.num_reasoning_tokens}}
 
 
 def tool_calls(calls) -> list[dict[str, Any]]:
@@ -163,6 +164,8 @@ class Chat(_Chunks):
         for i, out in enumerate(outs):
             text, calls = split_output(self.ctx.prompt, out.text)
             message: dict[str, Any] = {"role": "assistant", "content": text if (text or not calls) else None}
+            if out.reasoning:  # a reasoning model's thought, as vLLM, llama-server and DeepSeek's API return it
+                message["reasoning_content"] = out.reasoning
             if calls:
                 message["tool_calls"] = tool_calls(calls)
             choices.append({"index": i, "message": message, "finish_reason": finish_reason(out, bool(calls)),
@@ -184,6 +187,9 @@ class Chat(_Chunks):
             pieces += self.splitters[i].flush()
         logprobs = chat_logprobs(self.tokenizer, out.delta_token_ids, out.delta_logprobs)
         meta = {"stratum_meta": stream_meta(out)}
+        if out.delta_reasoning:
+            yield self._delta(i, {"reasoning_content": out.delta_reasoning}, logprobs=logprobs, extra=meta)
+            logprobs = None
         for event in pieces:
             match event:
                 case TextPiece(text):

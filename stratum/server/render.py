@@ -11,6 +11,7 @@ from typing import Any, Iterable, Protocol
 from stratum.engine.outputs import RequestOutput
 from stratum.server.chat import Prompt
 from stratum.server.errors import APIError
+from stratum.server.reasoning import ThoughtSigner
 from stratum.server.tools import AnswerSplitter, parse_tool_calls
 
 
@@ -26,6 +27,7 @@ class RenderContext:
     n: int  # samples per prompt: choice i answers prompt i // n
     cache_breakpoint: int  # prompt tokens up to the last cache_control breakpoint (0: none), for usage
     is_context_capped: bool  # max_tokens was lowered to the room the context leaves
+    thoughts: ThoughtSigner | None = None  # signs a thinking block (the Messages API's)
 
     @property
     def num_choices(self) -> int:

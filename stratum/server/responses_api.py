@@ -1,6 +1,7 @@
 """OpenAI Responses API (`POST /v1/responses`): the response object and its SSE event stream.
 
-An answer becomes output items: a `message` holding one `output_text` part, a `function_call` item per
+An answer becomes output items: a reasoning model's thought first, as a `reasoning` item (its whole text
+as one `reasoning_text` part), then a `message` holding one `output_text` part, a `function_call` item per
 function call (arguments as a JSON string, with a `call_id` the client answers with a
 `function_call_output` item) and a `custom_tool_call` item per custom tool call (its raw `input`); a
 call of a tool inside a namespace names the `namespace` and the tool's own name. The stream is the
@@ -8,6 +9,8 @@ documented event sequence, every event numbered by `sequence_number`:
 
     response.created, response.in_progress
     per item: response.output_item.added
+        reasoning:        response.content_part.added, response.reasoning_text.delta..., response.reasoning_text.done,
+                          response.content_part.done
         message:          response.content_part.added, response.output_text.delta..., response.output_text.done,
                           response.content_part.done
         function_call:    response.function_call_arguments.delta..., response.function_call_arguments.done
@@ -32,8 +35,14 @@ def usage(out: RequestOutput) -> dict[str, Any]:
     """OpenAI's usage: input_tokens counts every prompt token, cache reads among them."""
     s = out.stats
     return {"input_tokens": s.num_prompt_tokens, "input_tokens_details": {"cached_tokens": s.num_cached_tokens},
-            "output_tokens": s.num_output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": s.num_output_tokens, "output_tokens_details": {"reasoning_tokens": s.num_reasoning_tokens},
             "total_tokens": s.num_prompt_tokens + s.num_output_tokens}
+
+
+def _reasoning_item(item_id: str, text: str, status: str) -> dict[str, Any]:
+    """A reasoning model's thought, whole (its `content`; no summary is made of it)."""
+    content = [{"type": "reasoning_text", "text": text}] if status == "completed" else []
+    return {"type": "reasoning", "id": item_id, "summary": [], "content": content, "status": status}
 
 
 def _message_item(item_id: str, text: str, status: str) -> dict[str, Any]:
@@ -75,7 +84,9 @@ class ResponseShell:
         self.fields = {
             "instructions": req.instructions, "max_output_tokens": req.max_output_tokens, "model": req.model,
             "parallel_tool_calls": req.parallel_tool_calls if req.parallel_tool_calls is not None else True,
-            "previous_response_id": req.previous_response_id, "reasoning": {"effort": None, "summary": None},
+            "previous_response_id": req.previous_response_id,
+            "reasoning": {"effort": req.reasoning.effort if req.reasoning else None,
+                          "summary": req.reasoning.summary if req.reasoning else None},
             "store": req.is_stored, "temperature": sampling_temperature, "top_p": sampling_top_p,
             "text": {"format": text_format}, "tool_choice": choice if isinstance(choice, str) else _dump(choice),
             "tools": [_dump(t) for t in req.tools or []], "truncation": req.truncation or "disabled",
@@ -134,7 +145,7 @@ class Responses:
     def body(self, outs: list[RequestOutput]) -> dict[str, Any]:
         out, = outs
         text, calls = split_output(self.ctx.prompt, out.text)
-        output = []
+        output = [_reasoning_item(new_id("rs_"), out.reasoning, "completed")] if out.reasoning else []
         if text or not calls:
             output.append(_message_item(new_id("msg_"), text, "completed"))
         for name, args in calls:
@@ -151,13 +162,21 @@ class Responses:
         yield self._event("response.in_progress", response=self.shell.body("in_progress", [], None))
 
     def output(self, out: RequestOutput, choice: int) -> Iterable[bytes]:
+        if out.delta_reasoning:
+            if self.item is None or self.item["type"] != "reasoning":
+                yield from self._close_item()
+                yield from self._open_item(_reasoning_item(new_id("rs_"), "", "in_progress"))
+            self.text += out.delta_reasoning
+            yield self._event("response.reasoning_text.delta", item_id=self.item["id"],
+                              output_index=len(self.output_items), content_index=0, delta=out.delta_reasoning)
         if out.delta_text:
             yield from self._pieces(self.splitter.feed(out.delta_text))
 
     def end(self, final: RequestOutput, cost: dict[str, Any]) -> Iterable[bytes]:
         yield from self._pieces(self.splitter.flush())
         yield from self._close_item()
-        if not self.output_items:  # an empty answer is still one (empty) message, as the body has
+        if not any(item["type"] != "reasoning" for item in self.output_items):  # an empty answer is still one
+            # (empty) message, as the body has
             yield from self._open_item(_message_item(new_id("msg_"), "", "in_progress"))
             yield from self._close_item()
         status = _status(final)
@@ -179,6 +198,9 @@ class Responses:
         if new["type"] == "message":
             yield self._event("response.content_part.added", item_id=new["id"], output_index=index,
                               content_index=0, part={"type": "output_text", "text": "", "annotations": []})
+        elif new["type"] == "reasoning":
+            yield self._event("response.content_part.added", item_id=new["id"], output_index=index,
+                              content_index=0, part={"type": "reasoning_text", "text": ""})
 
     def _close_item(self) -> Iterable[bytes]:
         if self.item is None:
@@ -192,6 +214,13 @@ class Responses:
             yield self._event("response.content_part.done", item_id=done["id"], output_index=index, content_index=0,
                               part=part)
             done, self.text = _message_item(done["id"], text, "completed"), ""
+        elif done["type"] == "reasoning":
+            text, part = self.text, {"type": "reasoning_text", "text": self.text}
+            yield self._event("response.reasoning_text.done", item_id=done["id"], output_index=index, content_index=0,
+                              text=text)
+            yield self._event("response.content_part.done", item_id=done["id"], output_index=index, content_index=0,
+                              part=part)
+            done, self.text = _reasoning_item(done["id"], text, "completed"), ""
         elif done["type"] == "custom_tool_call":
             yield self._event("response.custom_tool_call_input.done", item_id=done["id"], output_index=index,
                               input=done["input"])

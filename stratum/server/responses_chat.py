@@ -21,6 +21,7 @@ from stratum.server.chat import ChatInput, append_turn, call_arguments, forced_f
 from stratum.server.errors import InvalidRequest
 from stratum.server.protocol.response_items import RespInputItem
 from stratum.server.protocol.responses import ResponsesRequest
+from stratum.server.reasoning import Thinking
 from stratum.server.response_store import ResponseStore
 
 _ITEMS = TypeAdapter(RespInputItem)
@@ -173,7 +174,8 @@ def responses_input(req: ResponsesRequest, items: list, offered: list[ToolSpec],
     system_text = "\n".join(m["content"] for m in messages if m["role"] == "system")
     tools = [s.as_chat_tool() for s in offered] or None
     return ChatInput(messages, tools, forced if tools else False, system_text, output_schema=req.output_schema,
-                     parallel_calls=req.parallel_tool_calls is not False)
+                     parallel_calls=req.parallel_tool_calls is not False,
+                     thinking=Thinking.of_effort(req.reasoning.effort if req.reasoning else None))
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,7 +213,9 @@ def _turns(item, names: dict[str, str]) -> list[dict[str, Any]]:
         return [turn]
     if kind in _CALLS or kind in _OUTPUTS:
         return _recorded_turns(item, names)
-    return []  # reasoning, additional_tools, and OpenAI's bookkeeping items
+    if kind == "reasoning" and item.text:  # the thought of the assistant turn it begins
+        return [{"role": "assistant", "content": "", "reasoning_content": item.text}]
+    return []  # additional_tools, and OpenAI's bookkeeping items
 
 
 def _recorded_turns(item, names: dict[str, str]) -> list[dict[str, Any]]:

@@ -36,7 +36,7 @@ def generation_routes(app: FastAPI, rt: Runtime, settings: ServerSettings) -> No
     async def messages(request: Request):
         req = await read(request, MessagesRequest)
         check_output_limit(req.max_tokens, engine.config, req.model)
-        chat = anthropic_input(req)
+        chat = anthropic_input(req, rt.thoughts)
         sampling = defaults.apply(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                                   top_k=req.top_k, stop=req.stop_sequences, seed=req.seed, ignore_eos=req.ignore_eos)
         user_id = req.metadata.user_id if req.metadata else None
@@ -112,7 +112,7 @@ def responses_routes(app: FastAPI, rt: Runtime, settings: ServerSettings, read) 
         if req.model is not None:
             settings.check_model(req.model)
         chat = responses_chat.as_chat(req, store, owner_of(request, keyed)).chat
-        prompt = await asyncio.to_thread(build_prompt, rt.engine.chat_template, chat)
+        prompt = await asyncio.to_thread(build_prompt, rt.engine.chat_template, chat, rt.parse_thought)
         return {"object": "response.input_tokens", "input_tokens": len(prompt.token_ids)}
 
     @app.get("/v1/responses/{response_id}")

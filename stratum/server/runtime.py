@@ -15,7 +15,9 @@ from stratum.engine.client import EngineClient
 from stratum.server.budget import CostAdmission
 from stratum.server.compression import CompressionSettings
 from stratum.server.errors import APIError, EngineUnavailable
+from stratum.home import stratum_home
 from stratum.server.pollution import PollutionDetector
+from stratum.server.reasoning import ThoughtSigner
 from stratum.server.response_store import ResponseStore
 from stratum.telemetry.cost import PricingModel
 from stratum.telemetry.metrics import Metrics
@@ -51,6 +53,10 @@ class Runtime:
     warmup_ttl_s: float = 300.0
     compression: CompressionSettings = CompressionSettings()
     responses: ResponseStore = field(default_factory=lambda: ResponseStore(RESPONSES_STORE_BYTES))
+    # what signs a thinking block, and checks the signature it comes back with
+    thoughts: ThoughtSigner = field(default_factory=lambda: ThoughtSigner(stratum_home()))
+    parse_thought: bool = True  # a reasoning model's thought returned apart (`--reasoning-format auto`)
+    reasoning_budget: int | None = None  # for requests that set none (`--reasoning-budget`)
 
 
 RESPONSES_STORE_BYTES = 64 * 2**20  # stored Responses API responses, in memory (`--responses-store-mb`)

@@ -35,6 +35,10 @@ class ServerSettings:
             this long after it ends.
         responses_store_bytes: stored Responses API responses are kept in memory up to this many bytes
             of JSON, the oldest dropped first.
+        reasoning_format: "auto" returns a reasoning model's thought apart from its answer; "none" leaves
+            it in the answer's text.
+        reasoning_budget: thought tokens before the runtime ends a thought, where a request sets none
+            (None: no budget).
     """
 
     model_name: str
@@ -58,6 +62,8 @@ class ServerSettings:
     batch_retention_s: float = 29 * 86400.0
     max_batch_bytes: int = 256 * 2**20  # Anthropic's limit on a batch's body
     responses_store_bytes: int = 64 * 2**20
+    reasoning_format: str = "auto"
+    reasoning_budget: int | None = None
     pricing: PricingModel = field(default_factory=ArticleFormula)
     created_at: str = field(default_factory=lambda: datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
 

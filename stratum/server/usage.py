@@ -49,5 +49,7 @@ def merge(outs: list[RequestOutput], n: int = 1) -> RequestOutput:
         kv_bytes_at_first_token=sum(s.kv_bytes_at_first_token for s in stats),
         num_tool_reserved_tokens=sum(s.num_tool_reserved_tokens for s in stats),
         num_disk_cached_tokens=sum(s.num_disk_cached_tokens for s in stats[::n]),
+        num_reasoning_tokens=sum(s.num_reasoning_tokens for s in stats),
+        is_reasoning_cut=any(s.is_reasoning_cut for s in stats),
         disk_read_s=max(s.disk_read_s for s in stats))
     return replace(first, stats=merged, kv_cache_efficiency=sum(o.kv_cache_efficiency for o in outs) / len(outs))

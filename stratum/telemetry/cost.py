@@ -7,6 +7,9 @@ Every field is measured by the code that did the work (see docs/telemetry.md):
     spec_proposed_tokens, spec_accepted_tokens
                         speculative decoding: tokens proposed and verified, and those kept (only when
                         the request verified any)
+    thinking_tokens, thinking_budget_hit
+                        a reasoning model's thought: its tokens, and 1 when its budget ended it (only
+                        when the model thought)
 """
 
 from __future__ import annotations
@@ -25,13 +28,16 @@ class CostFields:
     kv_sparsity: float | None  # None when no sample was taken (a request that never sampled)
     spec_proposed_tokens: int = 0
     spec_accepted_tokens: int = 0
+    thinking_tokens: int = 0
+    thinking_budget_hit: int = 0
 
     @classmethod
     def from_stats(cls, s: "RequestStats") -> "CostFields":
         ratio = s.num_cached_tokens / s.num_prompt_tokens if s.num_prompt_tokens else 0.0
         latency = round(s.prefill_s * 1e6) if s.prefill_s is not None else 0
         return cls(round(ratio, 4), latency, None if s.kv_sparsity is None else round(s.kv_sparsity, 4),
-                   s.num_spec_proposed_tokens, s.num_spec_accepted_tokens)
+                   s.num_spec_proposed_tokens, s.num_spec_accepted_tokens, s.num_reasoning_tokens,
+                   int(s.is_reasoning_cut))
 
     def header(self) -> str:
         """`cache_hit_ratio=0.82,prefill_latency_us=14200,kv_sparsity=0.33[,spec_proposed_tokens=40,spec_accepted_tokens=31]`
@@ -43,6 +49,8 @@ class CostFields:
         d = asdict(self)
         if not self.spec_proposed_tokens:
             del d["spec_proposed_tokens"], d["spec_accepted_tokens"]
+        if not self.thinking_tokens:
+            del d["thinking_tokens"], d["thinking_budget_hit"]
         return d
 
 

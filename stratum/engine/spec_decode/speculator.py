@@ -153,11 +153,11 @@ class Speculator:
             seq.spec_token_ids.clear()
         if not self.is_active or not allowed:
             return
-        decodes = [s for s in running if s.is_decoding]
+        decodes = [s for s in running if s.is_decoding]  # (a forced token is written alone, unproposed)
         chosen = []  # (seq, proposal, acceptance rate)
         for seq in decodes:
             most = min(self.config.num_tokens, seq.sampling.max_tokens - seq.num_output_tokens - 1)
-            if most <= 0:
+            if most <= 0 or seq.sampler.forced_token_ids:
                 continue
             state = self.states.get(seq.request_id)
             if state is None:

@@ -71,6 +71,8 @@ class OAIMessage(Loose):
     function_call: OAIFunctionCall | None = None  # deprecated: one call, before tool_calls
     tool_call_id: str | None = None
     name: str | None = None
+    reasoning_content: str | None = None  # an assistant's thought, sent back (vLLM, llama-server, DeepSeek)
+    reasoning: str | None = None  # the same, as newer vLLM names it
 
     @model_validator(mode="before")
     @classmethod
@@ -239,6 +241,8 @@ class ChatCompletionRequest(_Sampled):
     response_format: OAIResponseFormat | None = None
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
+    # a reasoning model's thought: "none" turns it off, the others are budgets (server/reasoning.py)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
 
     @model_validator(mode="after")
     def _logprobs(self):

@@ -139,7 +139,8 @@ class ServerToolResultBlock(Strict):
 
 
 class ThinkingBlock(Strict):
-    """Extended thinking from a recorded conversation: accepted, and left out of the prompt."""
+    """A thought from an earlier turn: its signature must be the one this server gave it
+    (`chat.check_thought_signatures`); it goes back to the model as its template reads a thought."""
 
     type: Literal["thinking"]
     thinking: str
@@ -147,6 +148,8 @@ class ThinkingBlock(Strict):
 
 
 class RedactedThinkingBlock(Strict):
+    """Another model's encrypted thought: accepted, and left out of the prompt."""
+
     type: Literal["redacted_thinking"]
     data: str
 
@@ -288,11 +291,18 @@ class OutputConfig(Strict):
 
 
 class ThinkingConfig(Strict):
-    """Extended thinking: accepted, no effect (this model has no thinking mode, so none is returned)."""
+    """Extended thinking (`chat.anthropic_thinking`): a reasoning model's thought returned as thinking
+    blocks; a model that does not reason returns none."""
 
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
-    budget_tokens: int | None = Field(default=None, ge=0)
+    budget_tokens: int | None = Field(default=None, ge=1024)  # Anthropic's least
     display: Any = None
+
+    @model_validator(mode="after")
+    def _budget(self):
+        if self.type == "enabled" and self.budget_tokens is None:
+            raise ValueError("thinking.enabled.budget_tokens: Field required")
+        return self
 
 
 class Metadata(Strict):
@@ -362,6 +372,17 @@ class MessagesRequest(_Prompted):
     # Accepted for compatibility and ignored: no effect on a local model.
     service_tier: str | None = None
     inference_geo: str | None = None
+
+    @model_validator(mode="after")
+    def _thinking(self):
+        """Anthropic's rules for a thought: its budget below max_tokens, and no forced tool use with it."""
+        thinking, choice = self.thinking, self.tool_choice
+        if thinking is not None and thinking.type == "enabled":
+            if thinking.budget_tokens >= self.max_tokens:
+                raise ValueError("`max_tokens` must be greater than `thinking.budget_tokens`")
+            if choice is not None and choice.type in ("any", "tool"):
+                raise ValueError("Thinking may not be enabled when tool_choice forces tool use.")
+        return self
 
 
 class CountTokensRequest(_Prompted):

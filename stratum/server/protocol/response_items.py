@@ -118,12 +118,25 @@ class RespCustomToolCallOutput(Item):
         return _readable(data, "output")
 
 
+class RespReasoningPart(Item):
+    """A reasoning item's `reasoning_text` (its content) or `summary_text` (its summary)."""
+
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
 class RespReasoning(Item):
-    """A reasoning item from an earlier turn (its `encrypted_content` is another model's): accepted, and
-    left out of the prompt, as Anthropic thinking blocks are."""
+    """A reasoning item from an earlier turn: its thought (its `content`'s reasoning text, else its
+    summary) goes back to the model as its template reads a thought; `encrypted_content` is ignored."""
 
     type: Literal["reasoning"]
     id: str | None = None
+    content: list[RespReasoningPart] | None = None
+    summary: list[RespReasoningPart] | None = None
+
+    @property
+    def text(self) -> str:
+        return "".join(p.text for p in self.content or self.summary or [])
 
 
 class RespItemReference(Item):

@@ -31,6 +31,11 @@ class RespTextConfig(Loose):
     verbosity: Literal["low", "medium", "high"] | None = None  # no effect on a local model
 
 
+class RespReasoningConfig(Loose):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh", "max"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None  # the thought is returned whole, not summarised
+
+
 class ResponsesRequest(Loose):
     """POST /v1/responses. `store` (default true) keeps the response for GET /v1/responses/{id} and
     for `previous_response_id` / `item_reference`; `conversation`, `background` and `prompt` need
@@ -46,6 +51,7 @@ class ResponsesRequest(Loose):
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     text: RespTextConfig | None = None
+    reasoning: RespReasoningConfig | None = None
     stream: bool = False
     store: bool | None = None
     metadata: dict[str, str] | None = None
