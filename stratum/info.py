@@ -112,7 +112,21 @@ def _checkpoint_info(checkpoint, resolved) -> dict:
         "dequantized_to_dense": dense_from,
         "attention": attention_path(model, resolved.device == "cpu" and native.available()),
         "speculative_decoding": _speculation(resolved.numerics, model),
+        "reasoning": _reasoning(checkpoint),
     }
+
+
+def _reasoning(checkpoint) -> str:
+    """Whether the model reasons, as its chat template says, and how its thought is told from its answer."""
+    from stratum.models.chat_template import ChatTemplate
+
+    markers = ChatTemplate(checkpoint.chat_template, checkpoint.tokenizer).thought_markers
+    if markers is None:
+        return "none: the chat template writes no thought markers"
+    switch = ("; thinking off renders the template with enable_thinking=false" if markers.has_switch else
+              "; thinking off closes the thought in the prompt")
+    return (f"the thought between {markers.start} and {markers.end}, returned apart from the answer "
+            f"(serve --reasoning-format none: left in the text){switch}")
 
 
 def _speculation(numerics, model) -> str:

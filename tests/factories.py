@@ -141,10 +141,16 @@ def add_tiny_tokenizer(writer, tok: dict, chat_template: str = CHATML) -> None:
     vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
     assert [i for _, i in vocab] == list(range(len(vocab)))
     tokens = [t for t, _ in vocab]
+    types = [gguf.TokenType.CONTROL if t in SPECIAL else gguf.TokenType.NORMAL for t in tokens]
+    for added in sorted(tok.get("added_tokens", []), key=lambda a: a["id"]):  # beyond the BPE vocabulary
+        if added["id"] >= len(vocab):  # as the converter writes them: text ones user-defined, others control
+            assert added["id"] == len(tokens)
+            tokens.append(added["content"])
+            types.append(gguf.TokenType.CONTROL if added["special"] else gguf.TokenType.USER_DEFINED)
     writer.add_tokenizer_model("gpt2")
     writer.add_tokenizer_pre("gpt-2")
     writer.add_token_list(tokens)
-    writer.add_token_types([gguf.TokenType.CONTROL if t in SPECIAL else gguf.TokenType.NORMAL for t in tokens])
+    writer.add_token_types(types)
     writer.add_token_merges([" ".join(m) if isinstance(m, list) else m for m in tok["model"]["merges"]])
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)

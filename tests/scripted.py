@@ -100,3 +100,11 @@ def make_scripted_model(path: Path, chat_template: str, scripts: list[list[str]]
                                  for i, t in tok.get_added_tokens_decoder().items()},
     }))
     return path
+
+
+def write_scripted_gguf(folder: Path, out: Path, chat_template: str) -> Path:
+    """A scripted folder as a GGUF, the way llama.cpp's converter writes a Qwen3 file (its added
+    tokens user-defined), with the template in its metadata."""
+    from tests.factories import write_family_gguf
+
+    return write_family_gguf(Path(folder), Path(out), chat_template=chat_template)

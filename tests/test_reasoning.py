@@ -117,6 +117,17 @@ def test_a_qwen3_thought_streams_apart_from_its_answer(models):
     assert MetaState.THINKING in [o.state for o in outs] and not final.stats.is_reasoning_cut
 
 
+def test_a_qwen3_gguf_reasons_as_its_folder_does(models, tmp_path):
+    """The file llama.cpp's converter would make of the folder: its template and markers in the metadata."""
+    from tests.scripted import write_scripted_gguf
+
+    gguf_path = write_scripted_gguf(models("thought", [THOUGHT]), tmp_path / "qwen3.gguf", template("qwen3"))
+    engine = engine_of(gguf_path)
+    assert engine.model_config.architecture == "qwen3"
+    _, outs = run(engine, USER)
+    assert (outs[-1].reasoning, outs[-1].text) == ("Let me see about it", "The answer is Paris.")
+
+
 def test_thinking_off_renders_the_template_with_its_switch(models):
     engine = engine_of(models("thought", [THOUGHT]))
     prompt, outs = run(engine, USER, Thinking(enabled=False))
@@ -150,7 +161,8 @@ def test_a_grammar_applies_to_the_answer_not_the_thought(models):
     from stratum.server.structured import json_grammar
 
     engine = engine_of(models("thought", [THOUGHT]))
-    grammar = json_grammar({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}, "answer")
+    schema = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+    grammar = json_grammar(schema, "answer")
     _, outs = run(engine, USER, grammar=grammar, max_tokens=60)
     final = outs[-1]
     assert final.reasoning == "Let me see about it"  # the thought ran free
@@ -269,7 +281,8 @@ def test_anthropic_refuses_what_anthropic_refuses(anthropic_client, body, messag
 def test_openai_chat_returns_reasoning_content(openai_client):
     resp = openai_client.chat.completions.create(model="qwen3-tiny", messages=USER, max_tokens=64, temperature=0)
     message = resp.choices[0].message
-    assert message.content == "The answer is Paris." and message.model_extra["reasoning_content"] == "Let me see about it"
+    assert message.content == "The answer is Paris."
+    assert message.model_extra["reasoning_content"] == "Let me see about it"
     assert resp.usage.completion_tokens_details.reasoning_tokens == 4
     chunks = list(openai_client.chat.completions.create(model="qwen3-tiny", messages=USER, max_tokens=64,
                                                          temperature=0, stream=True))

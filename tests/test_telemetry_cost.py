@@ -34,7 +34,7 @@ TRACE_STEP_KEYS = {
     "prefill": {"name", "duration_us", "cache_hit", "cache_hit_ratio", "cached_tokens", "computed_tokens", "chunks",
                 "tiers", "disk_read_us", "memory_used_mb"},
     "decode_loop": {"name", "duration_us", "tokens", "kv_sparsity", "kv_sparsity_samples", "tokens_per_second",
-                    "speculative"},
+                    "speculative", "thinking"},
 }
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 

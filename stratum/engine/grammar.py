@@ -68,16 +68,20 @@ class GrammarCompiler:
         return self._closers
 
     def _ll_tokenizer(self):
-        """llguidance's view of the vocabulary: each token's bytes, the special tokens apart. Built from
-        the bytes rather than the tokenizer's JSON, which llguidance reads with every added token as
-        special: an added token that is text (Qwen's `<tool_call>`, `<think>`) would then never match the
-        text a grammar spells it with."""
+        """llguidance's view of the vocabulary. A byte-level BPE one is given as each token's bytes, the
+        special tokens marked: from the tokenizer's JSON, llguidance reads every added token as
+        special, and an added token that is text (Qwen's `<tool_call>`, `<think>`) would never match the
+        text a grammar spells it with. Other vocabularies (SentencePiece) go as their JSON, whose
+        dummy-prefix space llguidance knows."""
         if self._ll is None:
             import llguidance
 
-            vocabulary = llguidance.TokenizerWrapper(_Vocabulary(self._tokenizer, self.vocab_size))
-            self._ll = llguidance.LLTokenizer(vocabulary, n_vocab=self.vocab_size,
-                                              eos_token=list(self._tokenizer.eos_token_ids) or None)
+            tok = self._tokenizer
+            source = tok.backend.to_str()
+            if _is_byte_level(source):
+                source = llguidance.TokenizerWrapper(_Vocabulary(tok, self.vocab_size))
+            self._ll = llguidance.LLTokenizer(source, n_vocab=self.vocab_size,
+                                              eos_token=list(tok.eos_token_ids) or None)
         return self._ll
 
     def matcher(self, grammar: str):
@@ -94,17 +98,24 @@ class GrammarCompiler:
         return m
 
 
+def _is_byte_level(tokenizer_json: str) -> bool:
+    import json
+
+    decoder = json.loads(tokenizer_json).get("decoder") or {}
+    return "ByteLevel" in [decoder.get("type"), *(d.get("type") for d in decoder.get("decoders") or [])]
+
+
 class _Vocabulary:
-    """A tokenizer as llguidance's `TokenizerWrapper` reads one: token bytes by id, the special ids, and
-    text -> ids."""
+    """A tokenizer as llguidance's `TokenizerWrapper` reads one: token bytes by id (a special token's
+    begin with 0xff, which no text holds: llguidance's mark for one), the special ids, text -> ids."""
 
     def __init__(self, tokenizer, vocab_size: int):
         self._tokenizer = tokenizer
         self.eos_token_id = tokenizer.eos_token_ids[0] if tokenizer.eos_token_ids else None
         self.bos_token_id = tokenizer.bos_token_id
-        self.tokens = [tokenizer.token_bytes(i) for i in range(vocab_size)]
-        special = tokenizer.special_ids
-        self.special_token_ids = [i for i in range(vocab_size) if i in special]
+        special = {i for i, t in tokenizer.backend.get_added_tokens_decoder().items() if t.special}
+        self.tokens = [b"\xff" * (i in special) + tokenizer.token_bytes(i) for i in range(vocab_size)]
+        self.special_token_ids = sorted(i for i in special if i < vocab_size)
 
     def __call__(self, text: str) -> list[int]:
         return self._tokenizer.encode(text)

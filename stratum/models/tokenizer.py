@@ -144,7 +144,7 @@ class TextTokenizer:
         if not isinstance(self.backend.decoder, decoders.ByteLevel):  # SentencePiece: "▁" spaces, <0xNN> bytes
             byte = _BYTE_PIECE.fullmatch(piece)
             return bytes([int(byte.group(1), 16)]) if byte else piece.replace(_SPIECE_SPACE, " ").encode()
-        table = _byte_decoder()
+        table = byte_decoder()
         if all(ch in table for ch in piece):
             return bytes(table[ch] for ch in piece)
         return self.backend.decode([token_id], skip_special_tokens=False).encode()
@@ -153,18 +153,13 @@ class TextTokenizer:
     def _special_ids(self) -> set[int]:
         return set(self.backend.get_added_tokens_decoder())
 
-    @property
-    def special_ids(self) -> set[int]:
-        """The ids of the special tokens (read in templates, never in user text, skipped when decoding)."""
-        return {i for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
-
     @functools.cached_property
     def _special_by_text(self) -> dict[str, int]:
         return {t.content: i for i, t in self.backend.get_added_tokens_decoder().items() if t.special}
 
 
 @functools.cache
-def _byte_decoder() -> dict[str, int]:
+def byte_decoder() -> dict[str, int]:
     """Byte-level BPE's printable stand-in character -> the byte it stands for (GPT-2's table: printable
     Latin-1 bytes stand for themselves, the other 68 are shifted to code points from 256 up)."""
     printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]

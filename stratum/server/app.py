@@ -110,7 +110,7 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     async def count_tokens(request: Request):
         req = await read_request(request, CountTokensRequest, settings.max_body_bytes, settings.body_timeout_s)
         settings.check_model(req.model)
-        chat = anthropic_input(req, rt.thoughts)
+        chat = anthropic_input(req, rt.thought_signer)
         prompt = await asyncio.to_thread(build_prompt, engine.chat_template, chat, rt.parse_thought)
         return {"input_tokens": len(prompt.token_ids)}
 

@@ -193,6 +193,9 @@ def anthropic_input(req: MessagesRequest | CountTokensRequest, signer: ThoughtSi
     does; a system message inside `messages` stays a system turn at its place in the conversation (one
     with `clear_at: next_user_message` only until a user message follows it).
 
+    Args:
+        signer: where the model reasons, what checks a thinking block's signature (a model that does not
+            reason never reads a thinking block, so any is accepted and left out).
     Raises:
         InvalidRequest: a thinking block's signature is not the one this server gave it (with `signer`).
     """

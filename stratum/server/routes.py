@@ -36,7 +36,7 @@ def generation_routes(app: FastAPI, rt: Runtime, settings: ServerSettings) -> No
     async def messages(request: Request):
         req = await read(request, MessagesRequest)
         check_output_limit(req.max_tokens, engine.config, req.model)
-        chat = anthropic_input(req, rt.thoughts)
+        chat = anthropic_input(req, rt.thought_signer)
         sampling = defaults.apply(max_tokens=req.max_tokens, temperature=req.temperature, top_p=req.top_p,
                                   top_k=req.top_k, stop=req.stop_sequences, seed=req.seed, ignore_eos=req.ignore_eos)
         user_id = req.metadata.user_id if req.metadata else None

@@ -58,6 +58,11 @@ class Runtime:
     parse_thought: bool = True  # a reasoning model's thought returned apart (`--reasoning-format auto`)
     reasoning_budget: int | None = None  # for requests that set none (`--reasoning-budget`)
 
+    @property
+    def thought_signer(self) -> ThoughtSigner | None:
+        """What checks the thinking blocks sent back, where the model reads them (its template reasons)."""
+        return self.thoughts if self.engine.chat_template.thought_markers is not None else None
+
 
 RESPONSES_STORE_BYTES = 64 * 2**20  # stored Responses API responses, in memory (`--responses-store-mb`)
 
