@@ -271,7 +271,7 @@ def test_responses_input_items_match_chat_completions(oai, tiny_template):
 
 def test_responses_stream_event_sequence(oai):
     events = list(oai.responses.create(model="tiny", input="Hello", max_output_tokens=8, temperature=0, stream=True,
-                                       extra_body={"ignore_eos": True}))
+                                       extra_body={"ignore_eos": True}, extra_headers={"x-stratum-meta": "on"}))
     kinds = [e.type for e in events]
     assert kinds[:5] == ["response.created", "response.in_progress", "response.output_item.added",
                          "response.content_part.added", "response.output_text.delta"]

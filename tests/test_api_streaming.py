@@ -22,16 +22,13 @@ UNICODE_PROMPTS = [
     "Hello world!",
 ]
 GREEDY = {"temperature": 0, "ignore_eos": True}
-# Stratum's own event: the request's cost, sent once between message_delta and message_stop.
-# Anthropic asks clients to ignore event types they do not know, so the SDKs are unaffected.
-STRATUM_COST = "stratum_cost"
 
 
 def check_event_order(events: list[tuple[str, dict]]) -> None:
     """Assert Anthropic's order: message_start, then per block start, delta*, stop, then message_delta, message_stop.
 
-    Pings may appear anywhere after message_start, and one stratum_cost event between message_delta
-    and message_stop. Every event's name equals its data's `type`, and block indices count up from 0.
+    Pings may appear anywhere after message_start; nothing else does (Stratum's own events come only
+    when asked). Every event's name equals its data's `type`, and block indices count up from 0.
     """
     for name, data in events:
         assert data.get("type") == name, (name, data)
@@ -50,7 +47,7 @@ def check_event_order(events: list[tuple[str, dict]]) -> None:
         assert seq[i][1]["index"] == index
         i += 1
         index += 1
-    assert names[i:] in (["message_delta", "message_stop"], ["message_delta", STRATUM_COST, "message_stop"]), names
+    assert names[i:] == ["message_delta", "message_stop"], names
 
 
 def stream_messages(url: str, body: dict, headers: dict | None = None) -> list[tuple[str, dict]]:

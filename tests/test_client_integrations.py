@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 from stratum.client import Stratum, awarmup, parse_stratum_cost, warmup
+from tests.sse import META_ON
 from tests.test_client_sdk import make_client, sse_events
 
 DASHBOARD = Path(__file__).resolve().parents[1] / "deploy" / "grafana" / "stratum.json"
@@ -138,7 +139,8 @@ def test_proxy_forwards_the_event_stream_byte_for_byte(proxy):
     url, tap = proxy
     body = {"model": "tiny", "max_tokens": 12, "stream": True, "ignore_eos": True,
             "messages": [{"role": "user", "content": "Stream through the proxy."}]}
-    with httpx.stream("POST", url + "/v1/messages", json=body, headers={"X-Stratum-Debug": "true"}, timeout=60) as r:
+    with httpx.stream("POST", url + "/v1/messages", json=body, headers={"X-Stratum-Debug": "true", **META_ON},
+                      timeout=60) as r:
         received = b"".join(r.iter_raw())
         headers = r.headers
     request, upstream, upstream_body = tap.bodies[-1]
@@ -146,7 +148,7 @@ def test_proxy_forwards_the_event_stream_byte_for_byte(proxy):
     assert received == bytes(upstream_body) and received  # every byte, in order
     names = [n for n, _ in sse_events(received)]
     assert names[0] == "message_start" and "stratum_cost" in names and names[-1] == "message_stop"
-    assert any("meta" in d.get("delta", {}) for n, d in sse_events(received) if n == "content_block_delta")
+    assert "stratum_meta" in names
     stratum_headers = {k: v for k, v in upstream.headers.items() if k.startswith("x-stratum-")}
     assert {"x-stratum-cost", "x-stratum-mode", "x-stratum-cache-mode"} <= set(stratum_headers)
     assert {k: headers[k] for k in stratum_headers} == stratum_headers

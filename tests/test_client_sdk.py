@@ -177,7 +177,8 @@ def test_stream_hooks_fire_with_the_states_the_server_sent(tiny_server):
     assert types[0] == "message_start" and types[-1] == "message_stop"  # the SDK's events, unchanged
 
     wire = sse_events(bytes(tap.exchanges[-1][2]))
-    sent = [StratumMeta.from_wire(d["delta"]["meta"], d["index"]) for n, d in wire if n == "content_block_delta"]
+    assert tap.exchanges[-1][0].headers["x-stratum-meta"] == "on"  # the client asks for Stratum's events
+    sent = [StratumMeta.from_wire(d["meta"], d["index"]) for n, d in wire if n == "stratum_meta"]
     assert sent and metas == sent
     assert metas[0].stratum_state == "prefill_complete"
     assert all(m.stratum_state.startswith("decode_step_") for m in metas[1:])
@@ -203,8 +204,8 @@ def test_async_stream_hooks_and_message(tiny_server):
         async for _ in stream:
             pass
         wire = sse_events(bytes(tap.exchanges[-1][2]))
-        assert metas == [StratumMeta.from_wire(d["delta"]["meta"], d["index"]) for n, d in wire
-                         if n == "content_block_delta"]
+        assert metas and metas == [StratumMeta.from_wire(d["meta"], d["index"]) for n, d in wire
+                                   if n == "stratum_meta"]
         assert stream.stratum.is_final and stream.stratum.final_cost is not None
         msg = await client.messages.create(model="tiny", max_tokens=3, messages=PROMPT)
         assert msg.stratum.header == tap.exchanges[-1][1].headers["x-stratum-cost"]

@@ -101,7 +101,8 @@ def test_streams_and_the_sdk_in_basic_mode(faulty):
     _, server, _, is_real = faulty
     body = {"model": MODEL, "max_tokens": 16, "temperature": 0, "stream": True,
             "messages": [{"role": "user", "content": QUESTION}]}
-    with httpx.stream("POST", server.url + "/v1/messages", json=body, timeout=120) as r:
+    with httpx.stream("POST", server.url + "/v1/messages", json=body, headers={"x-stratum-meta": "on"},
+                      timeout=120) as r:
         assert r.status_code == 200 and r.headers["x-stratum-mode"] == "basic"
         events = sse_events(r.iter_lines())
     assert [d for n, d in events if n == "stratum_cost"][0]["mode"] == "basic"

@@ -17,7 +17,7 @@ from tests.conftest import ServerProcess
 from tests.test_telemetry_cost import decode, long_text, parse_cost, prompt_tokens, sse_events
 
 MODEL = "tiny"
-DEBUG = {"x-stratum-debug": "true"}
+DEBUG = {"x-stratum-debug": "true", "x-stratum-meta": "on"}
 
 
 @pytest.fixture(scope="module")

@@ -26,7 +26,7 @@ from stratum.engine.outputs import MetaState
 from stratum.telemetry.cost import ArticleFormula, CostFields, TokenPricing, pricing_from_spec
 from tests.conftest import ServerProcess
 from tests.factories import rereads
-from tests.sse import sse_events
+from tests.sse import META_ON, delta_metas, sse_events
 
 BLOCK = 16  # EngineConfig.block_size
 TRACE_STEP_KEYS = {
@@ -342,7 +342,7 @@ def test_configured_pricing_recomputes_from_reported_fields(priced_server):
     # the stream's last event carries the same estimate
     with httpx.stream("POST", server.url + "/v1/messages",
                       json={**{k: v for k, v in kwargs.items() if k != "extra_headers"}, "stream": True},
-                      timeout=60) as r:
+                      headers=META_ON, timeout=60) as r:
         events = sse_events(r.iter_lines())
     cost_event = [d for n, d in events if n == "stratum_cost"][0]
     usage = [d for n, d in events if n == "message_delta"][0]["usage"]
@@ -359,18 +359,22 @@ def test_openai_responses_carry_the_cost(tiny_server):
     assert prompt_tokens(doc["usage"]) == r.json()["usage"]["prompt_tokens"]
     with httpx.stream("POST", tiny_server.url + "/v1/chat/completions", json={**body, "stream": True}, timeout=60) as r:
         chunks = [d for _, d in sse_events(r.iter_lines())]
+    assert not [c for c in chunks if set(c) - {"id", "object", "created", "model", "choices", "usage", "done"}]
+    with httpx.stream("POST", tiny_server.url + "/v1/chat/completions", json={**body, "stream": True},
+                      headers=META_ON, timeout=60) as r:
+        chunks = [d for _, d in sse_events(r.iter_lines())]
     final = [c for c in chunks if "stratum_cost" in c]
     assert len(final) == 1
     assert final[0]["stratum_cost"]["final_cost_estimate"] == pytest.approx(
         article_usd(final[0]["stratum_cost"]["cost"]), abs=1e-9)
 
 
-# ---- streaming: meta on every delta, the stratum_cost event, and the SDK ----------------------------------
+# ---- streaming: a meta event after every delta, the stratum_cost event, and the SDK --------------------------
 def test_stream_meta_states_and_cost_event(tiny_server):
     body = {"model": "tiny", "max_tokens": 24, "temperature": 0, "ignore_eos": True, "stream": True,
             "messages": [{"role": "user", "content": "Hello world!"}]}
-    with httpx.stream("POST", tiny_server.url + "/v1/messages", json=body, headers={"x-stratum-debug": "true"},
-                      timeout=60) as r:
+    with httpx.stream("POST", tiny_server.url + "/v1/messages", json=body,
+                      headers={"x-stratum-debug": "true", **META_ON}, timeout=60) as r:
         assert r.status_code == 200
         early = parse_cost(r.headers["x-stratum-cost"])
         assert r.headers["x-stratum-mode"] == "normal"
@@ -378,14 +382,14 @@ def test_stream_meta_states_and_cost_event(tiny_server):
     names = [n for n, _ in events]
     assert names[-2:] == ["stratum_cost", "message_stop"]
     assert names.count("stratum_cost") == 1
-    deltas = [d["delta"] for n, d in events if n == "content_block_delta"]
-    assert deltas and all("meta" in d for d in deltas)
-    states = [d["meta"]["stratum_state"] for d in deltas]
+    metas = [meta for _, meta in delta_metas(events)]
+    assert metas and not [d for n, d in events if n == "content_block_delta" and "meta" in d["delta"]]
+    states = [m["stratum_state"] for m in metas]
     assert states[0] == "prefill_complete"
     steps = [int(s.removeprefix("decode_step_")) for s in states[1:]]
     assert all(s.startswith("decode_step_") for s in states[1:]), states
     assert steps == sorted(set(steps)) and steps[0] >= 1 and steps[-1] <= 23
-    assert all(0 < d["meta"]["kv_cache_efficiency"] <= 1 for d in deltas)
+    assert all(0 < m["kv_cache_efficiency"] <= 1 for m in metas)
     cost = [d for n, d in events if n == "stratum_cost"][0]
     assert set(cost) >= {"type", "cost", "header", "final_cost_estimate", "mode", "trace"}
     assert parse_cost(cost["header"]) == cost["cost"]
@@ -404,13 +408,14 @@ def test_sdk_parses_streams_with_meta_and_cost_event(client):
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert final.content[0].text == text and final.usage.output_tokens == 16
-    raw_events = list(client.messages.create(stream=True, **kwargs))
+    assert [e.type for e in client.messages.create(stream=True, **kwargs)].count("stratum_cost") == 0
+    raw_events = list(client.messages.create(stream=True, extra_headers=META_ON, **kwargs))
     types = [e.type for e in raw_events]
     assert "stratum_cost" in types and types[-1] == "message_stop"
     cost_event = raw_events[types.index("stratum_cost")].model_dump()
     assert 0 <= cost_event["cost"]["cache_hit_ratio"] <= 1
-    deltas = [e for e in raw_events if e.type == "content_block_delta"]
-    assert deltas[0].delta.model_dump()["meta"]["stratum_state"] == "prefill_complete"
+    metas = [e.model_dump() for e in raw_events if e.type == "stratum_meta"]
+    assert metas[0]["meta"]["stratum_state"] == "prefill_complete"
 
 
 # ---- tool_use_prepared -------------------------------------------------------------------------------
@@ -429,7 +434,7 @@ def forced_tool_stream(real_server) -> list[tuple[str, dict]]:
     body = {"model": "smollm2-135m", "max_tokens": FORCED_TOOL_MAX_TOKENS, "temperature": 0, "tools": [WEATHER_TOOL],
             "stream": True, "tool_choice": {"type": "tool", "name": "get_weather"},
             "messages": [{"role": "user", "content": "What is the weather in Paris?"}]}
-    with httpx.stream("POST", real_server.url + "/v1/messages", json=body, timeout=120) as r:
+    with httpx.stream("POST", real_server.url + "/v1/messages", json=body, headers=META_ON, timeout=120) as r:
         assert r.status_code == 200
         events = sse_events(r.iter_lines())
     assert [d for n, d in events if n == "message_delta"][0]["delta"]["stop_reason"] == "tool_use"
@@ -448,16 +453,15 @@ def test_forced_tool_call_reserves_kv_for_its_arguments(forced_tool_stream):
     reserve = min(FORCED_TOOL_MAX_TOKENS - 1, 128)  # reserved at the first sampled token
     computed = prompt  # at that moment the prompt is computed and the first sampled token is not yet
     # the tool block's first delta carries the meta of the output where the call began (tool_use_prepared)
-    efficiency = [d["delta"]["meta"]["kv_cache_efficiency"] for n, d in events
-                  if n == "content_block_delta" and d["delta"]["type"] == "input_json_delta"][0]
+    efficiency = [meta["kv_cache_efficiency"] for delta, meta in delta_metas(events)
+                  if delta["type"] == "input_json_delta"][0]
     assert efficiency == round(computed / (math.ceil((prompt + 1 + reserve) / BLOCK) * BLOCK), 4)
     assert efficiency < computed / (math.ceil((computed + 1) / BLOCK) * BLOCK)
 
 
 @pytest.mark.integration
 def test_forced_tool_stream_meta_shows_tool_use_prepared(forced_tool_stream):
-    states = [d["delta"]["meta"]["stratum_state"] for n, d in forced_tool_stream
-              if n == "content_block_delta" and "meta" in d["delta"]]
+    states = [meta["stratum_state"] for _, meta in delta_metas(forced_tool_stream)]
     assert "tool_use_prepared" in states, states
 
 

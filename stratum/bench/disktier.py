@@ -89,7 +89,8 @@ def ask(url: str, system: str, user: str, max_tokens: int = 8) -> dict:
             "messages": [{"role": "user", "content": user}]}
     out: dict = {}
     t0 = time.perf_counter()
-    with httpx.stream("POST", url + "/v1/messages", json=body, headers={"X-Stratum-Debug": "true"}, timeout=3600) as r:
+    headers = {"X-Stratum-Debug": "true", "X-Stratum-Meta": "on"}  # the trace arrives with the cost event
+    with httpx.stream("POST", url + "/v1/messages", json=body, headers=headers, timeout=3600) as r:
         r.raise_for_status()
         event = ""
         for line in r.iter_lines():

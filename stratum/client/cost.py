@@ -101,7 +101,7 @@ def parse_stratum_cost(header: str) -> StratumCost:
 
 @dataclass(frozen=True, slots=True)
 class StratumMeta:
-    """One `content_block_delta.delta.meta` of a stream, as the server sent it."""
+    """One `stratum_meta` event of a stream (the runtime's state at the delta before it), as the server sent it."""
 
     stratum_state: str  # queued, prefill_chunk_K, prefill_complete, decode_step_N, tool_use_prepared, finished
     kv_cache_efficiency: float | None

@@ -1,7 +1,7 @@
 """LangChain: a thin chat model on top of langchain-anthropic that keeps what its default streaming drops.
 
-`ChatStratum` is `ChatAnthropic` with a Stratum client underneath. Every streamed chunk whose delta carried
-`meta` has it in `response_metadata["stratum_meta"]` (a list, so merged chunks keep them all, in order), and
+`ChatStratum` is `ChatAnthropic` with a Stratum client underneath. Every streamed `stratum_meta` event
+becomes a chunk with it in `response_metadata["stratum_meta"]` (a list, so merged chunks keep them all, in order), and
 the final cost arrives as a chunk with `response_metadata["stratum"]`; a non-streaming answer has
 `response_metadata["stratum"]` from the headers. `StratumCallbackHandler` turns these into `on_meta` /
 `on_cost` calls for the application, whichever way the model was run (invoke, stream, astream, events).
@@ -62,17 +62,15 @@ class ChatStratum(ChatAnthropic):
             cost = {k: data[k] for k in ("cost", "header", "final_cost_estimate", "mode", "trace") if k in data}
             return AIMessageChunk(content="" if coerce_content_to_string else [],
                                   response_metadata={COST_KEY: cost}), block_start_event
-        chunk, block_start_event = super()._make_message_chunk_from_anthropic_event(
+        if event.type == "stratum_meta":  # the state at the delta before it: one chunk, kept by the merged message
+            data = event.model_extra or {}
+            # no "index" key: LangChain merges list items that have one, and these must all be kept
+            entry = {**(data.get("meta") or {}), "block": data.get("index")}
+            return AIMessageChunk(content="" if coerce_content_to_string else [],
+                                  response_metadata={META_KEY: [entry]}), block_start_event
+        return super()._make_message_chunk_from_anthropic_event(
             event, stream_usage=stream_usage, coerce_content_to_string=coerce_content_to_string,
             block_start_event=block_start_event)
-        meta = getattr(getattr(event, "delta", None), "meta", None) if event.type == "content_block_delta" else None
-        if meta is not None:
-            # no "index" key: LangChain merges list items that have one, and these must all be kept
-            entry = {**meta, "block": event.index}
-            if chunk is None:
-                chunk = AIMessageChunk(content="" if coerce_content_to_string else [])
-            chunk.response_metadata[META_KEY] = [entry]
-        return chunk, block_start_event
 
 
 class StratumCallbackHandler(BaseCallbackHandler):

@@ -33,6 +33,7 @@ from stratum.client.fingerprint import Fingerprinter
 from stratum.client.retry import Failure, RetryEvent, RetryPolicy, derive_session_id
 
 NEGOTIATE_HEADER = "X-Stratum-Negotiate"
+META_HEADER = "X-Stratum-Meta"
 NEGOTIATION_VERSION = "v1"
 NEGOTIATION_TIMEOUT_S = 10.0
 HOOK_NAMES = frozenset({"stratum_meta", "stratum_cost", "retry"})
@@ -59,12 +60,10 @@ def _attach(message: StratumMessage, info: StratumInfo | None) -> StratumMessage
 
 def _observe_event(info: StratumInfo, event: str | None, data: Mapping[str, Any]) -> tuple[str, Any] | None:
     """Update `info` from one SSE event. Returns the hook to call, as (name, argument), if any."""
-    if event == "content_block_delta":
-        meta = (data.get("delta") or {}).get("meta")
-        if meta is not None:
-            m = StratumMeta.from_wire(meta, data.get("index"))
-            info.metas.append(m)
-            return "stratum_meta", m
+    if event == "stratum_meta":
+        m = StratumMeta.from_wire(data.get("meta") or {}, data.get("index"))
+        info.metas.append(m)
+        return "stratum_meta", m
     elif event == "message_start":
         info.usage.update((data.get("message") or {}).get("usage") or {})
     elif event == "message_delta":
@@ -300,6 +299,8 @@ class _Call:
         """The kwargs for the SDK's create: always a raw response, so the headers can be read."""
         params = dict(self.params)
         headers = {**(params.get("extra_headers") or {}), _RAW_RESPONSE_HEADER: "raw"}
+        if self.is_stratum:  # the stream's meta and cost events: a Stratum server sends them only when asked
+            headers[META_HEADER] = "on"
         if self.session_id is not None:
             headers[SESSION_HEADER] = self.session_id
             params["metadata"] = {**(params.get("metadata") or {}), "user_id": self.session_id}

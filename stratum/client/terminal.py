@@ -67,7 +67,7 @@ def ask(client: httpx.Client, model: str, messages: list[dict], max_tokens: int,
 
 def repl(url: str, model: str, api_key: str | None, max_tokens: int, system: str | None,
          stdin: IO[str] = sys.stdin, out: IO[str] = sys.stdout) -> int:
-    headers = {"anthropic-version": "2023-06-01"}
+    headers = {"anthropic-version": "2023-06-01", "x-stratum-meta": "on"}  # the cost event too
     if api_key:
         headers["x-api-key"] = api_key
     messages: list[dict] = []

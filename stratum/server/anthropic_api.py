@@ -41,9 +41,11 @@ def sse(event: str, data: dict[str, Any]) -> bytes:
 class Messages:
     """A `render.Renderer`. The stream: message_start, per block content_block_start / _delta / _stop (a
     reasoning model's thought first, as a thinking block: thinking_delta events, then its signature_delta),
-    message_delta, the Stratum cost event, message_stop; pings while waiting. Text deltas carry `meta`
-    from the runtime's state machine; a tool call's arguments stream as `input_json_delta`s while they
-    are generated."""
+    message_delta, message_stop; pings while waiting: Anthropic's events, nothing added to them. A tool
+    call's arguments stream as `input_json_delta`s while they are generated. A client that asked for
+    Stratum's events (`RenderContext.meta`) also gets, after each text or input delta, a `stratum_meta`
+    event (the runtime's state machine and KV efficiency), and a `stratum_cost` event before message_stop:
+    events of their own, so that no merger of deltas meets a field it does not know."""
 
     ping = sse("ping", {"type": "ping"})
 
@@ -102,7 +104,8 @@ class Messages:
         yield sse("message_delta", {"type": "message_delta",
                                     "delta": {"stop_reason": reason, "stop_sequence": sequence},
                                     "usage": usage(self.ctx, final)})
-        yield sse("stratum_cost", {"type": "stratum_cost", **cost})
+        if self.ctx.meta:
+            yield sse("stratum_cost", {"type": "stratum_cost", **cost})
         yield sse("message_stop", {"type": "message_stop"})
 
     def error(self, e: APIError) -> bytes:
@@ -121,6 +124,11 @@ class Messages:
         self.index, self.kind = self.index + 1, kind
         yield sse("content_block_start", {"type": "content_block_start", "index": self.index, "content_block": block})
 
+    def _meta(self, meta: dict[str, Any]) -> Iterable[bytes]:
+        """The runtime's state at the delta just sent, for a client that asked for it."""
+        if self.ctx.meta:
+            yield sse("stratum_meta", {"type": "stratum_meta", "index": self.index, "meta": meta})
+
     def _blocks(self, events: list[AnswerEvent], meta: dict[str, Any]) -> Iterable[bytes]:
         for event in events:
             match event:
@@ -128,14 +136,16 @@ class Messages:
                     if self.kind != "text":
                         yield from self._open("text", {"type": "text", "text": ""})
                     yield sse("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": {
-                        "type": "text_delta", "text": text, "meta": meta}})
+                        "type": "text_delta", "text": text}})
+                    yield from self._meta(meta)
                 case CallStart(name):
                     self.has_calls = True
                     yield from self._open("tool_use", {"type": "tool_use", "id": new_tool_id(), "name": name,
                                                        "input": {}})
                 case CallArguments(fragment):
                     yield sse("content_block_delta", {"type": "content_block_delta", "index": self.index, "delta": {
-                        "type": "input_json_delta", "partial_json": fragment, "meta": self.call_meta or meta}})
+                        "type": "input_json_delta", "partial_json": fragment}})
+                    yield from self._meta(self.call_meta or meta)
                     self.call_meta = None
                 case CallEnd():
                     yield from self._close()

@@ -142,7 +142,7 @@ def _error_handlers(app: FastAPI, rt: Runtime) -> None:
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, e: APIError):
         if not isinstance(e, ClientDisconnected):
-            rt.metrics.observe_error(request.url.path, e.status)
+            rt.metrics.observe_error(request.url.path, e.status_on(request.url.path))
         return error_response(e, request.state.request_id, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)

@@ -39,6 +39,7 @@ class Controls:
     is_high_value: bool = False
     debug: str | None = None  # None | "true" | "full"
     is_compressive: bool = False  # X-Stratum-Context-Mode: compressive
+    is_meta: bool = False  # X-Stratum-Meta: on, or X-Stratum-Negotiate: v1: the stream carries Stratum's events
 
     def cache_policy(self, sampling: SamplingParams, aggressive_ttl_s: float, warmup_ttl_s: float) -> CachePolicy:
         """Bypass reads and writes nothing; aggressive mode pins the prompt and the output; a warm-up
@@ -76,4 +77,13 @@ def controls_of(request: Request, system_text: str, is_batch: bool) -> Controls:
     debug = request.headers.get("x-stratum-debug", "").strip().lower()
     is_compressive = request.headers.get("x-stratum-context-mode", "").strip().lower() == "compressive"
     return Controls(cache_mode, priority, HINT_LOW_LATENCY in lowered, is_high_value,
-                    ("full" if debug == "full" else "true") if debug in ("true", "1", "full") else None, is_compressive)
+                    ("full" if debug == "full" else "true") if debug in ("true", "1", "full") else None, is_compressive,
+                    asks_for_meta(request))
+
+
+def asks_for_meta(request: Request) -> bool:
+    """Whether a stream may carry what no API defines (the meta events, the cost event): only when the client
+    said it reads them, so that a client or framework that merges and validates what it receives sees
+    exactly the API's events."""
+    meta = request.headers.get("x-stratum-meta", "").strip().lower()
+    return meta in ("on", "true", "1") or request.headers.get("x-stratum-negotiate", "").strip().lower() == "v1"

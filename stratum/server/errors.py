@@ -19,7 +19,7 @@ from starlette.responses import JSONResponse  # what fastapi.responses re-export
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 RESPONSES_PATH = "/v1/responses"
 # OpenAI names server-side failures "server_error"; the other types read the same in both APIs.
-_OPENAI_TYPES = {"api_error": "server_error"}
+_OPENAI_TYPES = {"api_error": "server_error", "overloaded_error": "server_error"}
 
 
 class APIError(Exception):
@@ -27,12 +27,17 @@ class APIError(Exception):
     type = "api_error"
 
     def __init__(self, message: str, headers: dict[str, str] | None = None, extra: dict[str, Any] | None = None,
-                 param: str | None = None):
+                 param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.message = message
         self.headers = headers or {}
         self.extra = extra or {}
         self.param = param  # the request field at fault (OpenAI's `param`), where one is
+        self.code = code  # OpenAI's machine-readable `code` (e.g. context_length_exceeded), where one is
+
+    def status_on(self, path: str) -> int:
+        """The HTTP status on a route: the same on every API but where an API words it otherwise."""
+        return self.status
 
 
 class InvalidRequest(APIError):
@@ -80,7 +85,13 @@ class RateLimited(APIError):
 
 
 class Overloaded(APIError):
+    """Anthropic's 529; OpenAI answers an overloaded server with 503 and `server_error`, which its SDK and
+    litellm (ServiceUnavailableError) read as retryable, where 529 is an unclassified status to them."""
+
     status, type = 529, "overloaded_error"
+
+    def status_on(self, path: str) -> int:
+        return 503 if is_openai(path) else self.status
 
 
 class EngineUnavailable(APIError):
@@ -118,7 +129,7 @@ def error_object(e: APIError) -> dict[str, Any]:
 
 def error_body(e: APIError, request_id: str, path: str) -> dict[str, Any]:
     if is_openai(path):
-        code = e.extra.get("stratum_reason")
+        code = e.code or e.extra.get("stratum_reason")
         error = {"message": e.message, "type": _OPENAI_TYPES.get(e.type, e.type), "param": e.param, "code": code,
                  **e.extra}
         return {"error": error, "request_id": request_id}
@@ -126,7 +137,7 @@ def error_body(e: APIError, request_id: str, path: str) -> dict[str, Any]:
 
 
 def error_response(e: APIError, request_id: str, path: str) -> JSONResponse:
-    return JSONResponse(error_body(e, request_id, path), status_code=e.status,
+    return JSONResponse(error_body(e, request_id, path), status_code=e.status_on(path),
                         headers={**e.headers, "request-id": request_id})
 
 

@@ -151,7 +151,8 @@ class RequestLifecycle:
 
     # ---- prepare ----------------------------------------------------------------------------------
     async def prepare(self, chat: ChatInput | None, sampling: SamplingParams, default_max: bool = False, n: int = 1,
-                      raw: list[str | list[int]] | None = None, fit_context: bool = False) -> None:
+                      raw: list[str | list[int]] | None = None, fit_context: bool = False,
+                      openai_limit: fit.OpenAILimit | None = None) -> None:
         """Controls, compression, the prompt (in worker threads), the sampling fitted to it, checks, and
         the reservation.
 
@@ -161,6 +162,7 @@ class RequestLifecycle:
             default_max: max_tokens was not given: lower the default to what the context leaves.
             n: samples per prompt.
             fit_context: the Messages API's context rule (`sampling.fit_to_context`).
+            openai_limit: OpenAI's context rule, naming the request's fields (`sampling.check_openai_context`).
         Raises:
             InvalidRequest: the request can never run on this engine.
             RateLimited: its upper bound of cost does not fit in the tenant's budget.
@@ -181,6 +183,8 @@ class RequestLifecycle:
             prompt = await asyncio.to_thread(build_prompt, engine.chat_template, chat, rt.parse_thought)
             prompts, text = [prompt.token_ids], chat.text
         sampling = fit.for_prompt(sampling, prompt)
+        if openai_limit is not None:
+            fit.check_openai_context(sampling, engine.config, max(map(len, prompts)), openai_limit)
         if default_max:
             sampling = fit.default_max_to_context(sampling, engine.config, max(map(len, prompts)))
         is_capped = False
@@ -202,7 +206,7 @@ class RequestLifecycle:
         """What the request's renderer knows of it (`model`: the name the client sent)."""
         p = self.prepared
         return RenderContext(self.request_id, self.endpoint, model, p.prompt, p.prompt_ids, p.n, p.cache_breakpoint,
-                             p.is_context_capped, self.rt.thoughts)
+                             p.is_context_capped, self.rt.thoughts, self.controls.is_meta)
 
     # ---- submit -----------------------------------------------------------------------------------
     async def submit(self) -> None:

@@ -131,7 +131,8 @@ class _Chunks:
 
     def end(self, final: RequestOutput, cost: dict[str, Any]) -> Iterable[bytes]:
         choice, out = self.last
-        yield self._chunk(choice, self._empty, finish=self._finish_reason(choice, out), extra={"stratum_cost": cost})
+        yield self._chunk(choice, self._empty, finish=self._finish_reason(choice, out),
+                          extra={"stratum_cost": cost} if self.ctx.meta else None)
         if self.include_usage:
             yield self._chunk(None, self._empty, use=usage(final))
         yield b"data: [DONE]\n\n"
@@ -186,7 +187,7 @@ class Chat(_Chunks):
         if out.finished:
             pieces += self.splitters[i].flush()
         logprobs = chat_logprobs(self.tokenizer, out.delta_token_ids, out.delta_logprobs)
-        meta = {"stratum_meta": stream_meta(out)}
+        meta = {"stratum_meta": stream_meta(out)} if self.ctx.meta else None
         if out.delta_reasoning:
             yield self._delta(i, {"reasoning_content": out.delta_reasoning}, logprobs=logprobs, extra=meta)
             logprobs = None
@@ -254,6 +255,7 @@ class Text(_Chunks):
         logprobs = text_logprobs(self.tokenizer, out.delta_token_ids, out.delta_logprobs, self.offsets[i])
         self.offsets[i] += len(out.delta_text)
         if out.delta_text or (logprobs and logprobs["tokens"]):
-            yield self._chunk(i, {"text": out.delta_text}, logprobs=logprobs, extra={"stratum_meta": stream_meta(out)})
+            yield self._chunk(i, {"text": out.delta_text}, logprobs=logprobs,
+                              extra={"stratum_meta": stream_meta(out)} if self.ctx.meta else None)
         if out.finished:
             yield from self._finished(i, out)

@@ -28,6 +28,7 @@ class RenderContext:
     cache_breakpoint: int  # prompt tokens up to the last cache_control breakpoint (0: none), for usage
     is_context_capped: bool  # max_tokens was lowered to the room the context leaves
     thoughts: ThoughtSigner | None = None  # signs a thinking block (the Messages API's)
+    meta: bool = False  # the client reads Stratum's own stream events (`controls.asks_for_meta`)
 
     @property
     def num_choices(self) -> int:
@@ -89,5 +90,6 @@ def to_json(data: Any) -> str:
 
 
 def stream_meta(out: RequestOutput) -> dict[str, Any]:
-    """The runtime's state for a streamed delta's `meta`: the meta-token state and the KV efficiency."""
+    """The runtime's state at a streamed delta, for a client that asked for it: the meta-token state and the
+    KV efficiency."""
     return {"stratum_state": out.state_label, "kv_cache_efficiency": round(out.kv_cache_efficiency, 4)}

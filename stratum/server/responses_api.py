@@ -16,7 +16,8 @@ documented event sequence, every event numbered by `sequence_number`:
         function_call:    response.function_call_arguments.delta..., response.function_call_arguments.done
         custom_tool_call: response.custom_tool_call_input.delta..., response.custom_tool_call_input.done
       response.output_item.done
-    response.completed (or response.incomplete when max_output_tokens ended it; it also carries stratum_cost)
+    response.completed (or response.incomplete when max_output_tokens ended it; it also carries stratum_cost when
+    the client asked for Stratum's events)
 """
 
 from __future__ import annotations
@@ -181,7 +182,7 @@ class Responses:
             yield from self._close_item()
         status = _status(final)
         body = self._done(self.shell.body(status, self.output_items, final))
-        yield self._event(f"response.{status}", response=body, stratum_cost=cost)
+        yield self._event(f"response.{status}", response=body, **({"stratum_cost": cost} if self.ctx.meta else {}))
 
     def error(self, e: APIError) -> bytes:
         return sse_error(e, self.ctx.request_id, self.ctx.endpoint, self.sequence)

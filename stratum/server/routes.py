@@ -16,7 +16,7 @@ from stratum.server.lifecycle import RequestLifecycle
 from stratum.server.protocol import (ChatCompletionRequest, CompletionRequest, InputTokensRequest, MessagesRequest,
                                      ResponsesRequest)
 from stratum.server.runtime import Runtime
-from stratum.server.sampling import check_output_limit
+from stratum.server.sampling import OpenAILimit, check_output_limit
 from stratum.server.settings import ServerSettings
 
 # Choices one request may ask for: prompts x n on /v1/completions.
@@ -50,11 +50,13 @@ def generation_routes(app: FastAPI, rt: Runtime, settings: ServerSettings) -> No
         req = await read(request, ChatCompletionRequest)
         chat = openai_input(req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        limit = OpenAILimit("messages", "max_completion_tokens" if req.max_completion_tokens is not None else
+                            "max_tokens" if req.max_tokens is not None else None)
         sampling = defaults.apply(max_tokens=max_tokens, temperature=req.temperature, top_p=req.top_p, top_k=req.top_k,
                                   stop=req.stop, seed=req.seed, ignore_eos=req.ignore_eos,
                                   logprobs=req.top_logprobs or 0 if req.logprobs else None)
         async with RequestLifecycle.admit(rt, request, "/v1/chat/completions", max_tokens, req.user) as lc:
-            await lc.prepare(chat, sampling, default_max=max_tokens is None, n=req.n)
+            await lc.prepare(chat, sampling, default_max=max_tokens is None, n=req.n, openai_limit=limit)
             await lc.submit()
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             renderer = openai_api.Chat(lc.render_context(req.model), include_usage, engine.tokenizer)
@@ -72,7 +74,8 @@ def generation_routes(app: FastAPI, rt: Runtime, settings: ServerSettings) -> No
                                   # echo with logprobs scores the prompt too (what evaluation harnesses ask)
                                   prompt_logprobs=req.logprobs if req.echo else None)
         async with RequestLifecycle.admit(rt, request, "/v1/completions", req.max_tokens, req.user) as lc:
-            await lc.prepare(None, sampling, default_max=req.max_tokens is None, n=req.n, raw=prompts)
+            await lc.prepare(None, sampling, default_max=req.max_tokens is None, n=req.n, raw=prompts,
+                             openai_limit=OpenAILimit("prompt", None if req.max_tokens is None else "max_tokens"))
             await lc.submit()
             echoes = [(p if isinstance(p, str) else await asyncio.to_thread(engine.tokenizer.decode, p))
                       if req.echo else "" for p in prompts]
@@ -100,7 +103,8 @@ def responses_routes(app: FastAPI, rt: Runtime, settings: ServerSettings, read) 
                 if req.is_stored else None)
         async with RequestLifecycle.admit(rt, request, "/v1/responses", req.max_output_tokens,
                                           req.safety_identifier or req.user) as lc:
-            await lc.prepare(asked.chat, sampling, default_max=req.max_output_tokens is None)
+            limit = OpenAILimit("input", None if req.max_output_tokens is None else "max_output_tokens")
+            await lc.prepare(asked.chat, sampling, default_max=req.max_output_tokens is None, openai_limit=limit)
             await lc.submit()
             shell = responses_api.ResponseShell(req, sampling.temperature, sampling.top_p)
             renderer = responses_api.Responses(lc.render_context(req.model), shell, names, keep)

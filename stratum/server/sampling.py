@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 # context, as OpenAI's do: this stands for "no bound but the context", and `default_max_to_context`
 # lowers it to what the prompt leaves.
 TO_CONTEXT = 2**31 - 1
+CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"  # OpenAI's error code for a request the context cannot hold
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,6 +92,39 @@ def fit_to_context(sampling: SamplingParams, config: ResolvedConfig,
     if sampling.max_tokens > room > 0:
         return replace(sampling, max_tokens=room), True
     return sampling, False
+
+
+@dataclass(frozen=True, slots=True)
+class OpenAILimit:
+    """How an OpenAI route names what fills a context: the field holding the prompt (`messages`, `prompt`,
+    `input`) and the output limit's field as the request sent it (None when it sent none)."""
+
+    prompt_field: str
+    output_field: str | None
+
+
+def check_openai_context(sampling: SamplingParams, config: ResolvedConfig, num_prompt_tokens: int,
+                         limit: OpenAILimit) -> None:
+    """OpenAI's context rule, in OpenAI's words (litellm and the clients that compact or trim on a context
+    overflow read them, with `code` context_length_exceeded): a prompt the context cannot hold with one token
+    more names the prompt's field; a prompt and an output limit the client sent that do not fit together
+    name the output limit's field, under the name the client used. A limit it did not send is never named
+    (`default_max_to_context` fitted it).
+
+    Raises:
+        InvalidRequest: the request does not fit in the context.
+    """
+    size, noun = config.max_model_len, limit.prompt_field
+    if num_prompt_tokens >= size:
+        raise InvalidRequest(f"This model's maximum context length is {size} tokens. However, your {noun} resulted "
+                             f"in {num_prompt_tokens} tokens. Please reduce the length of the {noun}.",
+                             param=noun, code=CONTEXT_LENGTH_EXCEEDED)
+    total = num_prompt_tokens + sampling.max_tokens
+    if limit.output_field is not None and total > size:
+        raise InvalidRequest(f"This model's maximum context length is {size} tokens. However, you requested {total} "
+                             f"tokens ({num_prompt_tokens} in the {noun}, {sampling.max_tokens} in the completion). "
+                             f"Please reduce the length of the {noun} or completion.",
+                             param=limit.output_field, code=CONTEXT_LENGTH_EXCEEDED)
 
 
 def check(engine: EngineClient, prompts: list[list[int]], sampling: SamplingParams) -> None:
