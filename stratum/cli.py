@@ -423,7 +423,7 @@ def cmd_warmup(args) -> int:
 
 
 BENCHMARKS = ("offline", "serve", "compare", "roofline", "soak", "constrained", "batch", "cluster", "startup",
-              "speculative", "disktier")
+              "speculative", "disktier", "policy")
 
 
 def cmd_bench(args, rest) -> int:

@@ -43,6 +43,9 @@ _TENANT_PREFIXES = ("key:", "user:", "addr:")
 _IGNORABLE = frozenset([0x034F, 0x180B, 0x180C, 0x180D, *range(0xFE00, 0xFE10)])
 
 
+_ANY_INVISIBLE = re2.compile(r"[\p{Cf}\x{034F}\x{180B}-\x{180D}\x{FE00}-\x{FE0F}]")
+
+
 class PolicyError(ValueError):
     """A policy file that cannot be used: the message names the rule and what is wrong."""
 
@@ -78,6 +81,23 @@ def _fold(ch: str) -> str:
     if unicodedata.category(ch) == "Cf" or ord(ch) in _IGNORABLE:
         return ""
     return unicodedata.normalize("NFKD", unicodedata.normalize("NFKD", ch).casefold())
+
+
+@functools.cache
+def _invisible() -> dict[int, None]:
+    """str.translate's table that drops what `_fold` drops: every format (Cf) character, the ignorables."""
+    import sys
+
+    return {c: None for c in range(sys.maxunicode + 1) if c in _IGNORABLE or unicodedata.category(chr(c)) == "Cf"}
+
+
+def fold(text: str) -> str:
+    """`normalize`'s text without its map, at the speed of whole-string normalization (a prompt's
+    screen needs no spans). The same as `normalize` but for the canonical order of stacked combining marks."""
+    if text.isascii():
+        return text.lower()
+    folded = unicodedata.normalize("NFKD", unicodedata.normalize("NFKD", text).casefold())
+    return folded.translate(_invisible()) if _ANY_INVISIBLE.search(folded) else folded  # translate is the slow part
 
 
 def normalize(text: str) -> tuple[str, list[int] | None]:
@@ -227,8 +247,9 @@ class Matcher:
         self.reach = max((r.reach for r in self.rules), default=0)
         by_term: dict[str, list[Rule]] = {}
         for rule in self.rules:
-            for term in rule.terms:
-                by_term.setdefault(normalize(term)[0], []).append(rule)
+            for term in rule.terms:  # in both forms where stacked combining marks make them differ (`fold`)
+                for form in {normalize(term)[0], fold(term)}:
+                    by_term.setdefault(form, []).append(rule)
         self.automaton = None
         if by_term:
             self.automaton = ahocorasick.Automaton()
@@ -261,14 +282,15 @@ class Matcher:
         return found
 
 
-def masked(text: str, source: list[int] | None, matches: list[Match], limit: int) -> str:
-    """`text[:limit]` with every mask match inside it replaced (`source`: normalized offset -> original)."""
+def masked(text: str, source: list[int] | None, matches: list[Match], limit: int, base: int = 0) -> str:
+    """`text[:limit]` with every mask match inside it replaced (`source`: normalized offset -> original
+    offset, `base` more than the offset in `text`)."""
     out, at = [], 0
     for m in matches:
         if m.rule.action != "mask":
             continue
-        start = m.start if source is None else source[m.start]
-        end = m.end if source is None else source[m.end - 1] + 1
+        start = m.start if source is None else source[m.start] - base
+        end = m.end if source is None else source[m.end - 1] + 1 - base
         if end > limit:
             continue
         if start < at:  # overlapping the one masked before: one replacement covers both
@@ -302,7 +324,8 @@ class AnswerScreen:
     matcher: Matcher
     held: str = ""  # original text not released
     norm: str = ""  # its normalized form
-    source: list[int] = field(default_factory=list)  # normalized offset -> offset in `held`
+    source: list[int] = field(default_factory=list)  # normalized offset -> offset in the whole text
+    base: int = 0  # the whole text's offset of held[0]
     released: str = ""  # everything released so far (masked)
     blocked: Rule | None = None
     matched: list[Rule] = field(default_factory=list)  # rules that matched (for the metrics), in order
@@ -321,8 +344,8 @@ class AnswerScreen:
     def _feed(self, delta: str, is_last: bool) -> Verdict:
         if delta:
             norm, source = normalize(delta)
-            base = len(self.held)
-            self.source.extend(range(base, base + len(norm)) if source is None else (base + i for i in source))
+            end = self.base + len(self.held)
+            self.source.extend(range(end, end + len(norm)) if source is None else [end + i for i in source])
             self.held += delta
             self.norm += norm
         matches = self.matcher.find(self.norm)
@@ -335,14 +358,14 @@ class AnswerScreen:
         for m in matches:  # a match crossing the cut stays held whole (sorted by start: one pass is enough)
             if m.start < cut < m.end:
                 cut = m.start
-        held_cut = len(self.held) if cut >= len(self.norm) else self.source[cut]
-        while cut > 0 and self.source[cut - 1] >= held_cut:  # one original character never splits
+        held_cut = len(self.held) if cut >= len(self.norm) else self.source[cut] - self.base
+        while cut > 0 and self.source[cut - 1] - self.base >= held_cut:  # one original character never splits
             cut -= 1
         done = [m for m in matches if m.end <= cut]
         self.matched.extend(m.rule for m in done if m.rule.action == "mask")
-        text = masked(self.held, self.source, done, held_cut)
-        self.held, self.norm = self.held[held_cut:], self.norm[cut:]
-        self.source = [i - held_cut for i in self.source[cut:]]
+        text = masked(self.held, self.source, done, held_cut, self.base)
+        self.held, self.norm, self.source = self.held[held_cut:], self.norm[cut:], self.source[cut:]
+        self.base += held_cut
         self.released += text
         return Verdict(text)
 
@@ -423,7 +446,7 @@ def screen_prompt(matcher: Matcher, texts: list[str]) -> PromptVerdict:
     t0 = time.perf_counter()
     matched: list[Rule] = []
     for text in texts:
-        for m in matcher.find(normalize(text)[0]):
+        for m in matcher.find(fold(text)):
             matched.append(m.rule)
             if m.rule.action == "block":
                 return PromptVerdict(m.rule, matched, time.perf_counter() - t0)
@@ -432,9 +455,10 @@ def screen_prompt(matcher: Matcher, texts: list[str]) -> PromptVerdict:
 
 def mask_text(matcher: Matcher, text: str) -> str:
     """The text with every mask rule's matches replaced."""
-    norm, source = normalize(text)
-    matches = matcher.find(norm)
-    return masked(text, source, matches, len(text)) if matches else text
+    if not any(m.rule.action == "mask" for m in matcher.find(fold(text))):
+        return text
+    norm, source = normalize(text)  # the spans, only for a text that has something to mask
+    return masked(text, source, matcher.find(norm), len(text))
 
 
 def prompt_texts(messages: list[dict[str, Any]]) -> list[str]:
@@ -481,6 +505,7 @@ class PolicyStore:
         self.path = Path(path)
         self._mtime = self._stat()
         self.policy = Policy(load_policy(self.path))  # raises PolicyError: the server does not start
+        _invisible()  # built now, not by the first request with a non-ASCII prompt
         self._checked = time.monotonic()
         self._stale = False
         self._lock = threading.Lock()
