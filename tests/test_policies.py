@@ -97,6 +97,11 @@ def test_a_block_ends_the_output_as_a_content_filter_with_what_was_released():
     assert shown[2] is not None and shown[2].delta_text == ""  # the block: nothing more released
     assert shown[3].finish_reason == "content_filter" and shown[3].stop_reason == "b"
     assert "aurora" not in "".join(o.delta_text for o in shown if o) and shown[3].text.startswith("Hello")
+    thinking = OutputScreen(Matcher(rules({"id": "b", "action": "block", "terms": ["aurora"]})))
+    out = thinking.screen(RequestOutput("r", "", [1], "", [1], False, delta_reasoning="I recall Aur", reasoning="x"))
+    assert out.delta_reasoning == "I recal" and thinking.blocked is None  # "l Aur" held: the reach is 6
+    out = thinking.screen(RequestOutput("r", "", [2], "", [1, 2], True, "stop", delta_reasoning="ora", reasoning="x"))
+    assert thinking.blocked.id == "b" and out.finish_reason == "content_filter" and "aur" not in out.reasoning.lower()
 
 
 def test_tool_call_arguments_in_the_answer_and_the_prompt_are_screened():
@@ -280,3 +285,33 @@ def test_a_bad_policy_file_stops_the_start_up(tmp_path, tiny_model_dir):
     done = subprocess.run([sys.executable, "-m", "stratum.cli", "serve", "--model", str(tiny_model_dir),
                            "--content-policy", str(path)], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and "rule 'x': not an RE2 pattern" in done.stderr
+
+
+def test_stratum_chat_and_the_console_show_a_refusal_as_one(server):
+    import io
+    import shutil
+
+    from stratum.client import terminal
+
+    asked = "Tell me about contraband."  # refused before prefill: a mid-stream block's events, at any sampling
+    out = io.StringIO()
+    assert terminal.repl(server.url, "tiny", KEY_A, 40, None, stdin=io.StringIO(asked + "\n"), out=out) == 0
+    assert "[refused by the server's content policy: rule forbidden-topic]" in out.getvalue()
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    playwright = pytest.importorskip("playwright.sync_api")
+    if chromium is None:
+        pytest.skip("no chromium on this machine")
+    with playwright.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"])
+        try:
+            page = browser.new_page()
+            page.goto(server.url + "/console")
+            page.evaluate(f"localStorage.setItem('stratum-api-key', '{KEY_A}')")
+            page.reload()
+            page.fill("#prompt", asked)
+            page.click("#send")
+            page.wait_for_selector(".turn.assistant[data-done='true']", timeout=60_000)
+            refusal = page.inner_text(".turn.assistant .refusal")
+            assert refusal == "Refused by the server's content policy (rule forbidden-topic)"
+        finally:
+            browser.close()
