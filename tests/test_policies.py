@@ -148,6 +148,16 @@ def test_the_store_reloads_when_the_file_changes_and_keeps_the_last_good_one(tmp
     assert [r.id for r in store.current().rules] == ["two"]
 
 
+def test_a_yaml_policy_reads_as_its_json(tmp_path):
+    pytest.importorskip("yaml")
+    from stratum.server.policy import load_policy
+
+    path = tmp_path / "policy.yaml"
+    path.write_text("rules:\n  - id: cards\n    action: mask\n    pattern: '\\d{4}-\\d{4}'\n    applies_to: [answer]\n")
+    assert load_policy(path) == rules({"id": "cards", "action": "mask", "pattern": r"\d{4}-\d{4}",
+                                       "applies_to": ["answer"]})
+
+
 # ---- a server with a policy, through the SDKs ----------------------------------------------------------
 @pytest.fixture(scope="module")
 def policy_file(tmp_path_factory):
