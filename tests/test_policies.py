@@ -260,6 +260,11 @@ def test_a_blocked_prompt_is_refused_before_prefill_in_each_apis_shape(server):
     assert resp.status == "incomplete" and resp.incomplete_details.reason == "content_filter"
 
 
+def test_logprobs_are_refused_where_answers_are_screened(server):
+    with pytest.raises(openai.BadRequestError, match="content policy"):
+        gpt(server, KEY_B).chat.completions.create(model="tiny", messages=USER, max_tokens=4, logprobs=True)
+
+
 def test_per_tenant_rules_and_a_megabyte_prompt_under_a_hostile_pattern(server):
     big = [{"role": "user", "content": "a" * 2**20}]  # the hostile rule is KEY_B's; (a+)+$ matches it
     client = anthropic.Anthropic(base_url=server.url, api_key=KEY_B, max_retries=0, timeout=120)

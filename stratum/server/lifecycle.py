@@ -35,7 +35,7 @@ from stratum.server.budget import Reservation
 from stratum.server.chat import ChatInput, Prompt, build_prompt, pins_for
 from stratum.server.compression import compress
 from stratum.server.controls import Controls, check_control_headers, controls_of
-from stratum.server.errors import APIError, EngineUnavailable, Overloaded, as_api_error
+from stratum.server.errors import APIError, EngineUnavailable, InvalidRequest, Overloaded, as_api_error
 from stratum.server.policy import Matcher, OutputScreen, Rule, mask_messages, mask_text, prompt_texts, screen_prompt
 from stratum.server.render import RenderContext, Renderer
 from stratum.server.report import Facts, Report, early_headers, final_report
@@ -173,6 +173,8 @@ class RequestLifecycle:
         rt, engine = self.rt, self.rt.engine
         compression = None
         refusal, chat, raw = await self._screen_prompt(chat, raw)
+        if self.answer_policy is not None and sampling.logprobs is not None:  # tokens would show what is held back
+            raise InvalidRequest("logprobs are not available where a content policy screens answers")
         if refusal is not None:
             self.controls = controls_of(self.request, chat.system_text if chat is not None else "", self.is_batch)
             sampling = fit.for_prompt(sampling, Prompt([]))
