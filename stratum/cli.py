@@ -156,6 +156,14 @@ def cmd_serve(args) -> int:
     refused = _refuse_replicas(args)
     if refused is not None:
         return refused
+    refused = _refuse_any_origin(args)
+    if refused is not None:
+        return refused
+    try:
+        args.policy_store = _content_policy(args)
+    except ValueError as e:  # policy.PolicyError: said before the engine loads
+        print(f"stratum: --content-policy: {e}", file=sys.stderr)
+        return 2
     # The engine process loads the model while this one opens the port and builds the web app.
     engine = EngineProcess(config) if args.engine == "process" and args.replicas == 1 else None
     from stratum.server.startup import StartingApp
@@ -267,6 +275,33 @@ def _start_engine(args, config, engine, starting):
     return start_thread_engine(EngineCore(config)), "a thread"
 
 
+def _refuse_any_origin(args) -> int | None:
+    """`--allowed-origin '*'` lets any web page spend a key its user holds: with API keys it needs
+    --allow-any-origin-with-keys."""
+    keyed = any(args.api_key or ()) or os.environ.get("STRATUM_API_KEYS", "").strip()
+    if "*" in (args.cors_origin or ()) and keyed and not args.allow_any_origin_with_keys:
+        print("stratum: --allowed-origin '*' with API keys lets any web page call this server with a key its "
+              "visitor holds; name the origins, or add --allow-any-origin-with-keys to mean it", file=sys.stderr)
+        return 2
+    return None
+
+
+def _content_policy(args):
+    """The content policy store, loaded now (a bad file stops the start-up), reloaded on SIGHUP."""
+    if not args.content_policy:
+        return None
+    import signal
+
+    from stratum.server.policy import PolicyStore
+
+    store = PolicyStore(Path(args.content_policy))
+    if hasattr(signal, "SIGHUP"):
+        signal.signal(signal.SIGHUP, lambda *_: store.mark_stale())
+    print(f"stratum: content policy {args.content_policy}: {len(store.policy.rules)} rules "
+          "(reloaded when the file changes or on SIGHUP)", flush=True)
+    return store
+
+
 def _serving_app(args, client, name: str):
     """The web app over client, with the settings the command line gave."""
     from stratum.server.app import ServerSettings, create_app
@@ -279,6 +314,7 @@ def _serving_app(args, client, name: str):
                               model_patterns=tuple(p for p in (args.serve_models_matching or ["claude-*"]) if p),
                               max_body_bytes=args.max_body_bytes, share_prefix_cache=args.share_prefix_cache,
                               body_timeout_s=args.read_timeout_s, cors_origins=tuple(args.cors_origin or ()),
+                              content_policy=getattr(args, "policy_store", None),
                               header_wait_s=args.header_wait_s, data_dir=Path(args.data_dir) if args.data_dir else None,
                               batch_ttl_s=args.batch_expiry_h * 3600,
                               batch_retention_s=args.batch_retention_days * 86400,
@@ -387,7 +423,7 @@ def cmd_warmup(args) -> int:
 
 
 BENCHMARKS = ("offline", "serve", "compare", "roofline", "soak", "constrained", "batch", "cluster", "startup",
-              "speculative", "disktier")
+              "speculative", "disktier", "policy")
 
 
 def cmd_bench(args, rest) -> int:
@@ -436,8 +472,13 @@ def _serve_parser(sub) -> None:
                    help="the web console at /console; auto: on when serving loopback only or with API keys")
     p.add_argument("--header-wait-s", type=float, default=2.0,
                    help="a stream waits this long for prefill, to send its cost figures with its headers (default 2)")
-    p.add_argument("--cors-origin", action="append", metavar="ORIGIN",
-                   help="let web pages from this origin call the API (repeatable; '*' for any); default: none")
+    p.add_argument("--allowed-origin", "--cors-origin", dest="cors_origin", action="append", metavar="ORIGIN",
+                   help="let web pages from this origin call the API (CORS; repeatable; '*' for any, which with API "
+                        "keys needs --allow-any-origin-with-keys); default: none")
+    p.add_argument("--allow-any-origin-with-keys", action="store_true",
+                   help="accept --allowed-origin '*' on a server with API keys")
+    p.add_argument("--content-policy", metavar="FILE",
+                   help="screen prompts and streamed answers with this policy's rules (JSON or YAML; see README)")
     p.add_argument("--share-prefix-cache", action="store_true",
                    help="with API keys: share cached prompts across keys (one organisation); default: a cache per key")
     p.add_argument("--tenant-budget-tokens", type=int, default=None,

@@ -43,7 +43,7 @@ def ask(client: httpx.Client, model: str, messages: list[dict], max_tokens: int,
     body = {"model": model, "max_tokens": max_tokens, "messages": messages, "stream": True}
     if system:
         body["system"] = system
-    text, cost, usage = "", {}, {}
+    text, cost, usage, stop = "", {}, {}, None
     t0 = time.perf_counter()
     with client.stream("POST", "/v1/messages", json=body) as r:
         if r.status_code != 200:
@@ -55,11 +55,14 @@ def ask(client: httpx.Client, model: str, messages: list[dict], max_tokens: int,
                 out.write(data["delta"]["text"])
                 out.flush()
             elif event == "message_delta":
-                usage = data.get("usage", {})
+                usage, stop = data.get("usage", {}), data.get("delta", {}).get("stop_reason")
             elif event == "stratum_cost":
                 cost = data
             elif event == "error":
                 raise RuntimeError(data.get("error", {}).get("message", "the stream failed"))
+    if stop == "refusal":  # a content policy ended the answer (the rule's id, never what matched)
+        rule = (cost.get("policy") or {}).get("blocked")
+        out.write("\n[refused by the server's content policy" + (f": rule {rule}]" if rule else "]"))
     out.write("\n" + cost_line(cost, usage, time.perf_counter() - t0) + "\n")
     out.flush()
     return text

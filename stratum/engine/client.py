@@ -114,6 +114,12 @@ class RequestStream:
             self.done = True
             self.client.abort(self.request_id)
 
+    def stop(self, request_id: str | None = None) -> None:
+        """Abort the request in the engine (its blocks are freed) but keep reading: its last output,
+        finish_reason "abort", still comes with what it generated (a content policy's block bills it)."""
+        if not self.done:
+            self.client.transport.abort(self.request_id)
+
     def cancel(self, error: BaseException) -> None:
         """End the request now: the engine aborts it (its blocks are freed), and the reader gets `error`
         after whatever outputs it has not read yet."""
@@ -159,6 +165,10 @@ class RequestGroup:
     async def close(self) -> None:
         for m in self.members.values():
             await m.close()
+
+    def stop(self, request_id: str | None = None) -> None:
+        """`RequestStream.stop` of one member (the first without `request_id`)."""
+        self.members[request_id or self.request_id].stop()
 
     def cancel(self, error: BaseException) -> None:
         for m in self.members.values():

@@ -36,6 +36,7 @@ class MetaState(enum.Enum):
     DECODE_STEP = "decode_step"  # numbered by the output tokens before this one
     TOOL_USE_PREPARED = "tool_use_prepared"  # the model began a tool call: KV reserved for its arguments
     FINISHED = "finished"
+    POLICY_BLOCKED = "policy_blocked"  # a content policy rule ended it (set by the server's screen, not the engine)
 
     def label(self, index: int) -> str:
         return f"{self.value}_{index}" if self in (MetaState.PREFILL_CHUNK, MetaState.DECODE_STEP) else self.value

@@ -17,6 +17,8 @@ def new_tool_id() -> str:
 
 
 def stop_reason(ctx: RenderContext, out: RequestOutput, has_calls: bool) -> tuple[str, str | None]:
+    if out.finish_reason == "content_filter":  # a content policy blocked the prompt or the answer
+        return "refusal", None
     if out.finish_reason == "length":  # a call cut short too: its input may be incomplete
         return ("model_context_window_exceeded" if ctx.is_context_capped else "max_tokens"), None
     if has_calls:

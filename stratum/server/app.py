@@ -37,9 +37,10 @@ OPEN_PATHS = ("/health", "/metrics", "/docs", "/openapi.json", "/console")  # /c
 NEGOTIATION_VERSION = "v1"
 # Response headers a browser page may read (CORS): the request id, the cost and the budget.
 EXPOSED_HEADERS = ["request-id", "x-stratum-cost", "x-stratum-trace", "x-stratum-mode", "x-stratum-cache-mode",
-                   "x-stratum-advice", "retry-after", "anthropic-ratelimit-tokens-limit",
-                   "anthropic-ratelimit-tokens-remaining", "anthropic-ratelimit-tokens-reset",
-                   "x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens", "x-ratelimit-reset-tokens"]
+                   "x-stratum-advice", "x-stratum-replica", "x-stratum-supported", "x-stratum-policy",
+                   "retry-after", "anthropic-ratelimit-tokens-limit", "anthropic-ratelimit-tokens-remaining",
+                   "anthropic-ratelimit-tokens-reset", "x-ratelimit-limit-tokens", "x-ratelimit-remaining-tokens",
+                   "x-ratelimit-reset-tokens"]
 
 
 def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
@@ -50,15 +51,19 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
                       settings.header_wait_s, settings.ping_interval_s, settings.responses_store_bytes)
     rt.parse_thought, rt.reasoning_budget = settings.reasoning_format != "none", settings.reasoning_budget
     app.state.runtime = rt
+    rt.policy = settings.content_policy
     runner = _batches(app, rt, settings)
     if settings.console:
         _console_routes(app, rt, settings, runner)
     app.add_middleware(Envelope, max_body_bytes=settings.max_body_bytes, digests=settings.key_digests, runner=runner,
                        max_batch_bytes=settings.max_batch_bytes)
     if settings.cors_origins:  # outermost: a browser's preflight is answered before authentication
+        # every header a request asks for is allowed (the SDKs' browser modes send x-api-key, anthropic-*,
+        # authorization, x-stratum-* and x-stainless-*, which no fixed list keeps up with); the origin is
+        # echoed with credentials allowed, as llama-server's --cors answers
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
-                           allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"],
-                           expose_headers=EXPOSED_HEADERS, max_age=600)
+                           allow_methods=["GET", "POST", "DELETE", "OPTIONS"], allow_headers=["*"],
+                           allow_credentials=True, expose_headers=EXPOSED_HEADERS, max_age=600)
     _error_handlers(app, rt)
 
     @app.get("/health")

@@ -26,7 +26,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
 from stratum.engine.client import QueueFull, RequestGroup, RequestStream
-from stratum.engine.outputs import EngineDeadError, RequestOutput
+from stratum.engine.outputs import EngineDeadError, MetaState, RequestOutput, RequestStats
 from stratum.engine.request import CachePolicy
 from stratum.engine.sampling_params import SamplingParams
 from stratum.server import sampling as fit
@@ -35,7 +35,8 @@ from stratum.server.budget import Reservation
 from stratum.server.chat import ChatInput, Prompt, build_prompt, pins_for
 from stratum.server.compression import compress
 from stratum.server.controls import Controls, check_control_headers, controls_of
-from stratum.server.errors import APIError, EngineUnavailable, Overloaded, as_api_error
+from stratum.server.errors import APIError, EngineUnavailable, InvalidRequest, Overloaded, as_api_error
+from stratum.server.policy import Matcher, OutputScreen, Rule, mask_messages, mask_text, prompt_texts, screen_prompt
 from stratum.server.render import RenderContext, Renderer
 from stratum.server.report import Facts, Report, early_headers, final_report
 from stratum.server.runtime import Runtime
@@ -72,6 +73,7 @@ class Prepared:
     cache_breakpoint: int  # prompt tokens up to the last breakpoint (0: none marked)
     is_context_capped: bool  # max_tokens was lowered to the room the context leaves (`sampling.fit_to_context`)
     compression: dict[str, Any] | None  # the compressive mode's report, when it was asked for
+    refusal: Rule | None = None  # a content policy rule blocked the prompt: nothing is submitted
 
 
 @dataclass(slots=True, eq=False)
@@ -89,6 +91,9 @@ class RequestLifecycle:
     # the engine's side, once submitted
     stream: RequestStream | RequestGroup | None = None
     first: RequestOutput | None = None  # the prefill's output, if it came within header_wait_s
+    answer_policy: Matcher | None = None  # the content policy's answer rules for this tenant
+    screens: dict[int, OutputScreen] = field(default_factory=dict)  # choice -> its answer's screen
+    policy_s: float = 0.0  # the prompt's screening time
     choices: dict[str, int] = field(default_factory=dict)  # engine request id -> choice index
     # its end
     cancelled: APIError | None = None  # ended by the server (a drain out of time)
@@ -169,6 +174,16 @@ class RequestLifecycle:
         """
         rt, engine = self.rt, self.rt.engine
         compression = None
+        refusal, chat, raw = await self._screen_prompt(chat, raw)
+        if self.answer_policy is not None and sampling.logprobs is not None:  # tokens would show what is held back
+            raise InvalidRequest("logprobs are not available where a content policy screens answers")
+        if refusal is not None:
+            self.controls = controls_of(self.request, chat.system_text if chat is not None else "", self.is_batch)
+            sampling = fit.for_prompt(sampling, Prompt([]))
+            policy = self.controls.cache_policy(sampling, rt.aggressive_ttl_s, rt.warmup_ttl_s)
+            self.prepared = Prepared(Prompt([]), tuple([] for _ in range(len(raw or [None]))), "", sampling, n,
+                                     policy, (), 0, False, None, refusal)
+            return
         if chat is None:
             self.controls = controls_of(self.request, "", self.is_batch)
             prompts = [list(p) if isinstance(p, list) else await asyncio.to_thread(engine.tokenizer.encode_prompt, p)
@@ -202,6 +217,33 @@ class RequestLifecycle:
         self.prepared = Prepared(prompt, tuple(prompts), text, sampling, n, policy, tuple(pins), breakpoint,
                                  is_capped, compression)
 
+    async def _screen_prompt(self, chat: ChatInput | None, raw: list[str | list[int]] | None):
+        """The content policy on the prompt, before it is tokenized (a blocked prompt costs no prefill):
+        (the block rule that matched or None, the chat and raw prompts with mask rules applied). Takes the
+        answer's rules for the request too."""
+        store = self.rt.policy
+        if store is None:
+            return None, chat, raw
+        policy, tenant = store.current(), self.who.tenant
+        self.answer_policy = policy.matcher(tenant, "answer")
+        matcher = policy.matcher(tenant, "prompt")
+        if matcher is None:
+            return None, chat, raw
+        texts = prompt_texts(chat.messages) if chat is not None else [p for p in raw if isinstance(p, str)]
+        verdict = await asyncio.to_thread(screen_prompt, matcher, texts)
+        self.policy_s += verdict.seconds
+        self._count(verdict.matched, "prompt")
+        if verdict.blocked is None and any(r.action == "mask" for r in verdict.matched):
+            if chat is not None:
+                chat = replace(chat, messages=await asyncio.to_thread(mask_messages, matcher, chat.messages))
+            else:
+                raw = [mask_text(matcher, p) if isinstance(p, str) else p for p in raw]
+        return verdict.blocked, chat, raw
+
+    def _count(self, rules: list[Rule], scope: str) -> None:
+        for rule in rules:
+            self.rt.metrics.policy_matches.labels(rule.id, self.who.tenant, scope, rule.action).inc()
+
     def render_context(self, model: str) -> RenderContext:
         """What the request's renderer knows of it (`model`: the name the client sent)."""
         p = self.prepared
@@ -220,6 +262,10 @@ class RequestLifecycle:
         p, engine = self.prepared, self.rt.engine
         if self.cancelled is not None:
             raise self.cancelled
+        if p.refusal is not None:  # refused before the engine: one finished output per choice, nothing run
+            self.choices = {self.request_id if i == 0 else f"{self.request_id}.{i}": i
+                            for i in range(len(p.prompt_ids) * p.n)}
+            return
         marker = None
         if p.prompt.tool_names:
             marker = "" if p.prompt.is_forced_tool else p.prompt.tool_format.marker
@@ -255,6 +301,10 @@ class RequestLifecycle:
         Raises:
             APIError: the engine failed the request, or its stream ended without a finished output.
         """
+        if self.prepared.refusal is not None:
+            for rid in self.choices:
+                yield self._refused(rid)
+            return
         out, self.first = self.first, None
         left = len(self.choices)
         while True:
@@ -265,12 +315,62 @@ class RequestLifecycle:
                     raise APIError("the request ended without a result") from None
                 except Exception as e:
                     raise as_api_error(e) from None
-            yield out
+            if out is not None and self.answer_policy is not None:
+                shown = self._screen(out)
+                if shown is None:  # blocked already: nothing until the engine's last output
+                    out = None
+                    continue
+                yield shown
+            else:
+                yield out
             if out is not None and out.finished:
                 left -= 1
                 if not left:
                     return
             out = None
+
+    def _screen(self, out: RequestOutput) -> RequestOutput | None:
+        """An output through its choice's answer screen; the first block stops the choice in the engine
+        (its blocks are freed; its last output still comes, with what it generated, and is billed)."""
+        choice = self.choices[out.request_id]
+        screen = self.screens.get(choice)
+        if screen is None:
+            screen = self.screens[choice] = OutputScreen(self.answer_policy)
+        was_blocked = screen.blocked is not None
+        shown = screen.screen(out)
+        if screen.blocked is not None and not was_blocked:
+            self._count([screen.blocked], "answer")
+            if not out.finished:
+                self.stream.stop(out.request_id)
+        if out.finished:
+            self._count([r for r in screen.matched if r.action == "mask"], "answer")
+        return shown
+
+    def _refused(self, request_id: str) -> RequestOutput:
+        """A blocked prompt's answer: finished, nothing generated, nothing computed."""
+        now = time.perf_counter()
+        stats = RequestStats(num_prompt_tokens=0, num_cached_tokens=0, num_prompt_tokens_computed=0,
+                             num_cache_written_tokens=0, num_output_tokens=0, num_preemptions=0, arrival_time=now,
+                             first_scheduled_time=None, first_token_time=None, prefill_done_time=None,
+                             finish_time=now, token_times=[])
+        return RequestOutput(request_id, "", [], "", [], True, "content_filter", self.prepared.refusal.id, stats,
+                             MetaState.POLICY_BLOCKED)
+
+    def policy_report(self) -> dict[str, Any] | None:
+        """What the request says of the content policy: the block rule's id (never what matched), the
+        rules that masked, and the screening time."""
+        if self.rt.policy is None:
+            return None
+        p = self.prepared
+        blocked = p.refusal if p is not None else None
+        masked: list[str] = []
+        seconds = self.policy_s
+        for screen in self.screens.values():
+            blocked = blocked or screen.blocked
+            masked += [r.id for r in screen.matched if r.action == "mask"]
+            seconds += screen.seconds
+        return {"blocked": blocked.id if blocked is not None else None, "masked": sorted(set(masked)),
+                "screening_us": round(seconds * 1e6, 1)}
 
     async def events(self, renderer: Renderer) -> AsyncIterator[bytes]:
         """The one stream loop: the renderer's opening events, its events for each output (its keep-alive
@@ -346,7 +446,7 @@ class RequestLifecycle:
         p = self.prepared
         replica = self.stream.replica if self.stream is not None else None
         return Facts(self.endpoint, self.who.tenant, self.controls, replica, self.who.is_advised,
-                     p.compression if p is not None else None)
+                     p.compression if p is not None else None, self.policy_report())
 
     # ---- finish, close ------------------------------------------------------------------------------
     def finish(self, final: RequestOutput) -> Report:

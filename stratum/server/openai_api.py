@@ -19,8 +19,8 @@ from stratum.server.usage import merge
 
 
 def finish_reason(out: RequestOutput, has_calls: bool) -> str:
-    if out.finish_reason == "length":
-        return "length"
+    if out.finish_reason in ("length", "content_filter"):
+        return out.finish_reason
     return "tool_calls" if has_calls else "stop"
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 from stratum.engine.outputs import RequestOutput
 from stratum.server.controls import Controls
@@ -25,6 +26,7 @@ class Facts:
     replica: str | None  # the replica that served it, when the engine is a set of replicas
     is_advised: bool  # its session pollutes the cache: x-stratum-advice
     compression: dict[str, Any] | None = None  # the compressive mode's report, when it was asked for
+    policy: dict[str, Any] | None = None  # the content policy's report (`RequestLifecycle.policy_report`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +44,8 @@ def _headers(mode: str, facts: Facts) -> dict[str, str]:
     headers = {"x-stratum-mode": mode, "x-stratum-cache-mode": facts.controls.cache_mode.value}
     if facts.replica:
         headers["x-stratum-replica"] = facts.replica
+    if facts.policy is not None and facts.policy["blocked"]:  # the rule's id, never what it matched
+        headers["x-stratum-policy"] = quote(facts.policy["blocked"], safe="")
     return headers
 
 
@@ -75,6 +79,8 @@ def final_report(rt: Runtime, final: RequestOutput, usage: dict[str, int], facts
     body: dict[str, Any] = {"cost": cost.as_dict(), "header": headers["x-stratum-cost"],
                             "final_cost_estimate": round(usd, 10), "mode": final.mode,
                             "cache_written_tokens": stats.num_cache_written_tokens}
+    if facts.policy is not None:
+        body["policy"] = facts.policy
     if controls.debug:
         extra: dict[str, Any] = {"engine_mode": final.mode, "cache_mode": controls.cache_mode.value,
                                  "priority": controls.priority,
@@ -82,6 +88,8 @@ def final_report(rt: Runtime, final: RequestOutput, usage: dict[str, int], facts
                                  "low_latency_asked": controls.is_low_latency}
         if facts.compression is not None:
             extra["compression"] = facts.compression
+        if facts.policy is not None:
+            extra["policy"] = facts.policy
         if facts.replica:
             extra["replica"] = facts.replica
         hardware = None

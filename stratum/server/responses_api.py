@@ -95,7 +95,10 @@ class ResponseShell:
         }
 
     def body(self, status: str, output: list[dict[str, Any]], out: RequestOutput | None) -> dict[str, Any]:
-        incomplete = {"reason": "max_output_tokens"} if status == "incomplete" else None
+        incomplete = None
+        if status == "incomplete":
+            blocked = out is not None and out.finish_reason == "content_filter"
+            incomplete = {"reason": "content_filter" if blocked else "max_output_tokens"}
         return {"id": self.id, "object": "response", "created_at": self.created_at, "status": status, "error": None,
                 "incomplete_details": incomplete, "output": output, **self.fields,
                 "usage": usage(out) if out is not None else None}
@@ -114,7 +117,7 @@ def _dump(model) -> dict[str, Any]:
 
 
 def _status(out: RequestOutput) -> str:
-    return "incomplete" if out.finish_reason == "length" else "completed"
+    return "incomplete" if out.finish_reason in ("length", "content_filter") else "completed"
 
 
 class Responses:

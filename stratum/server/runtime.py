@@ -16,6 +16,7 @@ from stratum.server.budget import CostAdmission
 from stratum.server.compression import CompressionSettings
 from stratum.server.errors import APIError, EngineUnavailable
 from stratum.home import stratum_home
+from stratum.server.policy import PolicyStore
 from stratum.server.pollution import PollutionDetector
 from stratum.server.reasoning import ThoughtSigner
 from stratum.server.response_store import ResponseStore
@@ -57,6 +58,7 @@ class Runtime:
     thoughts: ThoughtSigner = field(default_factory=lambda: ThoughtSigner(stratum_home()))
     parse_thought: bool = True  # a reasoning model's thought returned apart (`--reasoning-format auto`)
     reasoning_budget: int | None = None  # for requests that set none (`--reasoning-budget`)
+    policy: PolicyStore | None = None  # the content policy (`--content-policy`), reloaded as its file changes
 
     @property
     def thought_signer(self) -> ThoughtSigner | None:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from stratum.server.auth import key_digests
 from stratum.server.errors import NotFound
+from stratum.server.policy import PolicyStore
 from stratum.server.sampling import SamplingDefaults
 from stratum.telemetry.cost import ArticleFormula, PricingModel
 
@@ -29,6 +30,8 @@ class ServerSettings:
             organisation, several keys); by default each key is a tenant with a cache of its own.
         body_timeout_s: a request body that stalls this long between chunks gets 408.
         cors_origins: web origins allowed to call the API from a browser ("*" for any); none by default.
+        content_policy: the content policy, loaded from its file (`policy.PolicyStore`, which reloads it);
+            None screens nothing.
         data_dir: where Message Batches are kept (SQLite); None serves no batches.
         console: serve the console pages under /console (its figures need a key when keys are set).
         batch_ttl_s, batch_retention_s: a batch expires this long after creation; its results are kept
@@ -56,6 +59,7 @@ class ServerSettings:
     share_prefix_cache: bool = False
     body_timeout_s: float = 30.0
     cors_origins: tuple[str, ...] = ()
+    content_policy: PolicyStore | None = None
     data_dir: Path | None = None
     console: bool = False
     batch_ttl_s: float = 86400.0

@@ -57,6 +57,9 @@ class Metrics:
         self.rejections = Counter("stratum_admission_rejections", "Requests rejected before any work, by reason",
                                   ["reason"], registry=r)
         self.advice = Counter("stratum_pollution_advice", "Responses carrying x-stratum-advice", registry=r)
+        self.policy_matches = Counter("stratum_policy_matches", "Content policy rules matched (`server.policy`), by "
+                                      "rule, tenant, where (prompt or answer) and action", ["rule", "tenant", "scope",
+                                                                                            "action"], registry=r)
         self._speculative_series()
         # The console's window: (wall time, tenant, ttft s, inter-token gaps, output tokens, usd) per answered request
         self.recent: deque[tuple[float, str, float | None, list[float], int, float]] = deque(maxlen=4096)
