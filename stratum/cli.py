@@ -165,7 +165,8 @@ def cmd_serve(args) -> int:
         print(f"stratum: --content-policy: {e}", file=sys.stderr)
         return 2
     # The engine process loads the model while this one opens the port and builds the web app.
-    engine = EngineProcess(config) if args.engine == "process" and args.replicas == 1 else None
+    engine = (EngineProcess(config, _restart_policy(args)) if args.engine == "process" and args.replicas == 1
+              else None)
     from stratum.server.startup import StartingApp
 
     name = args.served_model_name or args.model
@@ -217,6 +218,13 @@ def cmd_serve(args) -> int:
         print(f"error: {up.error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _restart_policy(args):
+    """How the engine process is replaced when it dies (`engine/supervisor.py`), as the command line set it."""
+    from stratum.engine.supervisor import RestartPolicy
+
+    return RestartPolicy(max_restarts=max(0, args.engine_restarts), window_s=args.engine_restart_window_s)
 
 
 def _refuse_replicas(args) -> int | None:
@@ -325,6 +333,7 @@ def _serving_app(args, client, name: str):
                               pollution_policy=args.pollution_policy, pricing=pricing_from_spec(args.pricing),
                               responses_store_bytes=args.responses_store_mb * 2**20,
                               reasoning_format=args.reasoning_format,
+                              restart_wait_s=args.restart_wait_s,
                               reasoning_budget=args.reasoning_budget if args.reasoning_budget >= 0 else None)
     client.tokenizer.offload_large_texts(LARGE_TEXT_CHARS)
     if keys:
@@ -461,8 +470,17 @@ def _serve_parser(sub) -> None:
                    help="headers that take longer to arrive, or a body that stalls this long, get 408")
     p.add_argument("--drain-timeout-s", type=float, default=30.0,
                    help="on SIGTERM, how long in-flight requests may still run before they are ended with an error")
+    p.add_argument("--engine-restarts", type=int, default=5,
+                   help="an engine process that dies is replaced (bounded backoff), up to this many times within "
+                        "--engine-restart-window-s; the next death is a crash loop and the engine stays dead "
+                        "(0: never replaced; the Ray replicas of --replicas restart by Ray's rules)")
+    p.add_argument("--engine-restart-window-s", type=float, default=300.0)
+    p.add_argument("--restart-wait-s", type=float, default=5.0,
+                   help="a request arriving while the engine is replaced waits this long, then gets 503 with "
+                        "retry-after")
     p.add_argument("--data-dir", default=str(stratum_home() / "data"),
-                   help="where Message Batches are kept, in SQLite (default $STRATUM_HOME/data); '' to serve none")
+                   help="where Message Batches and the tenants' budget windows are kept, in SQLite "
+                        "(default $STRATUM_HOME/data); '' to serve no batches and keep budgets in memory")
     p.add_argument("--batch-expiry-h", type=float, default=24.0, help="a batch expires this long after creation")
     p.add_argument("--batch-retention-days", type=float, default=29.0,
                    help="results are kept this long after a batch ends")

@@ -81,9 +81,11 @@ DEATH_AFTER_STEPS = 400  # long enough for all three requests below to be in fli
 
 @pytest.fixture(scope="module", params=["process", "thread"])
 def dying_server(request, tiny_model_dir):
-    """The loop dies after some steps, in its own process (the default) or in a thread of the server."""
+    """The loop dies after some steps, in its own process (the default) or in a thread of the server;
+    a dead engine process is not replaced here (`test_crash_recovery` has the restarts)."""
+    restarts = ("--engine-restarts", "0") if request.param == "process" else ()
     server = ServerProcess(str(tiny_model_dir), "--served-model-name", "tiny", "--kv-cache-mb", "8",
-                           "--engine", request.param,
+                           "--engine", request.param, *restarts,
                            env={"STRATUM_FAULT_INJECT": f"engine_death:{DEATH_AFTER_STEPS}"}).wait_ready()
     yield server
     server.stop()

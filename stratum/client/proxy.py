@@ -1,8 +1,9 @@
 """A streaming proxy router for FastAPI: forwards the Messages API to a Stratum server and back unchanged.
 
 The response body is relayed chunk by chunk as it arrives (SSE included, byte for byte: pings, and the
-`stratum_meta` and `stratum_cost` events a caller asked for reach it), and the `x-stratum-*`, `request-id`, `retry-after` and
-`anthropic-ratelimit-*` headers pass through. Mount it with `app.include_router(stratum_proxy_router(url))`.
+`stratum_meta` and `stratum_cost` events a caller asked for reach it), and the `x-stratum-*`, `request-id`,
+`retry-after` and `anthropic-ratelimit-*` headers pass through.
+Mount it with `app.include_router(stratum_proxy_router(url))`.
 """
 
 from __future__ import annotations

@@ -24,6 +24,7 @@ from stratum.engine.protocol import (
     Abort, Accepted, AddRequest, Command, EngineDied, EngineInfo, EngineSnapshot, Event, RequestFailed, Routed, Started,
 )
 from stratum.engine.sampling_params import InvalidRequestError, SamplingParams
+from stratum.engine.supervisor import Supervision
 
 
 class QueueFull(RuntimeError):
@@ -207,6 +208,10 @@ class Transport:
         """The replicas behind the client, when the engine is several; else none."""
         return []
 
+    def supervision(self) -> Supervision | None:
+        """Where the supervisor of a restartable engine stands (`EngineProcess` with restarts); else None."""
+        return None
+
     def shutdown(self) -> None:
         pass
 
@@ -289,6 +294,12 @@ class EngineClient:
                     self._streams.clear()
                     self._queued.clear()
 
+    def restarted(self, info: EngineInfo, engine_pid: int) -> None:
+        """A new engine behind the same transport, after the last one died (its supervisor started it):
+        its configuration and process, and a live placeholder snapshot until its first report."""
+        self.info, self.config, self.engine_pid = info, info.config, engine_pid
+        self._published = EngineSnapshot(alive=True)
+
     def is_open(self, request_id: str) -> bool:
         """Whether the request's stream is still read."""
         return request_id in self._streams
@@ -311,6 +322,11 @@ class EngineClient:
     def replicas(self) -> list[ReplicaView]:
         """The replicas behind this client, when the engine is several (`stratum.cluster`); else none."""
         return self.transport.replicas()
+
+    @property
+    def supervision(self) -> Supervision | None:
+        """Where the engine's supervisor stands (restarting, how often it restarted); None when unsupervised."""
+        return self.transport.supervision()
 
     @property
     def num_queued(self) -> int:

@@ -20,6 +20,7 @@ from stratum.engine.client import EngineClient, ReplicaView
 from stratum.server import batches
 from stratum.server.auth import authenticate, tenant_of
 from stratum.server.body import read_request
+from stratum.server.budget import BudgetStore
 from stratum.server.chat import anthropic_input, build_prompt
 from stratum.server.errors import (APIError, ClientDisconnected, InvalidRequest, MethodNotAllowed, NotFound, Overloaded,
                                    RequestTooLarge, error_response, new_request_id)
@@ -46,12 +47,17 @@ EXPOSED_HEADERS = ["request-id", "x-stratum-cost", "x-stratum-trace", "x-stratum
 def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     """The app serving `engine` with `settings`; its `state.runtime` is the `Runtime` its requests share."""
     app = FastAPI(title="Stratum", version="0.1.0", docs_url="/docs", redoc_url=None)
+    # the tenants' settled spending, beside the batches: a restart reads it back
+    budgets = (BudgetStore(Path(settings.data_dir) / "budgets.sqlite3")
+               if settings.data_dir is not None and settings.tenant_budget_tokens is not None else None)
     rt = make_runtime(engine, settings.model_name, settings.pricing, settings.tenant_budget_tokens,
                       settings.budget_window_s, settings.pollution_policy, settings.isolate_tenants,
-                      settings.header_wait_s, settings.ping_interval_s, settings.responses_store_bytes)
+                      settings.header_wait_s, settings.ping_interval_s, settings.responses_store_bytes, budgets)
     rt.parse_thought, rt.reasoning_budget = settings.reasoning_format != "none", settings.reasoning_budget
+    rt.restart_wait_s = settings.restart_wait_s
     app.state.runtime = rt
     rt.policy = settings.content_policy
+    _supervision_metrics(rt)
     runner = _batches(app, rt, settings)
     if settings.console:
         _console_routes(app, rt, settings, runner)
@@ -68,11 +74,20 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        snap = engine.snapshot
-        status = "dead" if not snap.alive else "draining" if rt.draining else "ok" if is_ready(snap) else "loading"
+        snap, sup = engine.snapshot, engine.supervision
+        status = ("restarting" if sup is not None and sup.state == "restarting" else "dead" if not snap.alive
+                  else "draining" if rt.draining else "ok" if is_ready(snap) else "loading")
         body: dict[str, Any] = {"status": status, "model": settings.model_name, "mode": snap.mode,
                                 "running": snap.num_running, "waiting": snap.num_waiting, "queued": engine.num_queued,
-                                "kv_blocks": asdict(snap.kv_blocks)}
+                                "kv_blocks": asdict(snap.kv_blocks), "engine_pid": engine.engine_pid}
+        headers = {}
+        if sup is not None:
+            body["restarts"] = sup.num_restarts
+            if sup.last_restart_s is not None:
+                body["last_restart_s"] = round(sup.last_restart_s, 3)
+            if status == "restarting":
+                body["error"] = sup.last_death
+                headers["retry-after"] = str(sup.retry_after_s)
         if snap.step:
             body["step"] = snap.step
         if status == "loading":
@@ -81,14 +96,14 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
             body["preparing"] = snap.preparing
         if snap.degraded_reason:
             body["degraded_reason"] = snap.degraded_reason
-        if snap.error:
+        if snap.error and status != "restarting":
             body["error"] = snap.error
         if rt.draining:
             body["in_flight"] = len(rt.active)
         replicas = engine.replicas()
         if replicas:
             body["replicas"] = [replica_health(v) for v in replicas]
-        return JSONResponse(body, status_code=200 if status == "ok" else 503)
+        return JSONResponse(body, status_code=200 if status == "ok" else 503, headers=headers)
 
     @app.get("/metrics")
     async def metrics():
@@ -127,6 +142,18 @@ def is_ready(snap) -> bool:
     """Whether a request would run now: the engine has reported its KV pool and the step it runs
     (before its first report the snapshot is a placeholder with neither)."""
     return snap.kv_blocks.total > 0 and bool(snap.step)
+
+
+def _supervision_metrics(rt: Runtime) -> None:
+    """/metrics' series of the engine's supervisor, where the engine has one (`engine/supervisor.py`)."""
+    from prometheus_client import Gauge
+
+    if rt.engine.supervision is None:
+        return
+    Gauge("stratum_engine_restarts", "Engine processes started again after a death, since the server started",
+          registry=rt.metrics.registry).set_function(lambda: rt.engine.supervision.num_restarts)
+    Gauge("stratum_engine_restarting", "1 while a dead engine process is being replaced",
+          registry=rt.metrics.registry).set_function(lambda: rt.engine.supervision.state == "restarting")
 
 
 def _batches(app: FastAPI, rt: Runtime, settings: ServerSettings) -> batches.BatchRunner | None:

@@ -1,17 +1,23 @@
-"""Admission by cost: each tenant's token budget over a fixed window (`CostAdmission`), and what one
-request holds of it (`Reservation`: upper bounds reserved before it runs, settled to its measured cost)."""
+"""Admission by cost: each tenant's token budget over a fixed window (`CostAdmission`), what one
+request holds of it (`Reservation`: upper bounds reserved before it runs, settled to its measured cost),
+and the settled spending kept on disk so that a restart, even after kill -9, reads it back (`BudgetStore`)."""
 
 from __future__ import annotations
 
+import logging
+import sqlite3
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from stratum.server.errors import RateLimited, is_openai
 
 if TYPE_CHECKING:
     from stratum.telemetry.metrics import Metrics
+
+log = logging.getLogger("stratum.server")
 
 MIN_SWEEP = 1024  # tenants held before closed windows are swept
 
@@ -28,23 +34,75 @@ class Decision:
 @dataclass
 class _Window:
     start: float
-    spent: int = 0
+    settled: int = 0  # measured costs of the requests settled in this window: what `BudgetStore` keeps
+    held: int = 0  # reservations of the requests still running
+
+    @property
+    def spent(self) -> int:
+        return self.settled + self.held
+
+
+class BudgetStore:
+    """Each tenant's current window (its start, its settled tokens) in SQLite, one row per tenant.
+
+    Durability: one write per settled request, in WAL mode with synchronous=NORMAL, which SQLite
+    documents as durable across an application crash (a kill -9 loses nothing committed) but not
+    across a power loss or an OS crash, which may roll back the writes since the last checkpoint
+    (https://www.sqlite.org/pragma.html#pragma_synchronous). Reservations are not written: see
+    `CostAdmission`. One connection, used under `CostAdmission`'s lock.
+    """
+
+    def __init__(self, path: Path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.db = sqlite3.connect(path, check_same_thread=False, isolation_level=None)
+        self.db.execute("pragma journal_mode=wal")
+        self.db.execute("pragma synchronous=normal")
+        self.db.execute("create table if not exists windows (tenant text primary key, start real not null, "
+                        "settled integer not null)")
+
+    def load(self, now: float, window_s: float) -> dict[str, tuple[float, int]]:
+        """The windows still open at `now`, by tenant: (start, settled tokens); closed ones are deleted."""
+        self.db.execute("delete from windows where start + ? <= ?", (window_s, now))
+        rows = self.db.execute("select tenant, start, settled from windows").fetchall()
+        return {t: (start, settled) for t, start, settled in rows}
+
+    def save(self, tenant: str, start: float, settled: int) -> None:
+        """Write the tenant's window; a failed write (a full disk) is logged, and admission goes on in memory."""
+        try:
+            self.db.execute("insert into windows (tenant, start, settled) values (?, ?, ?) on conflict (tenant) do "
+                            "update set start = excluded.start, settled = excluded.settled", (tenant, start, settled))
+        except sqlite3.Error as e:
+            log.warning("admission by cost: tenant %r's spending not written to disk: %s", tenant, e)
 
 
 class CostAdmission:
     """Per-tenant token budgets over a fixed window.
 
+    With a `store`, the windows open at start-up are read back from it, and every settlement is
+    written to it before `settle` returns: a restart (after a crash, kill -9 included) neither forgets
+    what a tenant spent nor charges it twice. Reservations of requests in flight at a crash are
+    dropped, not charged: those requests ended with the process, unanswered, and an unfinished run is
+    not charged (`Reservation.settle`), as a client's disconnect is not.
+
     Args:
         budget_tokens: tokens a tenant may spend per window; None disables admission by cost.
         window_s: window length.
+        store: where settled spending is kept across restarts; None keeps it in memory only.
     """
 
-    def __init__(self, budget_tokens: int | None, window_s: float = 60.0, clock=time.time):
+    def __init__(self, budget_tokens: int | None, window_s: float = 60.0, clock=time.time,
+                 store: BudgetStore | None = None):
         self.budget = budget_tokens
         self.window_s = window_s
         self.clock = clock
+        self.store = store
         self._windows: dict[str, _Window] = {}
-        self._sweep_at = MIN_SWEEP
+        if store is not None:
+            self._windows = {t: _Window(start, settled) for t, (start, settled) in
+                             store.load(clock(), window_s).items()}
+            if self._windows:
+                log.info("admission by cost: %d tenants' open windows read back", len(self._windows))
+        self._sweep_at = max(MIN_SWEEP, 2 * len(self._windows))
         self._lock = threading.Lock()
 
     @property
@@ -68,7 +126,7 @@ class CostAdmission:
                 return Decision(False, self.budget, max(0, self.budget - w.spent), reset,
                                 max(1, int(reset - now + 0.999)))
             if reserve:
-                w.spent += tokens
+                w.held += tokens
             return Decision(True, self.budget, self.budget - w.spent, reset)
 
     def settle(self, tenant: str, reserved: int, actual: int, reset_at: float | None = None) -> None:
@@ -84,7 +142,10 @@ class CostAdmission:
                 return
             if reset_at is not None and w.start + self.window_s != reset_at:
                 return
-            w.spent = max(0, w.spent - reserved + actual)
+            w.held = max(0, w.held - reserved)
+            w.settled += actual
+            if self.store is not None:
+                self.store.save(tenant, w.start, w.settled)
 
     def _window(self, tenant: str, now: float) -> _Window:
         w = self._windows.get(tenant)

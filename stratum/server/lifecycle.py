@@ -76,6 +76,33 @@ class Prepared:
     refusal: Rule | None = None  # a content policy rule blocked the prompt: nothing is submitted
 
 
+class _Admission:
+    """`RequestLifecycle.admit` as an async context: the bounded wait for a restarting engine, then the
+    admission itself; the lifecycle it admitted is what the block gets, and what leaving it closes."""
+
+    def __init__(self, decide, rt: Runtime):
+        self.decide, self.rt = decide, rt
+        self.lc: RequestLifecycle | None = None
+
+    async def __aenter__(self) -> "RequestLifecycle":
+        await _engine_back(self.rt)
+        self.lc = self.decide()
+        return self.lc
+
+    async def __aexit__(self, exc_type, exc, tb) -> None:
+        await self.lc.__aexit__(exc_type, exc, tb)
+
+
+async def _engine_back(rt: Runtime, poll_s: float = 0.05) -> None:
+    """While the engine's supervisor replaces a dead engine, wait for the new one, up to rt.restart_wait_s."""
+    sup = rt.engine.supervision
+    if sup is None or rt.engine.is_alive:
+        return
+    deadline = time.monotonic() + rt.restart_wait_s
+    while not rt.engine.is_alive and rt.engine.supervision.state == "restarting" and time.monotonic() < deadline:
+        await asyncio.sleep(poll_s)
+
+
 @dataclass(slots=True, eq=False)
 class RequestLifecycle:
     """One admitted request: what was decided about it, what it holds, and the steps that run it."""
@@ -109,19 +136,29 @@ class RequestLifecycle:
     # ---- admit ------------------------------------------------------------------------------------
     @classmethod
     def admit(cls, rt: Runtime, request: Request, endpoint: str, max_tokens: int | None,
-              user_id: str | None) -> "RequestLifecycle":
-        """Decide before any tokenization; from here on the request counts against the queue and is
-        in `rt.active` until its end.
+              user_id: str | None) -> "_Admission":
+        """`async with` it: the request, decided before any tokenization; from there on it counts
+        against the queue and is in `rt.active` until its end. While a dead engine is being replaced
+        it waits for the new one, up to `rt.restart_wait_s`.
 
-        Raises:
-            EngineUnavailable: 503, draining or the engine is gone.
+        Raises (on entering):
+            EngineUnavailable: 503, draining or the engine is gone (with retry-after while it restarts).
             CachePollution: 418, the session's policy is reject.
             RateLimited: 429, the tenant's budget cannot hold max_tokens and one prompt token.
             Overloaded: 529, the waiting queue is full.
         """
+        return _Admission(lambda: cls._admit(rt, request, endpoint, max_tokens, user_id), rt)
+
+    @classmethod
+    def _admit(cls, rt: Runtime, request: Request, endpoint: str, max_tokens: int | None,
+               user_id: str | None) -> "RequestLifecycle":
         if rt.draining:
             raise EngineUnavailable("the server is shutting down", headers={"connection": "close"})
         if not rt.engine.is_alive:
+            sup = rt.engine.supervision
+            if sup is not None and sup.state == "restarting":
+                raise EngineUnavailable(f"the engine is restarting after its death ({sup.last_death}); retry "
+                                        f"in {sup.retry_after_s}s", headers={"retry-after": str(sup.retry_after_s)})
             raise EngineUnavailable(f"the engine is not running ({rt.engine.snapshot.error or 'stopped'})")
         check_control_headers(request)
         tenant = tenant_of(request, user_id)

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from stratum.engine.client import EngineClient
-from stratum.server.budget import CostAdmission
+from stratum.server.budget import BudgetStore, CostAdmission
 from stratum.server.compression import CompressionSettings
 from stratum.server.errors import APIError, EngineUnavailable
 from stratum.home import stratum_home
@@ -49,6 +49,7 @@ class Runtime:
     header_wait_s: float = 2.0  # a stream waits this long for prefill before sending headers without its figures
     ping_interval_s: float = 5.0  # a stream sends a keep-alive after this long without an output
     draining: bool = False  # shutting down: new requests get 503
+    restart_wait_s: float = 5.0  # a request arriving while the engine restarts waits this long, then gets 503
     active: dict[str, Held] = field(default_factory=dict)  # admitted and not yet ended, by request id
     aggressive_ttl_s: float = 600.0
     warmup_ttl_s: float = 300.0
@@ -71,10 +72,12 @@ RESPONSES_STORE_BYTES = 64 * 2**20  # stored Responses API responses, in memory 
 
 def make_runtime(engine: EngineClient, model_name: str, pricing: PricingModel, budget_tokens: int | None,
                  window_s: float, pollution_policy: str, isolate_tenants: bool = False, header_wait_s: float = 2.0,
-                 ping_interval_s: float = 5.0, responses_store_bytes: int = RESPONSES_STORE_BYTES) -> Runtime:
+                 ping_interval_s: float = 5.0, responses_store_bytes: int = RESPONSES_STORE_BYTES,
+                 budget_store: BudgetStore | None = None) -> Runtime:
     active: dict[str, Held] = {}
     metrics = Metrics(lambda: engine.snapshot, engine.replicas, lambda: len(active))
-    return Runtime(engine, model_name, CostAdmission(budget_tokens, window_s), PollutionDetector(pollution_policy),
+    admission = CostAdmission(budget_tokens, window_s, store=budget_store)
+    return Runtime(engine, model_name, admission, PollutionDetector(pollution_policy),
                    pricing, metrics, isolate_tenants=isolate_tenants, header_wait_s=header_wait_s,
                    ping_interval_s=ping_interval_s, active=active, responses=ResponseStore(responses_store_bytes))
 

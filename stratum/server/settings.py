@@ -32,7 +32,8 @@ class ServerSettings:
         cors_origins: web origins allowed to call the API from a browser ("*" for any); none by default.
         content_policy: the content policy, loaded from its file (`policy.PolicyStore`, which reloads it);
             None screens nothing.
-        data_dir: where Message Batches are kept (SQLite); None serves no batches.
+        data_dir: where Message Batches and the tenants' settled budget windows are kept (SQLite); None
+            serves no batches and keeps budgets in memory only.
         console: serve the console pages under /console (its figures need a key when keys are set).
         batch_ttl_s, batch_retention_s: a batch expires this long after creation; its results are kept
             this long after it ends.
@@ -40,6 +41,8 @@ class ServerSettings:
             of JSON, the oldest dropped first.
         reasoning_format: "auto" returns a reasoning model's thought apart from its answer; "none" leaves
             it in the answer's text.
+        restart_wait_s: a request that arrives while a dead engine is being replaced waits this long for
+            it, then gets 503 with Retry-After.
         reasoning_budget: thought tokens before the runtime ends a thought, where a request sets none
             (None: no budget).
     """
@@ -68,6 +71,7 @@ class ServerSettings:
     responses_store_bytes: int = 64 * 2**20
     reasoning_format: str = "auto"
     reasoning_budget: int | None = None
+    restart_wait_s: float = 5.0
     pricing: PricingModel = field(default_factory=ArticleFormula)
     created_at: str = field(default_factory=lambda: datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ"))
 
