@@ -210,8 +210,8 @@ def test_a_block_mid_stream_ends_it_as_a_refusal_in_each_api(server):
     msg = claude(server, KEY_A).messages.create(model="tiny", max_tokens=40, messages=USER, extra_body=GREEDY)
     assert msg.stop_reason == "refusal" and "aur" not in json.dumps(msg.model_dump()).lower()
     assert msg.usage.output_tokens >= 6  # billed for what was generated, up to the block
-    with claude(server, KEY_A).messages.stream(model="tiny", max_tokens=40, messages=USER,
-                                               extra_body=GREEDY) as stream:
+    with claude(server, KEY_A).messages.stream(model="tiny", max_tokens=40, messages=USER, extra_body=GREEDY,
+                                               extra_headers={"x-stratum-meta": "on"}) as stream:  # the cost event
         events = list(stream)
         final = stream.get_final_message()
     shown = "".join(e.delta.text for e in events if e.type == "content_block_delta")
