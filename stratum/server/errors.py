@@ -4,8 +4,9 @@ Anthropic routes answer in Anthropic's shape,
     {"type": "error", "error": {"type": ..., "message": ...}, "request_id": ...}
 and OpenAI routes (`/v1/chat/completions`, `/v1/completions`, `/v1/responses`) in OpenAI's,
     {"error": {"message": ..., "type": ..., "param": null, "code": ...}, "request_id": ...}
-(a Responses stream that fails after its 200 ends with the Responses API's own `error` event).
-both with the request id, which every response also carries as the `request-id` header.
+(a Responses stream that fails after its 200 ends with the Responses API's own `error` event),
+both with the request id, which every response also carries as the `request-id` header. Ollama's
+routes (`/`, `/api/...`) answer in Ollama's, `{"error": ...}`, and a full queue there is Ollama's 503.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from starlette.responses import JSONResponse  # what fastapi.responses re-export
 
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 RESPONSES_PATH = "/v1/responses"
+OLLAMA_PREFIX = "/api/"
 # OpenAI names server-side failures "server_error"; the other types read the same in both APIs.
 _OPENAI_TYPES = {"api_error": "server_error"}
 
@@ -110,6 +112,10 @@ def is_openai(path: str) -> bool:
     return path.startswith(OPENAI_PATHS)
 
 
+def is_ollama(path: str) -> bool:
+    return path == "/" or path == "/api" or path.startswith(OLLAMA_PREFIX)
+
+
 def error_object(e: APIError) -> dict[str, Any]:
     """Anthropic's error object: what an error body holds under `error`, and a Message Batches errored
     result's `error`."""
@@ -117,6 +123,8 @@ def error_object(e: APIError) -> dict[str, Any]:
 
 
 def error_body(e: APIError, request_id: str, path: str) -> dict[str, Any]:
+    if is_ollama(path):
+        return {"error": e.message}
     if is_openai(path):
         code = e.extra.get("stratum_reason")
         error = {"message": e.message, "type": _OPENAI_TYPES.get(e.type, e.type), "param": e.param, "code": code,
@@ -126,7 +134,8 @@ def error_body(e: APIError, request_id: str, path: str) -> dict[str, Any]:
 
 
 def error_response(e: APIError, request_id: str, path: str) -> JSONResponse:
-    return JSONResponse(error_body(e, request_id, path), status_code=e.status,
+    status = 503 if e.status == Overloaded.status and is_ollama(path) else e.status  # Ollama's "server busy"
+    return JSONResponse(error_body(e, request_id, path), status_code=status,
                         headers={**e.headers, "request-id": request_id})
 
 
