@@ -232,3 +232,21 @@ def test_keys_tenants_and_admission_speak_ollama(tiny_model_dir):
         assert status == 429 and error
     finally:
         server.stop()
+    full = ServerProcess(str(tiny_model_dir), "--served-model-name", "tiny", "--kv-cache-mb", "8",
+                         "--max-waiting", "0").wait_ready()
+    try:  # a full queue is Ollama's "server busy", 503
+        status, error = status_of(lambda: ollama.Client(host=full.url).chat(model="tiny", messages=hi()))
+        assert status == 503 and "queue" in error
+    finally:
+        full.stop()
+
+
+def test_the_real_model_answers_through_ollamas_client(real_server):
+    client = ollama.Client(host=real_server.url)
+    assert client.show("smollm2-135m:latest").details.parameter_size == "134.52M"
+    r = client.chat(model="smollm2-135m", messages=USER, options={**GREEDY, "num_predict": 30}, stream=False)
+    assert "Paris" in r.message.content and r.done_reason == "stop"
+    colour = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}}, "required": ["colour"]}
+    g = client.generate(model="smollm2-135m", prompt="Name a colour.", format=colour,
+                        options={**GREEDY, "num_predict": 40}, stream=False)
+    jsonschema.validate(json.loads(g.response), colour)
