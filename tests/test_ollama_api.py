@@ -246,6 +246,11 @@ def test_the_real_model_answers_through_ollamas_client(real_server):
     assert client.show("smollm2-135m:latest").details.parameter_size == "134.52M"
     r = client.chat(model="smollm2-135m", messages=USER, options={**GREEDY, "num_predict": 30}, stream=False)
     assert "Paris" in r.message.content and r.done_reason == "stop"
+    import openai  # the same engine and sampling behind both APIs: the same greedy answer
+
+    same = openai.OpenAI(base_url=real_server.url + "/v1", api_key="x").chat.completions.create(
+        model="smollm2-135m", messages=USER, temperature=0, max_tokens=30)
+    assert same.choices[0].message.content == r.message.content
     colour = {"type": "object", "properties": {"colour": {"enum": ["red", "green", "blue"]}}, "required": ["colour"]}
     g = client.generate(model="smollm2-135m", prompt="Name a colour.", format=colour,
                         options={**GREEDY, "num_predict": 40}, stream=False)
