@@ -10,6 +10,7 @@ import json
 import httpx
 import jsonschema
 import ollama
+import openai
 import pytest
 
 from tests.conftest import ServerProcess
@@ -246,8 +247,7 @@ def test_the_real_model_answers_through_ollamas_client(real_server):
     assert client.show("smollm2-135m:latest").details.parameter_size == "134.52M"
     r = client.chat(model="smollm2-135m", messages=USER, options={**GREEDY, "num_predict": 30}, stream=False)
     assert "Paris" in r.message.content and r.done_reason == "stop"
-    import openai  # the same engine and sampling behind both APIs: the same greedy answer
-
+    # the same engine and sampling behind both APIs: the same greedy answer
     same = openai.OpenAI(base_url=real_server.url + "/v1", api_key="x").chat.completions.create(
         model="smollm2-135m", messages=USER, temperature=0, max_tokens=30)
     assert same.choices[0].message.content == r.message.content
