@@ -105,6 +105,26 @@ def test_options_are_the_sampling(tiny):
     assert tiny.chat(model="tiny", messages=hi(), stream=False, keep_alive=-1, options={"num_predict": 1}).done
 
 
+def test_logprobs_score_each_token_best_first(tiny):
+    kwargs = dict(model="tiny", messages=hi(), options={**GREEDY, "num_predict": 5}, logprobs=True, top_logprobs=3)
+    whole = tiny.chat(**kwargs, stream=False)
+    assert len(whole.logprobs) == 5
+    for entry in whole.logprobs:
+        alternatives = [a.logprob for a in entry.top_logprobs]
+        assert len(alternatives) == 3 and alternatives == sorted(alternatives, reverse=True)
+        assert entry.logprob == pytest.approx(alternatives[0], abs=1e-4)  # greedy: the best one was sampled
+    streamed = [e for c in tiny.chat(**kwargs, stream=True) for e in c.logprobs or []]
+    def scores(entries):
+        return [(e.token, round(e.logprob, 4)) for e in entries]
+
+    assert scores(streamed) == scores(whole.logprobs)
+    assert "".join(e.token for e in whole.logprobs) == whole.message.content
+    generated = tiny.generate(model="tiny", prompt="hi", options={**GREEDY, "num_predict": 4}, logprobs=True,
+                              stream=False)
+    assert len(generated.logprobs) == 4 and all(not e.top_logprobs for e in generated.logprobs)
+    assert tiny.chat(model="tiny", messages=hi(), options={"num_predict": 2}, stream=False).logprobs is None
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_format_json_and_schemas_hold_the_answer(tiny, stream):
     def answer(fmt, **kwargs):

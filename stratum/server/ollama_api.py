@@ -60,12 +60,43 @@ def error_line(e: APIError) -> bytes:
     return (to_json({"error": e.message}) + "\n").encode()
 
 
+def logprobs(tokenizer, token_ids: list[int], entries: list | None) -> list[dict[str, Any]] | None:
+    """Ollama's `logprobs`: per token its text and log-probability, and its top alternatives, best first."""
+    if entries is None:
+        return None
+
+    def text(token_id: int) -> str:
+        return tokenizer.token_bytes(token_id).decode("utf-8", errors="replace")
+
+    return [{"token": text(t), "logprob": lp, "top_logprobs": [{"token": text(a), "logprob": alp} for a, alp in top]}
+            for t, (lp, top) in zip(token_ids, entries)]
+
+
 class _Lines:
-    """What both renderers share: a line per object; `meta` (negotiated: `X-Stratum-Negotiate: v1` or
+    """What both renderers share: a line per object, the output's log-probabilities (where asked) on
+    the first object of its tokens; `meta` (negotiated: `X-Stratum-Negotiate: v1` or
     `X-Stratum-Meta: on`) adds `stratum_meta` to each object and `stratum_cost` to the last."""
 
-    def __init__(self, ctx: RenderContext, wall0: float, meta: bool):
-        self.ctx, self.wall0, self.meta = ctx, wall0, meta
+    def __init__(self, ctx: RenderContext, wall0: float, meta: bool = False, tokenizer=None):
+        self.ctx, self.wall0, self.meta, self.tokenizer = ctx, wall0, meta, tokenizer
+
+    def _bodies(self, out: RequestOutput) -> Iterable[dict[str, Any]]:
+        raise NotImplementedError
+
+    def output(self, out: RequestOutput, choice: int) -> Iterable[bytes]:
+        bodies = list(self._bodies(out))
+        scores = logprobs(self.tokenizer, out.delta_token_ids, out.delta_logprobs)
+        if scores:
+            if not bodies:  # tokens whose text is held back (a marker that may yet begin), or markup
+                bodies = [{**self._empty(), "done": False}]
+            bodies[0] = {**bodies[0], "logprobs": scores}
+        for body in bodies:
+            yield self._line(body, out)
+
+    def _scored(self, body: dict[str, Any], out: RequestOutput) -> dict[str, Any]:
+        """A whole body, with its output's log-probabilities where they were asked for."""
+        scores = logprobs(self.tokenizer, out.token_ids, out.logprobs)
+        return body if scores is None else {**body, "logprobs": scores}
 
     def _empty(self) -> dict[str, Any]:
         raise NotImplementedError
@@ -98,8 +129,8 @@ class OllamaChat(_Lines):
     """A `render.Renderer` for /api/chat: `message` pieces (its `thinking`, its `content`, and each tool
     call whole, with its arguments as an object, once they are complete, as Ollama sends them)."""
 
-    def __init__(self, ctx: RenderContext, wall0: float, meta: bool = False):
-        super().__init__(ctx, wall0, meta)
+    def __init__(self, ctx: RenderContext, wall0: float, meta: bool = False, tokenizer=None):
+        super().__init__(ctx, wall0, meta, tokenizer)
         self.splitter = answer_splitter(ctx.prompt)
         self.call: tuple[str, list[str]] | None = None  # the open call: its name and argument fragments
         self.num_calls = 0
@@ -118,19 +149,19 @@ class OllamaChat(_Lines):
             message["thinking"] = out.reasoning
         if calls:
             message["tool_calls"] = [_tool_call(name, args, i) for i, (name, args) in enumerate(calls)]
-        return {"model": self.ctx.model, "created_at": created_at(), "message": message,
-                **final_fields(out, self.wall0)}
+        return self._scored({"model": self.ctx.model, "created_at": created_at(), "message": message,
+                             **final_fields(out, self.wall0)}, out)
 
-    def output(self, out: RequestOutput, choice: int) -> Iterable[bytes]:
+    def _bodies(self, out: RequestOutput) -> Iterable[dict[str, Any]]:
         if out.delta_reasoning:
-            yield self._line(self._message(thinking=out.delta_reasoning), out)
+            yield self._message(thinking=out.delta_reasoning)
         events = self.splitter.feed(out.delta_text) if out.delta_text else []
         if out.finished:
             events += self.splitter.flush()
         for event in events:
             match event:
                 case TextPiece(text):
-                    yield self._line(self._message(content=text), out)
+                    yield self._message(content=text)
                 case CallStart(name):
                     self.call = name, []
                 case CallArguments(fragment):
@@ -138,8 +169,7 @@ class OllamaChat(_Lines):
                 case CallEnd():
                     name, fragments = self.call
                     self.call = None
-                    yield self._line(self._message(tool_calls=[_tool_call(name, _arguments(fragments),
-                                                                          self.num_calls)]), out)
+                    yield self._message(tool_calls=[_tool_call(name, _arguments(fragments), self.num_calls)])
                     self.num_calls += 1
 
     def end(self, final: RequestOutput, cost: dict[str, Any]) -> Iterable[bytes]:
@@ -162,13 +192,13 @@ class OllamaGenerate(_Lines):
         body: dict[str, Any] = {"model": self.ctx.model, "created_at": created_at(), "response": out.text}
         if out.reasoning:
             body["thinking"] = out.reasoning
-        return {**body, **final_fields(out, self.wall0), "context": self._context(out)}
+        return self._scored({**body, **final_fields(out, self.wall0), "context": self._context(out)}, out)
 
-    def output(self, out: RequestOutput, choice: int) -> Iterable[bytes]:
+    def _bodies(self, out: RequestOutput) -> Iterable[dict[str, Any]]:
         if out.delta_reasoning:
-            yield self._line({"response": "", "thinking": out.delta_reasoning, "done": False}, out)
+            yield {"response": "", "thinking": out.delta_reasoning, "done": False}
         if out.delta_text:
-            yield self._line({"response": out.delta_text, "done": False}, out)
+            yield {"response": out.delta_text, "done": False}
 
     def end(self, final: RequestOutput, cost: dict[str, Any]) -> Iterable[bytes]:
         yield self._line({"response": "", **self._final(final, cost), "context": self._context(final)})

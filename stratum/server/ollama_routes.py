@@ -122,7 +122,7 @@ def ollama_routes(app: FastAPI, rt: Runtime, settings: ServerSettings) -> None:
     def sampling_of(req):
         o = req.options
         return defaults.apply(max_tokens=o.max_tokens, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k,
-                              stop=o.stop, seed=o.seed)
+                              stop=o.stop, seed=o.seed, logprobs=req.num_logprobs)
 
     def loaded(req, is_chat: bool) -> Response:
         body = ollama_api.loaded(req.model, is_chat, req.is_unload)
@@ -166,7 +166,8 @@ def ollama_routes(app: FastAPI, rt: Runtime, settings: ServerSettings) -> None:
         async with RequestLifecycle.admit(rt, request, "/api/chat", max_tokens, None) as lc:
             await lc.prepare(chat, sampling, default_max=max_tokens is None)
             await lc.submit()
-            renderer = ollama_api.OllamaChat(lc.render_context(req.model), lc.wall0, is_negotiated(request))
+            renderer = ollama_api.OllamaChat(lc.render_context(req.model), lc.wall0, is_negotiated(request),
+                                             engine.tokenizer)
             return await lc.respond(renderer, req.stream, ollama_api.MEDIA_TYPE)
 
     @app.post("/api/generate")
@@ -182,7 +183,8 @@ def ollama_routes(app: FastAPI, rt: Runtime, settings: ServerSettings) -> None:
             await lc.prepare(None if raw else _generate_chat(req, thinking), sampling, default_max=max_tokens is None,
                              raw=raw, like=like)
             await lc.submit()
-            renderer = ollama_api.OllamaGenerate(lc.render_context(req.model), lc.wall0, is_negotiated(request))
+            renderer = ollama_api.OllamaGenerate(lc.render_context(req.model), lc.wall0, is_negotiated(request),
+                                                 engine.tokenizer)
             return await lc.respond(renderer, req.stream, ollama_api.MEDIA_TYPE)
 
     # ---- embeddings ---------------------------------------------------------------------------------------

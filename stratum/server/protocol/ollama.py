@@ -50,6 +50,8 @@ class _Generating(Loose):
     options: OllamaOptions = Field(default_factory=OllamaOptions)
     keep_alive: float | str | None = None  # accepted: the model stays loaded as long as the server runs
     think: Think | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
     @field_validator("keep_alive")
     @classmethod
@@ -64,6 +66,11 @@ class _Generating(Loose):
         if self.format == "json":
             return {"type": "object"}
         return self.format or None
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """Alternatives per token to report (None: no log-probabilities)."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def is_unload(self) -> bool:
