@@ -103,6 +103,11 @@ def test_options_are_the_sampling(tiny):
         **GREEDY, "num_predict": 3, "repeat_penalty": 1.1, "min_p": 0.05, "num_ctx": 2048, "top_k": 40, "top_p": 0.9})
     assert kept.eval_count == 3
     assert tiny.chat(model="tiny", messages=hi(), stream=False, keep_alive=-1, options={"num_predict": 1}).done
+    # nulls are absent fields, as Ollama's server reads them: `stream` null streams
+    nulls = tiny._request_raw("POST", "/api/chat", json={"model": "tiny", "messages": hi(), "stream": None,
+                                                         "format": None, "think": None, "options": {
+                                                             "num_predict": 2, "temperature": None}})
+    assert [json.loads(line)["done"] for line in nulls.text.splitlines()][-1] is True
 
 
 def test_logprobs_score_each_token_best_first(tiny):

@@ -53,6 +53,12 @@ class _Generating(Loose):
     logprobs: bool = False
     top_logprobs: int | None = Field(default=None, ge=0, le=20)
 
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: Any) -> Any:
+        """A null field is an absent one, as Go's decoder reads it (clients send `"options": null`)."""
+        return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
+
     @field_validator("keep_alive")
     @classmethod
     def _duration(cls, v: float | str | None) -> float | str | None:
