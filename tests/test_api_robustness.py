@@ -71,6 +71,8 @@ def _openapi_with_bodies(url: str) -> dict:
         BatchCreateRequest, ChatCompletionRequest, CompletionRequest, CountTokensRequest, InputTokensRequest,
         MessagesRequest, ResponsesRequest,
     )
+    from stratum.server.protocol.ollama import (OllamaChatRequest, OllamaEmbedRequest, OllamaGenerateRequest,
+                                                OllamaShowRequest)
 
     spec = httpx.get(url + "/openapi.json", timeout=10).json()
     components = spec.setdefault("components", {}).setdefault("schemas", {})
@@ -78,7 +80,9 @@ def _openapi_with_bodies(url: str) -> dict:
     for path, model in {"/v1/messages": MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest,
                         "/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
                         "/v1/messages/batches": BatchCreateRequest, "/v1/responses": ResponsesRequest,
-                        "/v1/responses/input_tokens": InputTokensRequest}.items():
+                        "/v1/responses/input_tokens": InputTokensRequest, "/api/chat": OllamaChatRequest,
+                        "/api/generate": OllamaGenerateRequest, "/api/show": OllamaShowRequest,
+                        "/api/embed": OllamaEmbedRequest, "/api/embeddings": OllamaEmbedRequest}.items():
         operation = spec["paths"][path]["post"]
         if "requestBody" in operation:
             continue
@@ -88,12 +92,17 @@ def _openapi_with_bodies(url: str) -> dict:
         if "max_tokens" in schema["properties"]:
             schema["properties"]["max_tokens"] = small
             schema["required"] = sorted(set(schema.get("required", [])) | {"max_tokens"})
+        if "options" in schema["properties"]:  # Ollama's num_predict, in its options
+            schema["required"] = sorted(set(schema.get("required", [])) | {"options"})
         for field in ("max_completion_tokens", "max_output_tokens"):
             if field in schema["properties"]:
                 schema["properties"][field] = {**small, "minimum": 1} if field == "max_output_tokens" else small
         components[model.__name__] = schema
         operation["requestBody"] = {"required": True, "content": {"application/json": {
             "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+    options = components["OllamaOptions"]
+    options["properties"]["num_predict"] = small
+    options["required"] = ["num_predict"]
     return spec
 
 
@@ -111,6 +120,8 @@ def test_schemathesis_finds_no_server_errors(fuzz_server, max_examples):
     num_cases = 0
     for result in schema.get_all_operations():
         operation = result.ok()
+        if is_ollama(operation.path):  # `test_schemathesis_finds_no_server_errors_on_ollamas_routes`
+            continue
         for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
             if mode == GenerationMode.NEGATIVE and (operation.method.upper() != "POST" or "{" in operation.path):
                 continue  # nothing in a GET, or in a free-string path parameter, can be made invalid
@@ -145,6 +156,56 @@ def test_schemathesis_finds_no_server_errors(fuzz_server, max_examples):
     assert num_cases > 2 * max_examples
     assert not failures, (f"{len(failures)} bad responses of {num_cases}:\n" + "\n".join(failures[:10])
                           + "\n--- server log ---\n" + fuzz_server.output()[-3000:])
+    assert health(fuzz_server.url)["status"] == "ok"
+
+
+# Ollama's model management, which this server refuses with 501 (it serves the model it started with)
+MANAGEMENT = {"/api/pull", "/api/push", "/api/create", "/api/copy", "/api/delete", "/api/blobs/{digest}"}
+
+
+def is_ollama(path: str) -> bool:
+    return path == "/" or path.startswith("/api/")
+
+
+def test_schemathesis_finds_no_server_errors_on_ollamas_routes(fuzz_server):
+    """Ollama's routes: no 5xx but the model management's 501, every error body `{"error": "..."}`."""
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings
+    from schemathesis import GenerationMode
+
+    schema = schemathesis.openapi.from_dict(_openapi_with_bodies(fuzz_server.url))
+    failures: list[str] = []
+    num_cases = 0
+    for result in schema.get_all_operations():
+        operation = result.ok()
+        if not is_ollama(operation.path):
+            continue
+        for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
+            if mode == GenerationMode.NEGATIVE and (operation.method.upper() != "POST" or "{" in operation.path
+                                                    or operation.path in MANAGEMENT):
+                continue  # a GET, a free-string path parameter, a body never read: nothing can be made invalid
+
+            @settings(max_examples=15, deadline=None, derandomize=True, database=None,
+                      suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
+            @given(case=operation.as_strategy(generation_mode=mode))
+            def run(case):
+                nonlocal num_cases
+                num_cases += 1
+                response = case.call(base_url=fuzz_server.url, timeout=60)
+                problem = None
+                if response.status_code >= 500 and not (response.status_code == 501 and operation.path in MANAGEMENT):
+                    problem = "server error"
+                elif response.status_code >= 400 and operation.method.upper() != "HEAD":  # (HEAD: no body)
+                    data = response.json()
+                    if set(data) != {"error"} or not isinstance(data["error"], str):
+                        problem = "error body not in Ollama's shape"
+                if problem:
+                    failures.append(f"{problem}: {operation.label} [{mode.value}] -> {response.status_code} "
+                                    f"{response.text[:300]!r}\n    body sent: {str(case.body)[:2000]}")
+
+            run()
+    assert num_cases > 30
+    assert not failures, f"{len(failures)} bad responses of {num_cases}:\n" + "\n".join(failures[:10])
     assert health(fuzz_server.url)["status"] == "ok"
 
 

@@ -38,6 +38,7 @@ from stratum.engine.sampling_params import InvalidRequestError, SamplingParams
 from stratum.engine.scheduler import Scheduler, SchedulerOutput
 from stratum.engine.spec_decode import SpecConfig, Speculator
 from stratum.kernels.governor import StepThreads
+from stratum.models.facts import model_facts
 from stratum.models.loader import Checkpoint
 
 log = logging.getLogger("stratum.engine")
@@ -62,6 +63,7 @@ class EngineCore:
             self.upgrade = KernelUpgrade(replace(config, num_kv_blocks=resolved.num_kv_blocks))
         torch.manual_seed(resolved.seed)
         self.model_config = checkpoint.config
+        self.model_facts = model_facts(checkpoint)
         self.tokenizer = checkpoint.tokenizer
         self.grammars = GrammarCompiler(checkpoint.tokenizer, checkpoint.config.vocab_size)
         self._chat_template_source = checkpoint.chat_template
@@ -111,7 +113,8 @@ class EngineCore:
 
     def info(self) -> EngineInfo:
         """The engine's configuration and kernel choices, as its start-up and a kernel switch report them."""
-        return EngineInfo(self.config, self.model_config.name, self.model_config.vocab_size, self.kernel_choices)
+        return EngineInfo(self.config, self.model_config.name, self.model_config.vocab_size, self.kernel_choices,
+                          self.model_facts)
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(

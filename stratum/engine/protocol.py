@@ -121,6 +121,7 @@ class EngineInfo:
     model_name: str  # the checkpoint's own name
     vocab_size: int
     kernel_choices: dict[str, Any]
+    model_facts: dict[str, Any] = field(default_factory=dict)  # the checkpoint's shape and size (`models.facts`)
 
 
 

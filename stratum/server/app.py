@@ -1,6 +1,7 @@
-"""The ASGI app: its own routes (/health, /metrics, models, count_tokens, negotiation, the console), the
-middleware that bounds and authenticates every request, and the error handlers. The event loop only
-does I/O: tokenization runs in worker threads; /health and /metrics read the engine's published snapshot."""
+"""The ASGI app: its own routes (/health, /metrics, models, count_tokens, negotiation, the console; Ollama's
+in `ollama_routes`), the middleware that bounds and authenticates every request, and the error handlers.
+The event loop only does I/O: tokenization runs in worker threads; /health and /metrics read the engine's
+published snapshot."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ from stratum.server.errors import (APIError, ClientDisconnected, InvalidRequest,
                                    RequestTooLarge, error_response, new_request_id)
 from stratum.server.http import OVER_LIMIT
 from stratum.server.protocol import CountTokensRequest
+from stratum.server.ollama_routes import ollama_routes
 from stratum.server.routes import generation_routes
 from stratum.server.runtime import Runtime, make_runtime
 from stratum.server.settings import ServerSettings
@@ -135,6 +137,7 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         return {"input_tokens": len(prompt.token_ids)}
 
     generation_routes(app, rt, settings)
+    ollama_routes(app, rt, settings)
     return app
 
 

@@ -4,8 +4,9 @@ Anthropic routes answer in Anthropic's shape,
     {"type": "error", "error": {"type": ..., "message": ...}, "request_id": ...}
 and OpenAI routes (`/v1/chat/completions`, `/v1/completions`, `/v1/responses`) in OpenAI's,
     {"error": {"message": ..., "type": ..., "param": null, "code": ...}, "request_id": ...}
-(a Responses stream that fails after its 200 ends with the Responses API's own `error` event).
-both with the request id, which every response also carries as the `request-id` header.
+(a Responses stream that fails after its 200 ends with the Responses API's own `error` event),
+both with the request id, which every response also carries as the `request-id` header. Ollama's
+routes (`/`, `/api/...`) answer in Ollama's, `{"error": ...}`, and a full queue there is Ollama's 503.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from starlette.responses import JSONResponse  # what fastapi.responses re-export
 
 OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
 RESPONSES_PATH = "/v1/responses"
+OLLAMA_PREFIX = "/api/"
 # OpenAI names server-side failures "server_error"; the other types read the same in both APIs.
 _OPENAI_TYPES = {"api_error": "server_error", "overloaded_error": "server_error"}
 
@@ -86,12 +88,13 @@ class RateLimited(APIError):
 
 class Overloaded(APIError):
     """Anthropic's 529; OpenAI answers an overloaded server with 503 and `server_error`, which its SDK and
-    litellm (ServiceUnavailableError) read as retryable, where 529 is an unclassified status to them."""
+    litellm (ServiceUnavailableError) read as retryable, where 529 is an unclassified status to them; Ollama
+    answers 503 too."""
 
     status, type = 529, "overloaded_error"
 
     def status_on(self, path: str) -> int:
-        return 503 if is_openai(path) else self.status
+        return 503 if is_openai(path) or is_ollama(path) else self.status  # Ollama's "server busy" too
 
 
 class EngineUnavailable(APIError):
@@ -121,6 +124,10 @@ def is_openai(path: str) -> bool:
     return path.startswith(OPENAI_PATHS)
 
 
+def is_ollama(path: str) -> bool:
+    return path == "/" or path == "/api" or path.startswith(OLLAMA_PREFIX)
+
+
 def error_object(e: APIError) -> dict[str, Any]:
     """Anthropic's error object: what an error body holds under `error`, and a Message Batches errored
     result's `error`."""
@@ -128,6 +135,8 @@ def error_object(e: APIError) -> dict[str, Any]:
 
 
 def error_body(e: APIError, request_id: str, path: str) -> dict[str, Any]:
+    if is_ollama(path):
+        return {"error": e.message}
     if is_openai(path):
         code = e.code or e.extra.get("stratum_reason")
         error = {"message": e.message, "type": _OPENAI_TYPES.get(e.type, e.type), "param": e.param, "code": code,

@@ -194,7 +194,7 @@ class RequestLifecycle:
     # ---- prepare ----------------------------------------------------------------------------------
     async def prepare(self, chat: ChatInput | None, sampling: SamplingParams, default_max: bool = False, n: int = 1,
                       raw: list[str | list[int]] | None = None, fit_context: bool = False,
-                      openai_limit: fit.OpenAILimit | None = None) -> None:
+                      openai_limit: fit.OpenAILimit | None = None, like: Prompt | None = None) -> None:
         """Controls, compression, the prompt (in worker threads), the sampling fitted to it, checks, and
         the reservation.
 
@@ -205,6 +205,8 @@ class RequestLifecycle:
             n: samples per prompt.
             fit_context: the Messages API's context rule (`sampling.fit_to_context`).
             openai_limit: OpenAI's context rule, naming the request's fields (`sampling.check_openai_context`).
+            like: with `raw`, a prompt whose reading rules (grammar, tools, thought) the raw prompt keeps
+                (Ollama's `context` continued, or a raw prompt with a `format`).
         Raises:
             InvalidRequest: the request can never run on this engine.
             RateLimited: its upper bound of cost does not fit in the tenant's budget.
@@ -225,7 +227,8 @@ class RequestLifecycle:
             self.controls = controls_of(self.request, "", self.is_batch)
             prompts = [list(p) if isinstance(p, list) else await asyncio.to_thread(engine.tokenizer.encode_prompt, p)
                        for p in raw]
-            prompt, text = Prompt(prompts[0]), "\n".join(p for p in raw if isinstance(p, str))
+            prompt = Prompt(prompts[0]) if like is None else replace(like, token_ids=prompts[0])
+            text = "\n".join(p for p in raw if isinstance(p, str))
         else:
             self.controls = controls_of(self.request, chat.system_text, self.is_batch)
             if self.controls.is_compressive:
@@ -452,12 +455,13 @@ class RequestLifecycle:
                     raise EngineUnavailable("client disconnected")
         return [finals[i] for i in range(len(finals))]
 
-    async def respond(self, renderer: Renderer, is_stream: bool) -> Response:
-        """The response: a stream of the renderer's events, which takes the request over (and closes it
-        however it ends, a client gone before the first event too), or the body of its finished outputs."""
+    async def respond(self, renderer: Renderer, is_stream: bool, media_type: str = "text/event-stream") -> Response:
+        """The response: a stream of the renderer's events (SSE, or `media_type`: Ollama's NDJSON), which
+        takes the request over (and closes it however it ends, a client gone before the first event too),
+        or the body of its finished outputs."""
         if is_stream:
             self.is_handed_over = True
-            return _EventStream(self.events(renderer), self.close, media_type="text/event-stream",
+            return _EventStream(self.events(renderer), self.close, media_type=media_type,
                                 headers={"cache-control": "no-cache", **self.early_headers()})
         outs = await self.collect()
         return JSONResponse(renderer.body(outs), headers=self.finish(merge(outs, self.prepared.n)).headers)

@@ -1,0 +1,238 @@
+"""Ollama's routes, beside the others on the same engine, admission, telemetry and lifecycle: `/`,
+`/api/version`, `/api/tags`, `/api/ps`, `/api/show`, `/api/chat`, `/api/generate`; `/api/embed` and
+`/api/embeddings` (no embedding model is served: Ollama's refusal); and Ollama's model-management
+routes (pull, push, create, copy, delete, blobs) refused in its error shape, since the server serves
+the one model it started with."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+
+from stratum.server import ollama_api, structured
+from stratum.server.body import read_request
+from stratum.server.chat import ChatInput, Prompt, append_turn, build_prompt, tool_call, tool_result
+from stratum.server.controls import asks_for_meta
+from stratum.server.errors import APIError, InvalidRequest, NotFound
+from stratum.server.lifecycle import RequestLifecycle
+from stratum.server.protocol.ollama import (OllamaChatRequest, OllamaEmbedRequest, OllamaGenerateRequest,
+                                            OllamaShowRequest)
+from stratum.server.reasoning import Thinking
+from stratum.server.runtime import Runtime
+from stratum.server.settings import ServerSettings
+
+
+class NotImplementedHere(APIError):
+    """501: an Ollama route this server does not serve (model management)."""
+
+    status, type = 501, "api_error"
+
+
+def ollama_thinking(think, model: str, reasons: bool) -> Thinking:
+    """Ollama's `think`: true / false, or a level ("low", "medium", "high": `reasoning.EFFORT_BUDGETS`).
+
+    Raises:
+        InvalidRequest: thinking asked of a model that does not reason (Ollama's words).
+    """
+    if think is None:
+        return Thinking()
+    if not reasons:
+        if think is False:
+            return Thinking()
+        raise InvalidRequest(f'"{model}" does not support thinking')
+    if isinstance(think, bool):
+        return Thinking(enabled=think)
+    return Thinking.of_effort(think)
+
+
+def _tools(req: OllamaChatRequest) -> list[dict] | None:
+    return [{"name": t.function.name, "description": t.function.description or "",
+             "parameters": t.function.parameters, "strict": False} for t in req.tools] if req.tools else None
+
+
+def ollama_input(req: OllamaChatRequest, thinking: Thinking) -> ChatInput:
+    """Ollama's messages as chat turns: an assistant's `thinking` as its `reasoning_content`, its
+    `tool_calls` (arguments objects) as template calls with ids of their own; a `tool` turn answers
+    the earliest unanswered call of the turn before it (to its `tool_name`, where it names one)."""
+    messages: list[dict] = []
+    names: dict[str, str] = {}
+    open_calls: list[tuple[str, str]] = []  # (id, name) of the last assistant turn's calls not yet answered
+    for i, m in enumerate(req.messages):
+        if m.role == "tool":
+            match = next((c for c in open_calls if m.tool_name in (None, c[1])), None)
+            call_id = m.tool_call_id or (match[0] if match else f"call_{i}")
+            if match:
+                open_calls.remove(match)
+            result = tool_result(call_id, m.content or "", names)
+            append_turn(messages, {**result, "name": m.tool_name or result["name"]})
+            continue
+        turn: dict = {"role": m.role, "content": m.content or ""}
+        if m.thinking and m.role == "assistant":
+            turn["reasoning_content"] = m.thinking
+        if m.tool_calls:
+            calls = [(c.id or f"call_{i}_{j}", c.function.name, c.function.arguments)
+                     for j, c in enumerate(m.tool_calls)]
+            names.update((call_id, name) for call_id, name, _ in calls)
+            open_calls = [(call_id, name) for call_id, name, _ in calls]
+            turn["tool_calls"] = [tool_call(*c) for c in calls]
+        append_turn(messages, turn)
+    system_text = "\n".join(m["content"] for m in messages if m["role"] == "system")
+    return ChatInput(messages, _tools(req), False, system_text, output_schema=req.output_schema, thinking=thinking)
+
+
+def ollama_routes(app: FastAPI, rt: Runtime, settings: ServerSettings) -> None:
+    """Ollama's API on this app (docs/api.md, "Ollama's API")."""
+    engine, defaults = rt.engine, settings.sampling_defaults
+
+    def card() -> ollama_api.ModelCard:
+        return ollama_api.ModelCard.of(settings.model_name, engine.info)
+
+    def modified_at(c: ollama_api.ModelCard) -> str:
+        return c.facts.get("modified_at") or settings.created_at
+
+    def reasons() -> bool:
+        return engine.chat_template.thought_markers is not None
+
+    def check_model(name: str) -> None:
+        """The served name, with or without Ollama's tag (":latest"), or any name `check_model` serves.
+
+        Raises:
+            NotFound: 404 in Ollama's words.
+        """
+        base = name[:-len(":latest")] if name.endswith(":latest") else name
+        try:
+            settings.check_model(base)
+        except NotFound:
+            if name != card().name:
+                raise NotFound(f"model '{name}' not found") from None
+
+    async def read(request: Request, model):
+        req = await read_request(request, model, settings.max_body_bytes, settings.body_timeout_s)
+        check_model(req.model)
+        return req
+
+    def sampling_of(req):
+        o = req.options
+        return defaults.apply(max_tokens=o.max_tokens, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k,
+                              stop=o.stop, seed=o.seed, logprobs=req.num_logprobs)
+
+    def loaded(req, is_chat: bool) -> Response:
+        body = ollama_api.loaded(req.model, is_chat, req.is_unload)
+        if req.stream:
+            return Response(ollama_api.to_json(body) + "\n", media_type=ollama_api.MEDIA_TYPE)
+        return JSONResponse(body)
+
+    @app.api_route("/", methods=["GET", "HEAD"])
+    async def root():
+        return PlainTextResponse("Ollama is running")
+
+    @app.api_route("/api/version", methods=["GET", "HEAD"])
+    async def version():
+        return {"version": ollama_api.OLLAMA_VERSION}
+
+    @app.get("/api/tags")
+    async def tags():
+        c = card()
+        return {"models": [c.tag(modified_at(c))]}
+
+    @app.get("/api/ps")
+    async def ps():
+        return {"models": [card().running()]}
+
+    @app.post("/api/show")
+    async def show(request: Request):
+        await read(request, OllamaShowRequest)
+        c = card()
+        capabilities = ["completion", "tools"] + (["thinking"] if reasons() else [])
+        parameters = {"temperature": defaults.temperature, "top_p": defaults.top_p}
+        return c.show(engine.chat_template.source, parameters, capabilities, modified_at(c))
+
+    @app.post("/api/chat")
+    async def chat(request: Request):
+        req = await read(request, OllamaChatRequest)
+        if not req.messages:
+            return loaded(req, is_chat=True)
+        chat = ollama_input(req, ollama_thinking(req.think, req.model, reasons()))
+        sampling = sampling_of(req)
+        max_tokens = req.options.max_tokens
+        async with RequestLifecycle.admit(rt, request, "/api/chat", max_tokens, None) as lc:
+            await lc.prepare(chat, sampling, default_max=max_tokens is None)
+            await lc.submit()
+            renderer = ollama_api.OllamaChat(lc.render_context(req.model), lc.wall0, asks_for_meta(request),
+                                             engine.tokenizer)
+            return await lc.respond(renderer, req.stream, ollama_api.MEDIA_TYPE)
+
+    @app.post("/api/generate")
+    async def generate(request: Request):
+        req = await read(request, OllamaGenerateRequest)
+        if not req.prompt and not req.context:
+            return loaded(req, is_chat=False)
+        thinking = ollama_thinking(req.think, req.model, reasons())
+        sampling = sampling_of(req)
+        max_tokens = req.options.max_tokens
+        async with RequestLifecycle.admit(rt, request, "/api/generate", max_tokens, None) as lc:
+            raw, like = await _generate_prompt(rt, req, thinking)
+            await lc.prepare(None if raw else _generate_chat(req, thinking), sampling, default_max=max_tokens is None,
+                             raw=raw, like=like)
+            await lc.submit()
+            renderer = ollama_api.OllamaGenerate(lc.render_context(req.model), lc.wall0, asks_for_meta(request),
+                                                 engine.tokenizer)
+            return await lc.respond(renderer, req.stream, ollama_api.MEDIA_TYPE)
+
+    # ---- embeddings ---------------------------------------------------------------------------------------
+    @app.post("/api/embed")
+    @app.post("/api/embeddings")
+    async def embed(request: Request):
+        """Where an embedding model is served it answers here: /api/embed with {"model", "embeddings":
+        [[...] per input], "total_duration", "load_duration", "prompt_eval_count"}, /api/embeddings (the
+        older form, one `prompt`) with {"embedding": [...]}. The generating model embeds nothing: Ollama's
+        refusal for a model without the capability, 400 (and /api/show lists no "embedding")."""
+        req = await read(request, OllamaEmbedRequest)
+        raise InvalidRequest(f'"{req.model}" does not support embeddings')
+
+    # ---- model management: the server serves the one model it started with -----------------------------
+    @app.post("/api/pull")
+    @app.post("/api/push")
+    @app.post("/api/create")
+    @app.post("/api/copy")
+    @app.delete("/api/delete")
+    @app.api_route("/api/blobs/{digest}", methods=["POST", "HEAD"])
+    async def manage(request: Request):
+        what = request.url.path.removeprefix("/api/").split("/")[0]
+        raise NotImplementedHere(f"{what} is not supported: this server serves the one model it was started with "
+                                 f"({card().name}); choose another with `stratum serve --model`")
+
+
+def _generate_chat(req: OllamaGenerateRequest, thinking: Thinking) -> ChatInput:
+    """/api/generate's prompt (and `system`) as a conversation of one user turn, through the chat template."""
+    messages = ([{"role": "system", "content": req.system}] if req.system else []) + [
+        {"role": "user", "content": req.prompt}]
+    return ChatInput(messages, system_text=req.system or "", output_schema=req.output_schema, thinking=thinking)
+
+
+async def _generate_prompt(rt: Runtime, req: OllamaGenerateRequest,
+                           thinking: Thinking) -> tuple[list | None, Prompt | None]:
+    """The prompt /api/generate queues when the chat path cannot build it alone: `raw` (the text as it
+    is), or `context` (a previous answer's tokens, then this prompt rendered as Ollama does); (None,
+    None) otherwise. The second is the prompt whose grammar and thought the raw prompt is read with.
+
+    Raises:
+        InvalidRequest: the format's schema cannot be enforced.
+    """
+    tokenizer, schema = rt.engine.tokenizer, req.output_schema
+    if req.raw:
+        grammar = structured.json_grammar(schema, "format") if schema is not None else None
+        like = Prompt([], grammar=grammar)
+        if not req.context:
+            return [req.prompt], like
+        ids = await asyncio.to_thread(tokenizer.encode, req.prompt)
+        return [[*req.context, *ids]], like
+    if not req.context:
+        return None, None
+    chat = _generate_chat(req, thinking)
+    prompt = await asyncio.to_thread(build_prompt, rt.engine.chat_template, chat, rt.parse_thought)
+    ids = [*req.context, *prompt.token_ids]
+    return [ids], replace(prompt, token_ids=ids)
