@@ -224,7 +224,7 @@ class _Sampled(Loose):
 
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0, le=MAX_COUNT)
+    top_k: int | None = Field(default=None, ge=0, le=SEED_MAX)  # beyond the vocabulary: no filter
     n: int = Field(default=1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     stream: bool = False

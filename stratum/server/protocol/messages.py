@@ -366,7 +366,7 @@ class MessagesRequest(_Prompted):
     stop_sequences: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, max_length=16)
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0, le=MAX_COUNT)
+    top_k: int | None = Field(default=None, ge=0, le=SEED_MAX)  # beyond the vocabulary: no filter
     metadata: Metadata | None = None
     stream: bool = False
     ignore_eos: bool = False  # vLLM's extension, for benchmarks
