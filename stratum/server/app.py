@@ -21,7 +21,7 @@ from stratum.server import batches
 from stratum.server.auth import authenticate, tenant_of
 from stratum.server.body import read_request
 from stratum.server.chat import anthropic_input, build_prompt
-from stratum.server.errors import (APIError, ClientDisconnected, InvalidRequest, MethodNotAllowed, NotFound, Overloaded,
+from stratum.server.errors import (APIError, InvalidRequest, MethodNotAllowed, NotFound, Overloaded,
                                    RequestTooLarge, error_response, new_request_id)
 from stratum.server.http import OVER_LIMIT
 from stratum.server.protocol import CountTokensRequest
@@ -54,7 +54,7 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     if settings.console:
         _console_routes(app, rt, settings, runner)
     app.add_middleware(Envelope, max_body_bytes=settings.max_body_bytes, digests=settings.key_digests, runner=runner,
-                       max_batch_bytes=settings.max_batch_bytes)
+                       max_batch_bytes=settings.max_batch_bytes, metrics=rt.metrics)
     if settings.cors_origins:  # outermost: a browser's preflight is answered before authentication
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
                            allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"],
@@ -141,8 +141,7 @@ def _error_handlers(app: FastAPI, rt: Runtime) -> None:
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, e: APIError):
-        if not isinstance(e, ClientDisconnected):
-            rt.metrics.observe_error(request.url.path, e.status)
+        rt.metrics.observe_error(request.url.path, e.status)  # a ClientDisconnected as 499
         return error_response(e, request.state.request_id, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
@@ -153,11 +152,13 @@ def _error_handlers(app: FastAPI, rt: Runtime) -> None:
             err = MethodNotAllowed(f"method {request.method} not allowed on {request.url.path}")
         else:
             err = InvalidRequest(str(e.detail))
+        rt.metrics.observe_error(request.url.path, err.status)
         return error_response(err, request.state.request_id, request.url.path)
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, e: Exception):
         log.exception("unhandled error")
+        rt.metrics.observe_error(request.url.path, 500)
         return error_response(APIError("internal server error"), request.state.request_id, request.url.path)
 
 
@@ -204,8 +205,10 @@ class Envelope:
     the body-size limit and authentication, before any route runs. (Not BaseHTTPMiddleware: it hides
     client disconnects from the routes.)"""
 
-    def __init__(self, app, max_body_bytes: int, digests: tuple[bytes, ...], runner=None, max_batch_bytes: int = 0):
+    def __init__(self, app, max_body_bytes: int, digests: tuple[bytes, ...], runner=None, max_batch_bytes: int = 0,
+                 metrics=None):
         self.app = app
+        self.metrics = metrics  # its refusals are counted as the routes' are
         self.max_body_bytes = max_body_bytes
         self.digests = digests
         self.runner = runner  # its in-process calls carry a secret instead of a key, and their batch's tenant
@@ -237,6 +240,8 @@ class Envelope:
             elif self.digests and not scope["path"].startswith(OPEN_PATHS) and scope["method"] != "OPTIONS":
                 authenticate(request, self.digests)
         except APIError as e:
+            if self.metrics is not None:
+                self.metrics.observe_error(scope["path"], e.status)
             return await error_response(e, request_id, scope["path"])(scope, receive, send_with_id)
         await self.app(scope, receive, send_with_id)
 

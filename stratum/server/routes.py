@@ -7,6 +7,7 @@ import asyncio
 
 from fastapi import FastAPI, Request
 
+from stratum.engine.faults import Faults
 from stratum.server import anthropic_api, openai_api, responses_api, responses_chat
 from stratum.server.auth import owner_of
 from stratum.server.body import read_request
@@ -26,9 +27,12 @@ MAX_CHOICES = 64
 def generation_routes(app: FastAPI, rt: Runtime, settings: ServerSettings) -> None:
     """/v1/messages, /v1/chat/completions, /v1/completions and /v1/responses."""
     engine, defaults = rt.engine, settings.sampling_defaults
+    faults = Faults.from_env()
 
     async def read(request: Request, model):
         req = await read_request(request, model, settings.max_body_bytes, settings.body_timeout_s)
+        if faults.is_route_error:
+            raise RuntimeError("injected route error (STRATUM_FAULT_INJECT=route)")
         settings.check_model(req.model)
         return req
 
