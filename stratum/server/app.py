@@ -21,7 +21,7 @@ from stratum.server import batches
 from stratum.server.auth import authenticate, tenant_of
 from stratum.server.body import read_request
 from stratum.server.chat import anthropic_input, build_prompt
-from stratum.server.errors import (APIError, InvalidRequest, MethodNotAllowed, NotFound, Overloaded,
+from stratum.server.errors import (APIError, HeadersTooLarge, InvalidRequest, MethodNotAllowed, NotFound, Overloaded,
                                    RequestTooLarge, error_response, new_request_id)
 from stratum.server.http import OVER_LIMIT
 from stratum.server.protocol import CountTokensRequest
@@ -54,7 +54,8 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     if settings.console:
         _console_routes(app, rt, settings, runner)
     app.add_middleware(Envelope, max_body_bytes=settings.max_body_bytes, digests=settings.key_digests, runner=runner,
-                       max_batch_bytes=settings.max_batch_bytes, metrics=rt.metrics)
+                       max_batch_bytes=settings.max_batch_bytes, metrics=rt.metrics,
+                       max_header_bytes=settings.max_header_bytes, max_header_count=settings.max_header_count)
     if settings.cors_origins:  # outermost: a browser's preflight is answered before authentication
         app.add_middleware(CORSMiddleware, allow_origins=list(settings.cors_origins),
                            allow_methods=["GET", "POST", "OPTIONS"], allow_headers=["*"],
@@ -206,8 +207,10 @@ class Envelope:
     client disconnects from the routes.)"""
 
     def __init__(self, app, max_body_bytes: int, digests: tuple[bytes, ...], runner=None, max_batch_bytes: int = 0,
-                 metrics=None):
+                 metrics=None, max_header_bytes: int = 32 * 1024, max_header_count: int = 256):
         self.app = app
+        self.max_header_bytes = max_header_bytes
+        self.max_header_count = max_header_count
         self.metrics = metrics  # its refusals are counted as the routes' are
         self.max_body_bytes = max_body_bytes
         self.digests = digests
@@ -228,6 +231,7 @@ class Envelope:
 
         request = Request(scope)
         try:
+            self._check_headers(scope["headers"])
             if scope["state"].get(OVER_LIMIT):
                 raise Overloaded("too many connections to this server; retry shortly",
                                  headers={"retry-after": "1", "connection": "close"})
@@ -244,6 +248,23 @@ class Envelope:
                 self.metrics.observe_error(scope["path"], e.status)
             return await error_response(e, request_id, scope["path"])(scope, receive, send_with_id)
         await self.app(scope, receive, send_with_id)
+
+
+    def _check_headers(self, headers: list[tuple[bytes, bytes]]) -> None:
+        """The header limits, over the headers as parsed: the HTTP parser bounds only headers still
+        arriving (h11's incomplete-event size), so headers that came in one piece are checked here.
+
+        Raises:
+            HeadersTooLarge: 431, more than max_header_count headers, or more than max_header_bytes
+                as sent (`name: value` and its line end).
+        """
+        if len(headers) > self.max_header_count:
+            raise HeadersTooLarge(f"request has {len(headers)} headers, more than {self.max_header_count}",
+                                  headers={"connection": "close"})
+        size = sum(len(k) + len(v) + 4 for k, v in headers)
+        if size > self.max_header_bytes:
+            raise HeadersTooLarge(f"request headers exceed {self.max_header_bytes} bytes ({size})",
+                                  headers={"connection": "close"})
 
 
 def replica_health(v: ReplicaView) -> dict[str, Any]:
