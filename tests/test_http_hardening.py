@@ -87,7 +87,7 @@ def test_too_many_headers_get_431(server):
     many = {f"x-h{i}": "v" for i in range(300)}  # 300 small headers, well under the byte limit
     r = httpx.post(server.url + "/v1/chat/completions", headers=many, timeout=30,
                    json={"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
-    assert r.status_code == 431 and "more than 256" in r.json()["error"]["message"], r.text  # OpenAI's shape on its route
+    assert r.status_code == 431 and "more than 256" in r.json()["error"]["message"], r.text
     r = httpx.post(server.url + "/v1/messages", headers={"x-fine": "a" * (MAX_HEADER_BYTES // 2)}, timeout=30,
                    json={"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 200, r.text

@@ -103,3 +103,38 @@ def test_an_unhandled_error_is_counted_as_500(tiny_model_dir):
         assert now.get(("/v1/messages", "500")) == 1 and now.get(("/v1/chat/completions", "500")) == 1, now
     finally:
         server.stop()
+
+
+COUNT_BUDGET = 300
+
+
+@pytest.fixture(scope="module")
+def count_server(tiny_model_dir):
+    server = ServerProcess(str(tiny_model_dir), "--served-model-name", "tiny", "--kv-cache-mb", "8",
+                           "--tenant-budget-tokens", str(COUNT_BUDGET), "--budget-window-s", "3600",
+                           "--pollution-policy", "off").wait_ready()
+    yield server
+    server.stop()
+
+
+def test_token_counting_is_admitted_and_charged_per_tenant(count_server):
+    """count_tokens is charged what it counted, after a charge by the body's size that must fit first:
+    a body too large for what the tenant has left is refused before any tokenization."""
+    url = count_server.url
+    client = anthropic.Anthropic(base_url=url, api_key="test", max_retries=0)
+    with pytest.raises(anthropic.RateLimitError) as e:  # ~100,000 tokens by size: refused at once
+        client.messages.count_tokens(model="tiny", messages=[{"role": "user", "content": "word " * 80_000}])
+    assert e.value.body["error"]["stratum_reason"] == "cost_threshold_exceeded"
+    other = anthropic.Anthropic(base_url=url, api_key="another-tenant", max_retries=0)  # a key is a tenant
+    counted = []
+    for _ in range(COUNT_BUDGET):
+        try:
+            counted.append(client.messages.count_tokens(
+                model="tiny", messages=[{"role": "user", "content": "count me"}]).input_tokens)
+        except anthropic.RateLimitError:
+            break
+    assert counted and sum(counted) <= COUNT_BUDGET < sum(counted) + 2 * counted[0], counted  # spent, then refused
+    r = httpx.post(url + "/v1/responses/input_tokens", json={"model": "tiny", "input": "hi"}, timeout=30,
+                   headers={"authorization": "Bearer test"})
+    assert r.status_code == 429 and r.json()["error"]["type"] == "rate_limit_error", r.text
+    assert other.messages.count_tokens(model="tiny", messages=[{"role": "user", "content": "hi"}]).input_tokens > 0

@@ -21,6 +21,7 @@ from stratum.server import batches
 from stratum.server.auth import authenticate, tenant_of
 from stratum.server.body import read_request
 from stratum.server.chat import anthropic_input, build_prompt
+from stratum.server.counting import TokenCounter
 from stratum.server.errors import (APIError, HeadersTooLarge, InvalidRequest, MethodNotAllowed, NotFound, Overloaded,
                                    RequestTooLarge, error_response, new_request_id)
 from stratum.server.http import OVER_LIMIT
@@ -107,15 +108,18 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         settings.check_model(model_id)
         return _model_card(settings)
 
+    counter = TokenCounter(rt.admission, rt.metrics)
+
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
         req = await read_request(request, CountTokensRequest, settings.max_body_bytes, settings.body_timeout_s)
         settings.check_model(req.model)
         chat = anthropic_input(req, rt.thought_signer)
-        prompt = await asyncio.to_thread(build_prompt, engine.chat_template, chat, rt.parse_thought)
+        async with counter.admit(request, "/v1/messages/count_tokens", request.state.num_body_bytes) as counting:
+            prompt = await counting.count(build_prompt, engine.chat_template, chat, rt.parse_thought)
         return {"input_tokens": len(prompt.token_ids)}
 
-    generation_routes(app, rt, settings)
+    generation_routes(app, rt, settings, counter)
     return app
 
 

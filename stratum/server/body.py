@@ -51,6 +51,7 @@ async def read_request(request: Request, model: type[Model], limit: int, timeout
         body += chunk
         if len(body) > limit:
             raise RequestTooLarge(f"request body exceeds {limit} bytes")
+    request.state.num_body_bytes = len(body)  # what the token-counting routes are charged by (`counting`)
     if len(body) <= _PARSE_INLINE_BYTES:
         return _parse(model, _decode_json(bytes(body)))
     return await asyncio.to_thread(lambda: _parse(model, _decode_json(bytes(body))))
