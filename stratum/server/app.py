@@ -25,7 +25,9 @@ from stratum.server.counting import TokenCounter
 from stratum.server.errors import (APIError, HeadersTooLarge, InvalidRequest, MethodNotAllowed, NotFound, Overloaded,
                                    RequestTooLarge, error_response, new_request_id)
 from stratum.server.http import OVER_LIMIT
-from stratum.server.protocol import CountTokensRequest
+from stratum.server.openapi import describe_bodies
+from stratum.server.protocol import (BatchCreateRequest, ChatCompletionRequest, CompletionRequest, CountTokensRequest,
+                                     InputTokensRequest, MessagesRequest, ResponsesRequest)
 from stratum.server.routes import generation_routes
 from stratum.server.runtime import Runtime, make_runtime
 from stratum.server.settings import ServerSettings
@@ -120,6 +122,10 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         return {"input_tokens": len(prompt.token_ids)}
 
     generation_routes(app, rt, settings, counter)
+    describe_bodies(app, {"/v1/messages": MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest,
+                          "/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+                          "/v1/responses": ResponsesRequest, "/v1/responses/input_tokens": InputTokensRequest,
+                          batches.BATCHES_PATH: BatchCreateRequest})
     return app
 
 
