@@ -388,7 +388,7 @@ def cmd_warmup(args) -> int:
 
 
 BENCHMARKS = ("offline", "serve", "compare", "roofline", "soak", "constrained", "batch", "cluster", "startup",
-              "speculative", "disktier")
+              "speculative", "disktier", "fuzz")
 
 
 def cmd_bench(args, rest) -> int:
@@ -521,7 +521,8 @@ def _warmup_parser(sub) -> None:
 
 def _bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: offline, serve, compare, roofline, soak, constrained, batch, "
-                                     "cluster, startup, speculative, disktier (each takes --help)", add_help=False)
+                                     "cluster, startup, speculative, disktier, fuzz (each takes --help)",
+                       add_help=False)
     p.add_argument("kind", choices=BENCHMARKS)
     p.set_defaults(func=None)
 
