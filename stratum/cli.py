@@ -320,7 +320,8 @@ def _serving_app(args, client, name: str):
     keys += tuple(k.strip() for k in os.environ.get("STRATUM_API_KEYS", "").split(",") if k.strip())
     settings = ServerSettings(model_name=name, aliases=(client.info.model_name,), api_keys=keys,
                               model_patterns=tuple(p for p in (args.serve_models_matching or ["claude-*"]) if p),
-                              max_body_bytes=args.max_body_bytes, share_prefix_cache=args.share_prefix_cache,
+                              max_body_bytes=args.max_body_bytes, max_header_bytes=args.max_header_bytes,
+                              max_header_count=args.max_header_count, share_prefix_cache=args.share_prefix_cache,
                               body_timeout_s=args.read_timeout_s, cors_origins=tuple(args.cors_origin or ()),
                               content_policy=getattr(args, "policy_store", None),
                               header_wait_s=args.header_wait_s, data_dir=Path(args.data_dir) if args.data_dir else None,
@@ -432,7 +433,7 @@ def cmd_warmup(args) -> int:
 
 
 BENCHMARKS = ("offline", "serve", "compare", "roofline", "soak", "constrained", "batch", "cluster", "startup",
-              "speculative", "disktier", "policy")
+              "speculative", "disktier", "policy", "fuzz")
 
 
 def cmd_bench(args, rest) -> int:
@@ -465,6 +466,7 @@ def _serve_parser(sub) -> None:
                         "Anthropic's clients work unchanged; '' to answer to the served name only)")
     p.add_argument("--max-body-bytes", type=int, default=4 * 2**20)
     p.add_argument("--max-header-bytes", type=int, default=32 * 1024, help="larger request headers get 431")
+    p.add_argument("--max-header-count", type=int, default=256, help="requests with more headers get 431")
     p.add_argument("--max-connections", type=int, default=1024, help="requests on connections beyond this get 529")
     p.add_argument("--read-timeout-s", type=float, default=30.0,
                    help="headers that take longer to arrive, or a body that stalls this long, get 408")
@@ -578,7 +580,8 @@ def _warmup_parser(sub) -> None:
 
 def _bench_parser(sub) -> None:
     p = sub.add_parser("bench", help="benchmarks: offline, serve, compare, roofline, soak, constrained, batch, "
-                                     "cluster, startup, speculative, disktier (each takes --help)", add_help=False)
+                                     "cluster, startup, speculative, disktier, fuzz (each takes --help)",
+                       add_help=False)
     p.add_argument("kind", choices=BENCHMARKS)
     p.set_defaults(func=None)
 

@@ -479,6 +479,66 @@ def _guarded_cases() -> list[BadRequest]:
     return auth + size + keyed_but_bad
 
 
+# Every route that reads text from a JSON body, with a body that is valid for it.
+TEXT_ROUTES = {"/v1/messages": MESSAGE, "/v1/messages/count_tokens": COUNT, "/v1/chat/completions": CHAT,
+               "/v1/completions": {"model": "tiny", "prompt": "hi", "max_tokens": 4},
+               "/v1/responses": {"model": "tiny", "input": "hi", "max_output_tokens": 4},
+               "/v1/responses/input_tokens": {"model": "tiny", "input": "hi"},
+               "/v1/messages/batches": {"requests": [{"custom_id": "a", "params": MESSAGE}]}}
+HUGE = 2**64  # past msgpack's integers, the engine process's frames
+
+
+def _bounds_cases() -> list[BadRequest]:
+    """Every number a request carries is bounded where it is parsed (400 naming the field), and a body
+    that is not strict UTF-8 (an encoded surrogate, an overlong form) is a 400 on every text route."""
+    completion = TEXT_ROUTES["/v1/completions"]
+    response = TEXT_ROUTES["/v1/responses"]
+    fields = {
+        "/v1/messages": [("top_k", MESSAGE, HUGE), ("max_tokens", MESSAGE, HUGE), ("seed", MESSAGE, 2**63),
+                         ("budget_tokens", _with(MESSAGE, max_tokens=2048), None)],
+        "/v1/chat/completions": [("top_k", CHAT, HUGE), ("max_tokens", CHAT, HUGE),
+                                 ("max_completion_tokens", CHAT, HUGE), ("seed", CHAT, 2**63), ("n", CHAT, HUGE),
+                                 ("frequency_penalty", CHAT, 2.5),
+                                 ("presence_penalty", CHAT, -2.5), ("top_logprobs", _with(CHAT, logprobs=True), HUGE),
+                                 ("temperature", CHAT, 1e308)],
+        "/v1/completions": [("top_k", completion, HUGE), ("max_tokens", completion, HUGE),
+                            ("seed", completion, -(2**63) - 1), ("n", completion, 0), ("logprobs", completion, HUGE),
+                            ("best_of", completion, HUGE), ("frequency_penalty", completion, 3)],
+        "/v1/responses": [("max_output_tokens", response, HUGE), ("seed", response, HUGE)],
+    }
+    cases = []
+    for path, items in fields.items():
+        for name, base, value in items:
+            body = (_with(base, thinking={"type": "enabled", "budget_tokens": HUGE}) if name == "budget_tokens"
+                    else _with(base, **{name: value}))
+            cases.append(BadRequest(f"bounds: {path} {name} {value if value is not None else HUGE}", path, body=body,
+                                    message_has=(name,)))
+    cases += [
+        BadRequest("bounds: messages streamed top_k 2**64", "/v1/messages", _with(MESSAGE, stream=True, top_k=HUGE),
+                   message_has=("top_k",)),
+        BadRequest("bounds: chat stop of five", "/v1/chat/completions", _with(CHAT, stop=["a", "b", "c", "d", "e"]),
+                   message_has=("stop", "4")),
+        BadRequest("bounds: completions stop of 100000", "/v1/completions",
+                   _with(completion, stop=[str(i) for i in range(100_000)]), message_has=("stop",)),
+        BadRequest("bounds: chat logit_bias value 101", "/v1/chat/completions", _with(CHAT, logit_bias={"5": 101}),
+                   message_has=("logit_bias",)),
+        BadRequest("bounds: chat logit_bias key a word", "/v1/chat/completions", _with(CHAT, logit_bias={"hi": 1}),
+                   message_has=("logit_bias",)),
+        BadRequest("bounds: messages temperature Infinity", "/v1/messages", headers=JSON_HEADERS,
+                   raw=b'{"model": "tiny", "max_tokens": 8, "temperature": Infinity, '
+                       b'"messages": [{"role": "user", "content": "hi"}]}', message_has=("Infinity",)),
+    ]
+    for path, body in TEXT_ROUTES.items():
+        text = json.dumps(body).encode()
+        for what, bad in (("encoded surrogate", b"\xed\xa0\x80"), ("overlong slash", b"\xc0\xaf")):
+            raw = text.replace(b'"hi"', b'"h' + bad.decode("unicode_escape").encode("latin-1") + b'i"', 1)
+            assert raw != text
+            cases.append(BadRequest(f"utf-8: {path} {what}", path, raw=raw, headers=JSON_HEADERS,
+                                    message_has=("UTF-8",)))
+    return cases
+
+
 CORPUS: list[BadRequest] = (_messages_cases() + _count_tokens_cases() + _chat_cases() + _completions_cases()
-                             + _responses_cases() + _batch_cases() + _route_cases() + _guarded_cases())
+                             + _responses_cases() + _batch_cases() + _route_cases() + _guarded_cases()
+                             + _bounds_cases())
 assert len({c.name for c in CORPUS}) == len(CORPUS), "case names must be unique"

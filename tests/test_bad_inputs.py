@@ -124,3 +124,29 @@ def test_servers_are_back_at_baseline(servers):
                         json={"model": "tiny", "max_tokens": 4,
                               "messages": [{"role": "user", "content": "still there?"}]})
         assert ok.status_code == 200, ok.text
+
+
+# ---- the official SDKs, where they can send it ----------------------------------------------------
+def test_sdks_get_a_400_naming_an_unbounded_number(client, oai):
+    """What the corpus sends raw, through the SDKs: a top_k past 64 bits was a 500 (msgpack overflowed
+    on the way to the engine), streamed or not; OpenAI's stop past its 4."""
+    hi = [{"role": "user", "content": "hi"}]
+    for stream in (False, True):
+        with pytest.raises(anthropic.BadRequestError) as e:
+            client.messages.create(model="tiny", max_tokens=4, messages=hi, stream=stream, extra_body={"top_k": 2**64})
+        assert "top_k" in e.value.message
+        with pytest.raises(openai.BadRequestError) as e:
+            oai.chat.completions.create(model="tiny", max_tokens=4, messages=hi, stream=stream,
+                                        extra_body={"top_k": 2**64})
+        assert e.value.param == "top_k"
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model="tiny", max_tokens=4, messages=hi, stop=["a", "b", "c", "d", "e"])
+    assert e.value.param == "stop" and "at most 4" in e.value.message
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.completions.create(model="tiny", prompt="hi", max_tokens=4, seed=2**63)
+    assert e.value.param == "seed"
+    with pytest.raises(openai.BadRequestError) as e:
+        oai.chat.completions.create(model="tiny", max_tokens=4, messages=hi, presence_penalty=2.5)
+    assert e.value.param == "presence_penalty"
+    assert oai.chat.completions.create(model="tiny", max_tokens=2, messages=hi, presence_penalty=-2.0,
+                                       logit_bias={"5": -100}, stop=["a", "b", "c", "d"]).choices

@@ -117,3 +117,31 @@ def test_a_batch_survives_sigkill_with_each_result_once(tiny_model_dir, tmp_path
             assert r.result.message.content[0].text == interactive(client, i, 24).content[0].text
     finally:
         server.stop()
+
+
+def test_a_batch_ends_however_its_requests_fail(tiny_model_dir):
+    """A request refused for what it is (a 4xx) is errored at once, with the error; one the server fails
+    (a 5xx: here every route raises, STRATUM_FAULT_INJECT=route) is tried again with backoff a bounded
+    number of times, then errored; the log has one line per failure, and the batch ends."""
+    from stratum.server.batches import MAX_FAILURES
+
+    server = ServerProcess(str(tiny_model_dir), "--served-model-name", "tiny", "--kv-cache-mb", "8",
+                           env={"STRATUM_FAULT_INJECT": "route"}).wait_ready()
+    try:
+        client = anthropic.Anthropic(base_url=server.url, api_key="test", max_retries=0)
+        batch = client.messages.batches.create(requests=[
+            {"custom_id": "unbounded", "params": {**params(0), "top_k": 2**64}},
+            {"custom_id": "server-fails", "params": params(1)}])
+        ended = wait_ended(client, batch.id, timeout=90)
+        results = {r.custom_id: r.result for r in client.messages.batches.results(batch.id)}
+        unbounded, fails = results["unbounded"], results["server-fails"]
+        assert unbounded.type == "errored" and unbounded.error.type == "invalid_request_error"
+        assert "top_k" in str(unbounded.error.model_dump())
+        assert fails.type == "errored" and fails.error.type == "api_error"
+        assert ended.request_counts.errored == 2
+        server.log.flush()
+        log = open(server.log.name).read()
+        assert log.count("stratum.batches: batch request") == MAX_FAILURES, log[-3000:]
+        assert f"failed ({MAX_FAILURES} of {MAX_FAILURES})" in log and "unbounded" not in log
+    finally:
+        server.stop()

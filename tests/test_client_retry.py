@@ -85,7 +85,8 @@ def test_429_trims_the_oldest_turns_when_allowed(servers):
     messages = history + [{"role": "user", "content": "And the total?"}]
 
     def bound(kept: list[dict]) -> int:  # what the server reserves: counted prompt tokens + max_tokens
-        r = httpx.post(servers["budget"].url + "/v1/messages/count_tokens", json={"model": "tiny", "messages": kept})
+        r = httpx.post(servers["budget"].url + "/v1/messages/count_tokens", json={"model": "tiny", "messages": kept},
+                       headers={"x-api-key": f"counter-{uuid.uuid4().hex}"})  # counting is charged: a tenant of its own
         return r.json()["input_tokens"] + 2
 
     assert bound(messages) > 400 > estimate_tokens({"messages": messages, "max_tokens": 2})  # more than chars / 4

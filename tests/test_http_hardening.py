@@ -72,6 +72,27 @@ def test_oversized_headers_get_431(server):
     assert str(MAX_HEADER_BYTES) in body["error"]["message"]
 
 
+@pytest.mark.parametrize("size", [3 * MAX_HEADER_BYTES, 12 * MAX_HEADER_BYTES])
+def test_a_large_header_in_one_piece_gets_431(server, size):
+    """The parser bounds only headers still arriving; headers that came whole are bounded by the app."""
+    head = b"POST /v1/messages HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\nx-big: " + b"a" * size + b"\r\n\r\n{}"
+    with connect(server) as s:
+        s.sendall(head)
+        status, headers, body = read_response(s)
+    check_error(status, headers, body, 431, "request_too_large")
+    assert str(MAX_HEADER_BYTES) in body["error"]["message"] and headers["connection"] == "close"
+
+
+def test_too_many_headers_get_431(server):
+    many = {f"x-h{i}": "v" for i in range(300)}  # 300 small headers, well under the byte limit
+    r = httpx.post(server.url + "/v1/chat/completions", headers=many, timeout=30,
+                   json={"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 431 and "more than 256" in r.json()["error"]["message"], r.text
+    r = httpx.post(server.url + "/v1/messages", headers={"x-fine": "a" * (MAX_HEADER_BYTES // 2)}, timeout=30,
+                   json={"model": "tiny", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 200, r.text
+
+
 @pytest.mark.parametrize("length", [b"abc", b"-5", b"12, 13"])
 def test_malformed_content_length_gets_400_in_the_error_shape(server, length):
     with connect(server) as s:

@@ -1,6 +1,7 @@
 """Fault injection for tests, from $STRATUM_FAULT_INJECT: "scheduler" or "cache" make that logic raise
 (the engine degrades to basic mode), "engine_death:N" kills the engine loop after N steps,
-"start_death:K" kills every engine process from the K-th restart on as it starts (a crash loop)."""
+"start_death:K" kills every engine process from the K-th restart on as it starts (a crash loop), "route" makes
+the generating routes raise an unhandled error once a body is read (the server's own bug, a 500)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ class EngineKilled(BaseException):
 
 @dataclass(frozen=True, slots=True)
 class Faults:
-    orchestration: str | None = None  # "scheduler" | "cache": that logic raises
+    orchestration: str | None = None  # "scheduler" | "cache": that logic raises; "route": the routes do
     death_after: int | None = None  # the loop dies after this many steps
     start_death_from: int | None = None  # engine processes of this start number on die as they start
 
@@ -33,6 +34,10 @@ class Faults:
             _, _, n = spec.partition(":")
             return cls(death_after=int(n or 0))
         return cls(orchestration=spec)
+
+    @property
+    def is_route_error(self) -> bool:
+        return self.orchestration == "route"
 
     def check_death(self, num_steps: int) -> None:
         """Raises EngineKilled once num_steps reaches the injected death."""

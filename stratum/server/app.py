@@ -23,11 +23,14 @@ from stratum.server.auth import authenticate, tenant_of
 from stratum.server.body import read_request
 from stratum.server.budget import BudgetStore
 from stratum.server.chat import anthropic_input, build_prompt
-from stratum.server.errors import (APIError, ClientDisconnected, InvalidRequest, MethodNotAllowed, NotFound, Overloaded,
+from stratum.server.counting import TokenCounter
+from stratum.server.errors import (APIError, HeadersTooLarge, InvalidRequest, MethodNotAllowed, NotFound, Overloaded,
                                    RequestTooLarge, error_response, new_request_id)
 from stratum.server.http import OVER_LIMIT
-from stratum.server.protocol import CountTokensRequest
 from stratum.server.ollama_routes import ollama_routes
+from stratum.server.openapi import describe_bodies
+from stratum.server.protocol import (BatchCreateRequest, ChatCompletionRequest, CompletionRequest, CountTokensRequest,
+                                     InputTokensRequest, MessagesRequest, ResponsesRequest)
 from stratum.server.routes import generation_routes
 from stratum.server.runtime import Runtime, make_runtime
 from stratum.server.settings import ServerSettings
@@ -64,7 +67,8 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     if settings.console:
         _console_routes(app, rt, settings, runner)
     app.add_middleware(Envelope, max_body_bytes=settings.max_body_bytes, digests=settings.key_digests, runner=runner,
-                       max_batch_bytes=settings.max_batch_bytes)
+                       max_batch_bytes=settings.max_batch_bytes, metrics=rt.metrics,
+                       max_header_bytes=settings.max_header_bytes, max_header_count=settings.max_header_count)
     if settings.cors_origins:  # outermost: a browser's preflight is answered before authentication
         # every header a request asks for is allowed (the SDKs' browser modes send x-api-key, anthropic-*,
         # authorization, x-stratum-* and x-stainless-*, which no fixed list keeps up with); the origin is
@@ -128,16 +132,23 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         settings.check_model(model_id)
         return _model_card(settings)
 
+    counter = TokenCounter(rt.admission, rt.metrics)
+
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
         req = await read_request(request, CountTokensRequest, settings.max_body_bytes, settings.body_timeout_s)
         settings.check_model(req.model)
         chat = anthropic_input(req, rt.thought_signer)
-        prompt = await asyncio.to_thread(build_prompt, engine.chat_template, chat, rt.parse_thought)
+        async with counter.admit(request, "/v1/messages/count_tokens", request.state.num_body_bytes) as counting:
+            prompt = await counting.count(build_prompt, engine.chat_template, chat, rt.parse_thought)
         return {"input_tokens": len(prompt.token_ids)}
 
-    generation_routes(app, rt, settings)
+    generation_routes(app, rt, settings, counter)
     ollama_routes(app, rt, settings)
+    describe_bodies(app, {"/v1/messages": MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest,
+                          "/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
+                          "/v1/responses": ResponsesRequest, "/v1/responses/input_tokens": InputTokensRequest,
+                          batches.BATCHES_PATH: BatchCreateRequest})
     return app
 
 
@@ -176,8 +187,7 @@ def _error_handlers(app: FastAPI, rt: Runtime) -> None:
 
     @app.exception_handler(APIError)
     async def on_api_error(request: Request, e: APIError):
-        if not isinstance(e, ClientDisconnected):
-            rt.metrics.observe_error(request.url.path, e.status_on(request.url.path))
+        rt.metrics.observe_error(request.url.path, e.status_on(request.url.path))  # a ClientDisconnected as 499
         return error_response(e, request.state.request_id, request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
@@ -188,11 +198,13 @@ def _error_handlers(app: FastAPI, rt: Runtime) -> None:
             err = MethodNotAllowed(f"method {request.method} not allowed on {request.url.path}")
         else:
             err = InvalidRequest(str(e.detail))
+        rt.metrics.observe_error(request.url.path, err.status)
         return error_response(err, request.state.request_id, request.url.path)
 
     @app.exception_handler(Exception)
     async def on_unexpected(request: Request, e: Exception):
         log.exception("unhandled error")
+        rt.metrics.observe_error(request.url.path, 500)
         return error_response(APIError("internal server error"), request.state.request_id, request.url.path)
 
 
@@ -239,8 +251,12 @@ class Envelope:
     the body-size limit and authentication, before any route runs. (Not BaseHTTPMiddleware: it hides
     client disconnects from the routes.)"""
 
-    def __init__(self, app, max_body_bytes: int, digests: tuple[bytes, ...], runner=None, max_batch_bytes: int = 0):
+    def __init__(self, app, max_body_bytes: int, digests: tuple[bytes, ...], runner=None, max_batch_bytes: int = 0,
+                 metrics=None, max_header_bytes: int = 32 * 1024, max_header_count: int = 256):
         self.app = app
+        self.max_header_bytes = max_header_bytes
+        self.max_header_count = max_header_count
+        self.metrics = metrics  # its refusals are counted as the routes' are
         self.max_body_bytes = max_body_bytes
         self.digests = digests
         self.runner = runner  # its in-process calls carry a secret instead of a key, and their batch's tenant
@@ -260,6 +276,7 @@ class Envelope:
 
         request = Request(scope)
         try:
+            self._check_headers(scope["headers"])
             if scope["state"].get(OVER_LIMIT):
                 raise Overloaded("too many connections to this server; retry shortly",
                                  headers={"retry-after": "1", "connection": "close"})
@@ -272,8 +289,27 @@ class Envelope:
             elif self.digests and not scope["path"].startswith(OPEN_PATHS) and scope["method"] != "OPTIONS":
                 authenticate(request, self.digests)
         except APIError as e:
+            if self.metrics is not None:
+                self.metrics.observe_error(scope["path"], e.status)
             return await error_response(e, request_id, scope["path"])(scope, receive, send_with_id)
         await self.app(scope, receive, send_with_id)
+
+
+    def _check_headers(self, headers: list[tuple[bytes, bytes]]) -> None:
+        """The header limits, over the headers as parsed: the HTTP parser bounds only headers still
+        arriving (h11's incomplete-event size), so headers that came in one piece are checked here.
+
+        Raises:
+            HeadersTooLarge: 431, more than max_header_count headers, or more than max_header_bytes
+                as sent (`name: value` and its line end).
+        """
+        if len(headers) > self.max_header_count:
+            raise HeadersTooLarge(f"request has {len(headers)} headers, more than {self.max_header_count}",
+                                  headers={"connection": "close"})
+        size = sum(len(k) + len(v) + 4 for k, v in headers)
+        if size > self.max_header_bytes:
+            raise HeadersTooLarge(f"request headers exceed {self.max_header_bytes} bytes ({size})",
+                                  headers={"connection": "close"})
 
 
 def replica_health(v: ReplicaView) -> dict[str, Any]:

@@ -46,7 +46,9 @@ BATCHES_PATH = "/v1/messages/batches"
 INTERNAL_HEADER = "x-stratum-internal"  # the runner's calls: the per-process secret
 TENANT_HEADER = "x-stratum-batch-tenant"  # the tenant the batch belongs to, honoured with the secret only
 FINAL = ("succeeded", "errored", "canceled", "expired")
-RETRY = {429, 503, 529}  # the server could not take it now (budget, drain, queue): it stays pending
+NOT_NOW = {429, 503, 529}  # the server cannot take it now (budget, drain, engine, queue): waits while its batch lasts
+MAX_FAILURES = 5  # a request that failed (a 5xx, an error in the runner) this often is an errored result
+BACKOFF_S, MAX_BACKOFF_S = 0.5, 30.0  # the wait before the next try: doubling from BACKOFF_S, at most MAX_BACKOFF_S
 
 _SCHEMA = """
 create table if not exists batches (
@@ -230,6 +232,8 @@ class BatchRunner:
         self.retention_s = retention_s
         self.poll_s = poll_s
         self.in_flight: dict[tuple[str, str], asyncio.Task] = {}
+        # requests waiting to be tried again: (failures so far, tries so far, monotonic time of the next try)
+        self.backoff: dict[tuple[str, str], tuple[int, int, float]] = {}
         self._task: asyncio.Task | None = None
 
     def start(self) -> None:
@@ -246,7 +250,7 @@ class BatchRunner:
         return given is not None and secrets.compare_digest(given.encode("latin-1"), self.secret.encode())
 
     async def _run(self) -> None:
-        transport = httpx.ASGITransport(app=self.app)
+        transport = httpx.ASGITransport(app=self.app, raise_app_exceptions=False)  # an app's error is its 500
         async with httpx.AsyncClient(transport=transport, base_url="http://stratum.batch", timeout=None) as client:
             while True:
                 try:
@@ -255,8 +259,10 @@ class BatchRunner:
                         interactive = sum(1 for j in self.rt.active.values() if not j.is_batch)
                         room = (self.busy_concurrency if interactive else self.idle_concurrency) - len(self.in_flight)
                         if room > 0:
+                            now = time.monotonic()
+                            waiting = {key for key, (_, _, at) in self.backoff.items() if at > now}
                             for batch_id, tenant, custom_id, params in await asyncio.to_thread(
-                                    self.store.pending, room, set(self.in_flight)):
+                                    self.store.pending, room, set(self.in_flight) | waiting):
                                 key = (batch_id, custom_id)
                                 self.in_flight[key] = asyncio.create_task(self._one(client, key, tenant, params))
                 except asyncio.CancelledError:
@@ -266,32 +272,63 @@ class BatchRunner:
                 await asyncio.sleep(self.poll_s)
 
     async def _one(self, client: httpx.AsyncClient, key: tuple[str, str], tenant: str, params: str) -> None:
+        """Run one request and write its result. A 4xx is an errored result at once (the request is
+        wrong, and a retry will not change that); "not now" (429, 503, 529) is tried again after a backoff
+        for as long as the batch lasts; a failure (a 5xx, an error here) is tried again after a backoff
+        up to MAX_FAILURES times, then is an errored result with the last error. Each failure is one line
+        in the log."""
         try:
-            body = json.loads(params)
-            if body.get("stream"):
-                result = {"type": "errored",
-                          "error": error_object(InvalidRequest("stream is not supported in a batch request"))}
-            else:
-                r = await client.post("/v1/messages", content=params, headers={
-                    INTERNAL_HEADER: self.secret, TENANT_HEADER: tenant, "content-type": "application/json"})
-                if r.status_code in RETRY:
-                    await asyncio.sleep(1.0)  # not now: it stays pending and runs again
-                    return
-                data = r.json()
-                if r.status_code == 200:  # with the cost the interactive response carries in its headers
-                    result = {"type": "succeeded", "message": data, "stratum_cost": {
-                        "header": r.headers.get("x-stratum-cost"), "mode": r.headers.get("x-stratum-mode")}}
-                else:
-                    error = data["error"] if "error" in data else error_object(APIError(r.text[:500]))
-                    result = {"type": "errored", "error": error}
-            await asyncio.to_thread(self.store.finish, *key, result)
+            result = await self._result(client, key, tenant, params)
         except asyncio.CancelledError:
             raise
-        except Exception:
-            log.exception("batch request %s/%s failed", *key)
-            await asyncio.sleep(1.0)
+        except Exception as e:
+            result = self._retry(key, "failure", error_object(APIError(f"{type(e).__name__}: {e}"[:500])))
         finally:
             self.in_flight.pop(key, None)
+        if result is None:
+            return
+        self.backoff.pop(key, None)
+        try:
+            await asyncio.to_thread(self.store.finish, *key, result)
+        except Exception as e:  # the store failed: the request stays pending and runs again
+            log.warning("batch request %s/%s: its result was not written: %s: %s", *key, type(e).__name__, e)
+
+    async def _result(self, client: httpx.AsyncClient, key: tuple[str, str], tenant: str,
+                      params: str) -> dict[str, Any] | None:
+        """The request's result, or None when it is to be tried again."""
+        body = json.loads(params)
+        if body.get("stream"):
+            refused = InvalidRequest("stream is not supported in a batch request")
+            return {"type": "errored", "error": error_object(refused)}
+        r = await client.post("/v1/messages", content=params, headers={
+            INTERNAL_HEADER: self.secret, TENANT_HEADER: tenant, "content-type": "application/json"})
+        if r.status_code == 200:  # with the cost the interactive response carries in its headers
+            return {"type": "succeeded", "message": r.json(), "stratum_cost": {
+                "header": r.headers.get("x-stratum-cost"), "mode": r.headers.get("x-stratum-mode")}}
+        try:
+            data = r.json()
+            error = data["error"] if isinstance(data, dict) and isinstance(data.get("error"), dict) else None
+        except ValueError:
+            error = None
+        error = error or error_object(APIError(f"HTTP {r.status_code}: {r.text[:500]}"))
+        if r.status_code in NOT_NOW or r.status_code >= 500:
+            return self._retry(key, "not_now" if r.status_code in NOT_NOW else "failure", error,
+                               r.status_code)
+        return {"type": "errored", "error": error}
+
+    def _retry(self, key, kind: str, error: dict[str, Any], status: int | None = None) -> dict[str, Any] | None:
+        """Back off before `key`'s next try (None), or its errored result once its failures are spent."""
+        failures, tries, _ = self.backoff.get(key, (0, 0, 0.0))
+        tries += 1
+        if kind == "failure":
+            failures += 1
+            log.warning("batch request %s/%s failed (%d of %d): %s%s", *key, failures, MAX_FAILURES,
+                        f"HTTP {status}: " if status else "", error.get("message", "")[:200])
+            if failures >= MAX_FAILURES:
+                self.backoff.pop(key, None)
+                return {"type": "errored", "error": error}
+        self.backoff[key] = (failures, tries, time.monotonic() + min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (tries - 1)))
+        return None
 
 
 def batch_routes(app: FastAPI, rt: Runtime, settings: ServerSettings, store: BatchStore) -> None:

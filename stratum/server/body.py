@@ -51,16 +51,21 @@ async def read_request(request: Request, model: type[Model], limit: int, timeout
         body += chunk
         if len(body) > limit:
             raise RequestTooLarge(f"request body exceeds {limit} bytes")
+    request.state.num_body_bytes = len(body)  # what the token-counting routes are charged by (`counting`)
     if len(body) <= _PARSE_INLINE_BYTES:
         return _parse(model, _decode_json(bytes(body)))
     return await asyncio.to_thread(lambda: _parse(model, _decode_json(bytes(body))))
 
 
 def _decode_json(body: bytes) -> dict[str, Any]:
+    # Decoded here, strictly: json.loads on bytes decodes with "surrogatepass", which lets an encoded
+    # surrogate (ED A0 80) through as a str no tokenizer can encode.
     try:
-        data = json.loads(body)
-    except UnicodeDecodeError:
-        raise InvalidRequest("request body is not valid UTF-8") from None
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InvalidRequest(f"request body is not valid UTF-8 (byte {e.start}: {e.reason})") from None
+    try:
+        data = json.loads(text, parse_constant=_refuse_constant)
     except (ValueError, RecursionError) as e:
         raise InvalidRequest(f"request body is not valid JSON: {type(e).__name__}: {e}"[:300]) from None
     if not isinstance(data, dict):
@@ -71,6 +76,10 @@ def _decode_json(body: bytes) -> dict[str, Any]:
         except UnicodeEncodeError:
             raise InvalidRequest("request body contains a lone UTF-16 surrogate") from None
     return data
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a JSON value")
 
 
 def _parse(model: type[Model], data: dict[str, Any]) -> Model:

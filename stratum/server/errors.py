@@ -63,9 +63,11 @@ class BodyTimeout(APIError):
 
 
 class ClientDisconnected(APIError):
-    """The client left before its request was read; the answer is for the log and metrics, not for it."""
+    """The client left before its answer (while sending its body, or while a non-streamed answer ran):
+    499, nginx's "client closed request", so the metrics never count a hang-up as a server error. The
+    answer is for the log and metrics, not for the client."""
 
-    status, type = 400, "invalid_request_error"
+    status, type = 499, "invalid_request_error"
 
 
 class RequestTooLarge(APIError):

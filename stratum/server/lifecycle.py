@@ -35,7 +35,8 @@ from stratum.server.budget import Reservation
 from stratum.server.chat import ChatInput, Prompt, build_prompt, pins_for
 from stratum.server.compression import compress
 from stratum.server.controls import Controls, check_control_headers, controls_of
-from stratum.server.errors import APIError, EngineUnavailable, InvalidRequest, Overloaded, as_api_error
+from stratum.server.errors import (APIError, ClientDisconnected, EngineUnavailable, InvalidRequest, Overloaded,
+                                   as_api_error)
 from stratum.server.policy import Matcher, OutputScreen, Rule, mask_messages, mask_text, prompt_texts, screen_prompt
 from stratum.server.render import RenderContext, Renderer
 from stratum.server.report import Facts, Report, early_headers, final_report
@@ -125,6 +126,7 @@ class RequestLifecycle:
     # its end
     cancelled: APIError | None = None  # ended by the server (a drain out of time)
     is_handed_over: bool = False  # a streamed response owns it now, and closes it
+    stream_error: APIError | None = None  # what ended its stream after the 200
     is_ended: bool = False
     cpu0: float = field(default_factory=time.process_time)
     wall0: float = field(default_factory=time.perf_counter)
@@ -435,7 +437,10 @@ class RequestLifecycle:
         except Exception as e:
             if not isinstance(e, APIError):
                 log.exception("stream failed")
-            yield renderer.error(as_api_error(e))
+            error = as_api_error(e)
+            self.stream_error = error
+            self.rt.metrics.observe_error(self.endpoint, error.status)  # after its 200: counted by what it was
+            yield renderer.error(error)
 
     async def collect(self) -> list[RequestOutput]:
         """Read the request to its end, without streaming; a client that disconnects aborts it (checked
@@ -452,7 +457,7 @@ class RequestLifecycle:
             if len(finals) < len(self.choices) and time.monotonic() >= next_check:
                 next_check = time.monotonic() + _DISCONNECT_CHECK_S
                 if await self.request.is_disconnected():
-                    raise EngineUnavailable("client disconnected")
+                    raise ClientDisconnected("client disconnected")
         return [finals[i] for i in range(len(finals))]
 
     async def respond(self, renderer: Renderer, is_stream: bool, media_type: str = "text/event-stream") -> Response:
@@ -511,7 +516,10 @@ class RequestLifecycle:
     async def close(self) -> None:
         """However the request ended (answered, refused after admission, failed, disconnected, cancelled):
         its engine stream is closed, which aborts it in the engine if it still runs (its blocks are
-        freed), and it is released and settled (`_end`). Idempotent."""
+        freed), and it is released and settled (`_end`). Idempotent. A stream that ends neither finished
+        nor failed nor cancelled was closed by its client: counted as 499."""
+        if self.is_handed_over and not self.is_ended and self.stream_error is None and self.cancelled is None:
+            self.rt.metrics.observe_error(self.endpoint, ClientDisconnected.status)
         if self.stream is not None:
             await self.stream.close()
         self._end(None)

@@ -7,10 +7,12 @@ import asyncio
 
 from fastapi import FastAPI, Request
 
+from stratum.engine.faults import Faults
 from stratum.server import anthropic_api, openai_api, responses_api, responses_chat
 from stratum.server.auth import owner_of
 from stratum.server.body import read_request
 from stratum.server.chat import anthropic_input, build_prompt, openai_input
+from stratum.server.counting import TokenCounter
 from stratum.server.errors import InvalidRequest
 from stratum.server.lifecycle import RequestLifecycle
 from stratum.server.protocol import (ChatCompletionRequest, CompletionRequest, InputTokensRequest, MessagesRequest,
@@ -23,12 +25,16 @@ from stratum.server.settings import ServerSettings
 MAX_CHOICES = 64
 
 
-def generation_routes(app: FastAPI, rt: Runtime, settings: ServerSettings) -> None:
-    """/v1/messages, /v1/chat/completions, /v1/completions and /v1/responses."""
+def generation_routes(app: FastAPI, rt: Runtime, settings: ServerSettings, counter: TokenCounter) -> None:
+    """/v1/messages, /v1/chat/completions, /v1/completions and /v1/responses (its token count under
+    `counter`'s admission)."""
     engine, defaults = rt.engine, settings.sampling_defaults
+    faults = Faults.from_env()
 
     async def read(request: Request, model):
         req = await read_request(request, model, settings.max_body_bytes, settings.body_timeout_s)
+        if faults.is_route_error:
+            raise RuntimeError("injected route error (STRATUM_FAULT_INJECT=route)")
         settings.check_model(req.model)
         return req
 
@@ -83,10 +89,10 @@ def generation_routes(app: FastAPI, rt: Runtime, settings: ServerSettings) -> No
             renderer = openai_api.Text(lc.render_context(req.model), include_usage, engine.tokenizer, echoes)
             return await lc.respond(renderer, req.stream)
 
-    responses_routes(app, rt, settings, read)
+    responses_routes(app, rt, settings, read, counter)
 
 
-def responses_routes(app: FastAPI, rt: Runtime, settings: ServerSettings, read) -> None:
+def responses_routes(app: FastAPI, rt: Runtime, settings: ServerSettings, read, counter: TokenCounter) -> None:
     """/v1/responses: create (a stored response's conversation continued with previous_response_id),
     retrieve, delete, and list a stored response's input items."""
     store, keyed = rt.responses, bool(settings.api_keys)
@@ -116,7 +122,8 @@ def responses_routes(app: FastAPI, rt: Runtime, settings: ServerSettings, read) 
         if req.model is not None:
             settings.check_model(req.model)
         chat = responses_chat.as_chat(req, store, owner_of(request, keyed)).chat
-        prompt = await asyncio.to_thread(build_prompt, rt.engine.chat_template, chat, rt.parse_thought)
+        async with counter.admit(request, "/v1/responses/input_tokens", request.state.num_body_bytes) as counting:
+            prompt = await counting.count(build_prompt, rt.engine.chat_template, chat, rt.parse_thought)
         return {"object": "response.input_tokens", "input_tokens": len(prompt.token_ids)}
 
     @app.get("/v1/responses/{response_id}")

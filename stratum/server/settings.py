@@ -21,6 +21,8 @@ class ServerSettings:
         model_patterns: globs of other model names served by the loaded model (`check_model`).
         api_keys: accepted keys; empty means no authentication. Only their SHA-256 digests are kept.
         max_body_bytes: request bodies above this get 413 before any parsing.
+        max_header_bytes, max_header_count: requests whose headers are larger, or more, get 431 (`app.Envelope`,
+            whatever the pieces they arrived in).
         header_wait_s: a stream waits this long for prefill before sending headers without its figures.
         default_temperature, default_top_p: what a request that omits them samples with (the model's
             recommended settings; `sampling_defaults`).
@@ -52,6 +54,8 @@ class ServerSettings:
     model_patterns: tuple[str, ...] = ("claude-*",)
     api_keys: tuple[str, ...] = ()
     max_body_bytes: int = 4 * 2**20
+    max_header_bytes: int = 32 * 1024
+    max_header_count: int = 256
     ping_interval_s: float = 5.0
     header_wait_s: float = 2.0
     default_temperature: float = 1.0  # Anthropic's default when a request omits it

@@ -179,8 +179,9 @@ class Metrics:
                         for t, (n, usd) in sorted(by_tenant.items())],
         }
 
-    def observe_error(self, endpoint: str, status: int) -> None:
-        self.requests.labels(endpoint, str(status)).inc()
+    def observe_error(self, path: str, status: int) -> None:
+        """A request answered with an error `status` (499: the client closed it first), by its route."""
+        self.requests.labels(endpoint_of(path), str(status)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -191,6 +192,22 @@ def _percentiles(values: list[float]) -> dict[str, float | None]:
         return {"p50": None, "p90": None}
     values = sorted(values)
     return {"p50": statistics.median(values), "p90": values[int(0.9 * (len(values) - 1))]}
+
+
+# The routes a request is counted under; any other path is "other", so that no client can grow the
+# series without bound (a scan of random paths).
+ENDPOINTS = ("/v1/messages/count_tokens", "/v1/messages/batches", "/v1/messages", "/v1/chat/completions",
+             "/v1/completions", "/v1/responses/input_tokens", "/v1/responses", "/v1/models", "/health", "/metrics",
+             "/console")
+
+
+def endpoint_of(path: str) -> str:
+    """The `endpoint` label of a request's path: the route it names (a batch's or a response's id left
+    out), else "other"."""
+    for endpoint in ENDPOINTS:
+        if path == endpoint or path.startswith(endpoint + "/"):
+            return endpoint
+    return "other"
 
 
 class _ReplicaCollector:

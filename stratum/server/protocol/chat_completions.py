@@ -5,10 +5,14 @@ from __future__ import annotations
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import Discriminator, Field, Tag, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
-from stratum.server.protocol.common import TOOL_NAME, Loose, by_type, check_object_schema, refuse_media, str_or_list
+from stratum.server.protocol.common import (MAX_COUNT, SEED_MAX, SEED_MIN, TOOL_NAME, Loose, by_type,
+                                            check_object_schema, refuse_media, str_or_list)
 
 MAX_N = 16  # samples per request on the OpenAI endpoints
+MAX_STOP = 4  # stop sequences per request: OpenAI's limit
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]  # OpenAI's range for frequency and presence penalties
 
 
 class OAITextPart(Loose):
@@ -220,21 +224,41 @@ class _Sampled(Loose):
 
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
+    top_k: int | None = Field(default=None, ge=0, le=SEED_MAX)  # beyond the vocabulary: no filter
     n: int = Field(default=1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: OAIStreamOptions | None = None
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)
     user: str | None = Field(default=None, max_length=256)
     ignore_eos: bool = False
+    # Checked as OpenAI checks them, and without effect: the sampler has no penalties or biases.
+    frequency_penalty: Penalty | None = None
+    presence_penalty: Penalty | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _stop_count(cls, v):
+        if isinstance(v, list) and len(v) > MAX_STOP:
+            raise PydanticCustomError("too_many_stops", "at most {most} stop sequences, got {n}",
+                                      {"most": MAX_STOP, "n": len(v)})
+        return v
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, v):
+        for key in v or {}:
+            if not (key.isascii() and key.isdigit() and int(key) <= MAX_COUNT):
+                raise PydanticCustomError("bias_key", "keys must be token ids, got {key}", {"key": repr(key[:32])})
+        return v
 
 
 class ChatCompletionRequest(_Sampled):
     model: str = Field(min_length=1, max_length=256)
     messages: list[OAIMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(default=None, ge=0)
-    max_completion_tokens: int | None = Field(default=None, ge=0)
+    max_tokens: int | None = Field(default=None, ge=0, le=MAX_COUNT)
+    max_completion_tokens: int | None = Field(default=None, ge=0, le=MAX_COUNT)
     tools: list[OAITool] | None = None
     tool_choice: OAIToolChoice | None = None
     parallel_tool_calls: bool | None = None  # false: at most one call per answer
@@ -259,11 +283,11 @@ class CompletionRequest(_Sampled):
 
     model: str = Field(min_length=1, max_length=256)
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: int | None = Field(default=16, ge=0)
+    max_tokens: int | None = Field(default=16, ge=0, le=MAX_COUNT)
     echo: bool = False
     logprobs: int | None = Field(default=None, ge=0, le=5)
     suffix: str | None = None
-    best_of: int | None = Field(default=None, ge=1)
+    best_of: int | None = Field(default=None, ge=1, le=MAX_N)
 
     @model_validator(mode="after")
     def _rules(self):

@@ -8,6 +8,11 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Tag
 from pydantic_core import PydanticCustomError
 
 TOOL_NAME = r"^[a-zA-Z0-9_-]{1,128}$"
+# Bounds on every number a request carries, so none reaches the engine process unbounded (its frames
+# are msgpack, whose integers stop at 64 bits): a count is at most INT32_MAX, far beyond any context;
+# a seed is OpenAI's int64, and so is the bound of a number whose large values mean "no limit" (top_k).
+MAX_COUNT = 2**31 - 1
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 _TOOL_RESULT_READABLE = {"text", "search_result", "document", "tool_reference"}  # blocks an Anthropic tool_result holds
 
 

@@ -7,7 +7,8 @@ from typing import Annotated, Any, Literal, Union
 
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from stratum.server.protocol.common import TOOL_NAME, Strict, check_object_schema, refuse_media, str_or_list
+from stratum.server.protocol.common import (MAX_COUNT, SEED_MAX, SEED_MIN, TOOL_NAME, Strict, check_object_schema,
+                                            refuse_media, str_or_list)
 
 
 def _check_messages(messages: list, tools: list | None) -> None:
@@ -295,7 +296,7 @@ class ThinkingConfig(Strict):
     blocks; a model that does not reason returns none."""
 
     type: Literal["enabled", "disabled", "adaptive", "between_tools"]
-    budget_tokens: int | None = Field(default=None, ge=1024)  # Anthropic's least
+    budget_tokens: int | None = Field(default=None, ge=1024, le=MAX_COUNT)  # Anthropic's least
     display: Any = None
 
     @model_validator(mode="after")
@@ -360,15 +361,16 @@ class _Prompted(Strict):
 
 
 class MessagesRequest(_Prompted):
-    max_tokens: int = Field(ge=0)
+    # up to int64: above the context `sampling.check_output_limit` answers in Anthropic's words (Claude Code reads them)
+    max_tokens: int = Field(ge=0, le=SEED_MAX)
     stop_sequences: list[Annotated[str, Field(min_length=1)]] | None = Field(default=None, max_length=16)
     temperature: float | None = Field(default=None, ge=0.0, le=1.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
-    top_k: int | None = Field(default=None, ge=0)
+    top_k: int | None = Field(default=None, ge=0, le=SEED_MAX)  # beyond the vocabulary: no filter
     metadata: Metadata | None = None
     stream: bool = False
     ignore_eos: bool = False  # vLLM's extension, for benchmarks
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # extension: reproducible sampling
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)  # extension: reproducible sampling
     # Accepted for compatibility and ignored: no effect on a local model.
     service_tier: str | None = None
     inference_geo: str | None = None

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from stratum.server.protocol.common import TOOL_NAME, Loose, str_or_list
+from stratum.server.protocol.common import MAX_COUNT, SEED_MAX, SEED_MIN, TOOL_NAME, Loose, str_or_list
 from stratum.server.protocol.response_items import RespInputItem, RespMessage
 from stratum.server.protocol.response_tools import RespTool, RespToolChoice, check_unique
 
@@ -47,7 +47,7 @@ class ResponsesRequest(Loose):
     tools: list[RespTool] | None = None
     tool_choice: RespToolChoice | None = None
     parallel_tool_calls: bool | None = None
-    max_output_tokens: int | None = Field(default=None, ge=1)
+    max_output_tokens: int | None = Field(default=None, ge=1, le=MAX_COUNT)
     temperature: float | None = Field(default=None, ge=0.0, le=2.0)
     top_p: float | None = Field(default=None, gt=0.0, le=1.0)
     text: RespTextConfig | None = None
@@ -62,7 +62,7 @@ class ResponsesRequest(Loose):
     background: bool | None = None
     prompt: Any = None
     truncation: Literal["auto", "disabled"] | None = None
-    seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)  # extension, as on chat completions
+    seed: int | None = Field(default=None, ge=SEED_MIN, le=SEED_MAX)  # extension, as on chat completions
     ignore_eos: bool = False  # vLLM's extension, for benchmarks
 
     @model_validator(mode="after")
