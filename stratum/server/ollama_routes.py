@@ -26,9 +26,10 @@ from stratum.server.settings import ServerSettings
 
 
 class NotImplementedHere(APIError):
-    """501: an Ollama route this server does not serve (model management)."""
+    """An Ollama route this server does not serve (model management): 400, the client's request, since no
+    request a client can send answers 5xx (a 501 would page an operator for a client's choice)."""
 
-    status, type = 501, "api_error"
+    status, type = 400, "invalid_request_error"
 
 
 def ollama_thinking(think, model: str, reasons: bool) -> Thinking:
