@@ -237,6 +237,10 @@ def test_errors_are_ollamas(tiny, tiny_server):
     assert status == 400 and "temperature" in error
     assert status_of(lambda: tiny.chat(model="tiny", messages=hi(), keep_alive="soon"))[0] == 400
     assert status_of(lambda: tiny.chat(model="tiny", messages=hi(), options={"temperature": 5}))[0] == 400
+    for options in ({"top_k": 2**64}, {"num_predict": 2**64}):  # numbers past what the engine carries: a 400
+        status, error = status_of(lambda: tiny.chat(model="tiny", messages=hi(), options=options))
+        assert status == 400 and next(iter(options)) in error
+    assert status_of(lambda: tiny.generate(model="tiny", prompt="hi", context=[2**64]))[0] == 400
     for r in (httpx.post(tiny_server.url + "/api/chat", content=b"{not json"),
               httpx.post(tiny_server.url + "/api/chat", json={"model": "tiny", "messages": "hi"})):
         assert r.status_code == 400 and set(r.json()) == {"error"}

@@ -4,11 +4,11 @@ reference (docs/api.md in the ollama repository). Unknown fields are ignored, as
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from stratum.server.protocol.common import TOOL_NAME, Loose, check_object_schema
+from stratum.server.protocol.common import MAX_COUNT, SEED_MAX, TOOL_NAME, Loose, check_object_schema
 
 # Go's time.ParseDuration units, which Ollama's keep_alive strings use ("5m", "1h30m", "-1s", "0")
 _DURATION = re.compile(r"^[-+]?(?:(?:\d+(?:\.\d*)?|\.\d+)(?:ns|us|µs|ms|s|m|h))+$|^[-+]?0$")
@@ -21,9 +21,10 @@ class OllamaOptions(Loose):
 
     temperature: float | None = None
     top_p: float | None = None
-    top_k: int | None = Field(default=None, ge=0)
+    top_k: int | None = Field(default=None, ge=0, le=SEED_MAX)  # beyond the vocabulary: no filter
     seed: int | None = Field(default=None, ge=-(2**63), le=2**64 - 1)
-    num_predict: int | None = Field(default=None, ge=-2)  # -1: to the end of the context (-2: the same here)
+    # -1: to the end of the context (-2: the same here)
+    num_predict: int | None = Field(default=None, ge=-2, le=MAX_COUNT)
     stop: list[str] | str | None = None
     min_p: float | None = None
     repeat_penalty: float | None = None
@@ -134,7 +135,8 @@ class OllamaGenerateRequest(_Generating):
     prompt: str = ""  # empty (without context): load the model and answer at once
     system: str | None = None
     template: str | None = None
-    context: list[int] | None = None  # a previous answer's `context`: the conversation's tokens so far
+    # a previous answer's `context`: the conversation's tokens so far
+    context: list[Annotated[int, Field(ge=0, le=MAX_COUNT)]] | None = None
     raw: bool = False  # the prompt as it is, no template
     suffix: str | None = None
     images: list[str] | None = None
