@@ -80,36 +80,7 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        snap, sup = engine.snapshot, engine.supervision
-        status = ("restarting" if sup is not None and sup.state == "restarting" else "dead" if not snap.alive
-                  else "draining" if rt.draining else "ok" if is_ready(snap) else "loading")
-        body: dict[str, Any] = {"status": status, "model": settings.model_name, "mode": snap.mode,
-                                "running": snap.num_running, "waiting": snap.num_waiting, "queued": engine.num_queued,
-                                "kv_blocks": asdict(snap.kv_blocks), "engine_pid": engine.engine_pid}
-        headers = {}
-        if sup is not None:
-            body["restarts"] = sup.num_restarts
-            if sup.last_restart_s is not None:
-                body["last_restart_s"] = round(sup.last_restart_s, 3)
-            if status == "restarting":
-                body["error"] = sup.last_death
-                headers["retry-after"] = str(sup.retry_after_s)
-        if snap.step:
-            body["step"] = snap.step
-        if status == "loading":
-            body["stage"] = "waiting for the engine's first report"
-        if snap.preparing:  # a cold start serves on PyTorch while its native kernels are prepared
-            body["preparing"] = snap.preparing
-        if snap.degraded_reason:
-            body["degraded_reason"] = snap.degraded_reason
-        if snap.error and status != "restarting":
-            body["error"] = snap.error
-        if rt.draining:
-            body["in_flight"] = len(rt.active)
-        replicas = engine.replicas()
-        if replicas:
-            body["replicas"] = [replica_health(v) for v in replicas]
-        return JSONResponse(body, status_code=200 if status == "ok" else 503, headers=headers)
+        return health_response(engine, rt, settings)
 
     @app.get("/metrics")
     async def metrics():
@@ -150,6 +121,41 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
                           "/v1/responses": ResponsesRequest, "/v1/responses/input_tokens": InputTokensRequest,
                           batches.BATCHES_PATH: BatchCreateRequest})
     return app
+
+
+def health_response(engine: EngineClient, rt: Runtime, settings: ServerSettings) -> JSONResponse:
+    """/health: the engine's state in a word (ok, loading, draining, restarting, dead) and what explains it;
+    200 only when a request would run now."""
+    snap, sup = engine.snapshot, engine.supervision
+    status = ("restarting" if sup is not None and sup.state == "restarting" else "dead" if not snap.alive
+              else "draining" if rt.draining else "ok" if is_ready(snap) else "loading")
+    body: dict[str, Any] = {"status": status, "model": settings.model_name, "mode": snap.mode,
+                            "running": snap.num_running, "waiting": snap.num_waiting, "queued": engine.num_queued,
+                            "kv_blocks": asdict(snap.kv_blocks), "engine_pid": engine.engine_pid}
+    headers = {}
+    if sup is not None:
+        body["restarts"] = sup.num_restarts
+        if sup.last_restart_s is not None:
+            body["last_restart_s"] = round(sup.last_restart_s, 3)
+        if status == "restarting":
+            body["error"] = sup.last_death
+            headers["retry-after"] = str(sup.retry_after_s)
+    if snap.step:
+        body["step"] = snap.step
+    if status == "loading":
+        body["stage"] = "waiting for the engine's first report"
+    if snap.preparing:  # a cold start serves on PyTorch while its native kernels are prepared
+        body["preparing"] = snap.preparing
+    if snap.degraded_reason:
+        body["degraded_reason"] = snap.degraded_reason
+    if snap.error and status != "restarting":
+        body["error"] = snap.error
+    if rt.draining:
+        body["in_flight"] = len(rt.active)
+    replicas = engine.replicas()
+    if replicas:
+        body["replicas"] = [replica_health(v) for v in replicas]
+    return JSONResponse(body, status_code=200 if status == "ok" else 503, headers=headers)
 
 
 def is_ready(snap) -> bool:

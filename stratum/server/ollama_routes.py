@@ -84,20 +84,22 @@ def ollama_input(req: OllamaChatRequest, thinking: Thinking) -> ChatInput:
     return ChatInput(messages, _tools(req), False, system_text, output_schema=req.output_schema, thinking=thinking)
 
 
-def ollama_routes(app: FastAPI, rt: Runtime, settings: ServerSettings) -> None:
-    """Ollama's API on this app (docs/api.md, "Ollama's API")."""
-    engine, defaults = rt.engine, settings.sampling_defaults
+class _Served:
+    """What Ollama's routes ask of the served model: its card, the name check, bodies and sampling."""
 
-    def card() -> ollama_api.ModelCard:
-        return ollama_api.ModelCard.of(settings.model_name, engine.info)
+    def __init__(self, rt: Runtime, settings: ServerSettings):
+        self.rt, self.settings, self.engine, self.defaults = rt, settings, rt.engine, settings.sampling_defaults
 
-    def modified_at(c: ollama_api.ModelCard) -> str:
-        return c.facts.get("modified_at") or settings.created_at
+    def card(self) -> ollama_api.ModelCard:
+        return ollama_api.ModelCard.of(self.settings.model_name, self.engine.info)
 
-    def reasons() -> bool:
-        return engine.chat_template.thought_markers is not None
+    def modified_at(self, c: ollama_api.ModelCard) -> str:
+        return c.facts.get("modified_at") or self.settings.created_at
 
-    def check_model(name: str) -> None:
+    def reasons(self) -> bool:
+        return self.engine.chat_template.thought_markers is not None
+
+    def check_model(self, name: str) -> None:
         """The served name, with or without Ollama's tag (":latest"), or any name `check_model` serves.
 
         Raises:
@@ -105,26 +107,38 @@ def ollama_routes(app: FastAPI, rt: Runtime, settings: ServerSettings) -> None:
         """
         base = name[:-len(":latest")] if name.endswith(":latest") else name
         try:
-            settings.check_model(base)
+            self.settings.check_model(base)
         except NotFound:
-            if name != card().name:
+            if name != self.card().name:
                 raise NotFound(f"model '{name}' not found") from None
 
-    async def read(request: Request, model):
-        req = await read_request(request, model, settings.max_body_bytes, settings.body_timeout_s)
-        check_model(req.model)
+    async def read(self, request: Request, model):
+        req = await read_request(request, model, self.settings.max_body_bytes, self.settings.body_timeout_s)
+        self.check_model(req.model)
         return req
 
-    def sampling_of(req):
+    def sampling_of(self, req):
         o = req.options
-        return defaults.apply(max_tokens=o.max_tokens, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k,
-                              stop=o.stop, seed=o.seed, logprobs=req.num_logprobs)
+        return self.defaults.apply(max_tokens=o.max_tokens, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k,
+                                   stop=o.stop, seed=o.seed, logprobs=req.num_logprobs)
 
+    @staticmethod
     def loaded(req, is_chat: bool) -> Response:
         body = ollama_api.loaded(req.model, is_chat, req.is_unload)
         if req.stream:
             return Response(ollama_api.to_json(body) + "\n", media_type=ollama_api.MEDIA_TYPE)
         return JSONResponse(body)
+
+
+def ollama_routes(app: FastAPI, rt: Runtime, settings: ServerSettings) -> None:
+    """Ollama's API on this app (docs/api.md, "Ollama's API")."""
+    served = _Served(rt, settings)
+    _catalogue_routes(app, served)
+    _generation_routes(app, served)
+
+
+def _catalogue_routes(app: FastAPI, served: _Served) -> None:
+    """What is served, and what is not: the routes that generate nothing."""
 
     @app.api_route("/", methods=["GET", "HEAD"])
     async def root():
@@ -136,28 +150,55 @@ def ollama_routes(app: FastAPI, rt: Runtime, settings: ServerSettings) -> None:
 
     @app.get("/api/tags")
     async def tags():
-        c = card()
-        return {"models": [c.tag(modified_at(c))]}
+        c = served.card()
+        return {"models": [c.tag(served.modified_at(c))]}
 
     @app.get("/api/ps")
     async def ps():
-        return {"models": [card().running()]}
+        return {"models": [served.card().running()]}
 
     @app.post("/api/show")
     async def show(request: Request):
-        await read(request, OllamaShowRequest)
-        c = card()
-        capabilities = ["completion", "tools"] + (["thinking"] if reasons() else [])
+        await served.read(request, OllamaShowRequest)
+        c, defaults = served.card(), served.defaults
+        capabilities = ["completion", "tools"] + (["thinking"] if served.reasons() else [])
         parameters = {"temperature": defaults.temperature, "top_p": defaults.top_p}
-        return c.show(engine.chat_template.source, parameters, capabilities, modified_at(c))
+        return c.show(served.engine.chat_template.source, parameters, capabilities, served.modified_at(c))
+
+    @app.post("/api/embed")
+    @app.post("/api/embeddings")
+    async def embed(request: Request):
+        """Where an embedding model is served it answers here: /api/embed with {"model", "embeddings":
+        [[...] per input], "total_duration", "load_duration", "prompt_eval_count"}, /api/embeddings (the
+        older form, one `prompt`) with {"embedding": [...]}. The generating model embeds nothing: Ollama's
+        refusal for a model without the capability, 400 (and /api/show lists no "embedding")."""
+        req = await served.read(request, OllamaEmbedRequest)
+        raise InvalidRequest(f'"{req.model}" does not support embeddings')
+
+    # model management: the server serves the one model it started with
+    @app.post("/api/pull")
+    @app.post("/api/push")
+    @app.post("/api/create")
+    @app.post("/api/copy")
+    @app.delete("/api/delete")
+    @app.api_route("/api/blobs/{digest}", methods=["POST", "HEAD"])
+    async def manage(request: Request):
+        what = request.url.path.removeprefix("/api/").split("/")[0]
+        raise NotImplementedHere(f"{what} is not supported: this server serves the one model it was started with "
+                                 f"({served.card().name}); choose another with `stratum serve --model`")
+
+
+def _generation_routes(app: FastAPI, served: _Served) -> None:
+    """/api/chat and /api/generate, through the request lifecycle every API shares."""
+    rt, engine = served.rt, served.engine
 
     @app.post("/api/chat")
     async def chat(request: Request):
-        req = await read(request, OllamaChatRequest)
+        req = await served.read(request, OllamaChatRequest)
         if not req.messages:
-            return loaded(req, is_chat=True)
-        chat = ollama_input(req, ollama_thinking(req.think, req.model, reasons()))
-        sampling = sampling_of(req)
+            return served.loaded(req, is_chat=True)
+        chat = ollama_input(req, ollama_thinking(req.think, req.model, served.reasons()))
+        sampling = served.sampling_of(req)
         max_tokens = req.options.max_tokens
         async with RequestLifecycle.admit(rt, request, "/api/chat", max_tokens, None) as lc:
             await lc.prepare(chat, sampling, default_max=max_tokens is None)
@@ -168,11 +209,11 @@ def ollama_routes(app: FastAPI, rt: Runtime, settings: ServerSettings) -> None:
 
     @app.post("/api/generate")
     async def generate(request: Request):
-        req = await read(request, OllamaGenerateRequest)
+        req = await served.read(request, OllamaGenerateRequest)
         if not req.prompt and not req.context:
-            return loaded(req, is_chat=False)
-        thinking = ollama_thinking(req.think, req.model, reasons())
-        sampling = sampling_of(req)
+            return served.loaded(req, is_chat=False)
+        thinking = ollama_thinking(req.think, req.model, served.reasons())
+        sampling = served.sampling_of(req)
         max_tokens = req.options.max_tokens
         async with RequestLifecycle.admit(rt, request, "/api/generate", max_tokens, None) as lc:
             raw, like = await _generate_prompt(rt, req, thinking)
@@ -182,29 +223,6 @@ def ollama_routes(app: FastAPI, rt: Runtime, settings: ServerSettings) -> None:
             renderer = ollama_api.OllamaGenerate(lc.render_context(req.model), lc.wall0, asks_for_meta(request),
                                                  engine.tokenizer)
             return await lc.respond(renderer, req.stream, ollama_api.MEDIA_TYPE)
-
-    # ---- embeddings ---------------------------------------------------------------------------------------
-    @app.post("/api/embed")
-    @app.post("/api/embeddings")
-    async def embed(request: Request):
-        """Where an embedding model is served it answers here: /api/embed with {"model", "embeddings":
-        [[...] per input], "total_duration", "load_duration", "prompt_eval_count"}, /api/embeddings (the
-        older form, one `prompt`) with {"embedding": [...]}. The generating model embeds nothing: Ollama's
-        refusal for a model without the capability, 400 (and /api/show lists no "embedding")."""
-        req = await read(request, OllamaEmbedRequest)
-        raise InvalidRequest(f'"{req.model}" does not support embeddings')
-
-    # ---- model management: the server serves the one model it started with -----------------------------
-    @app.post("/api/pull")
-    @app.post("/api/push")
-    @app.post("/api/create")
-    @app.post("/api/copy")
-    @app.delete("/api/delete")
-    @app.api_route("/api/blobs/{digest}", methods=["POST", "HEAD"])
-    async def manage(request: Request):
-        what = request.url.path.removeprefix("/api/").split("/")[0]
-        raise NotImplementedHere(f"{what} is not supported: this server serves the one model it was started with "
-                                 f"({card().name}); choose another with `stratum serve --model`")
 
 
 def _generate_chat(req: OllamaGenerateRequest, thinking: Thinking) -> ChatInput:
