@@ -15,6 +15,7 @@ from stratum.cli_args import THREADS_HELP, add_activations_arg, add_engine_args,
 
 if TYPE_CHECKING:
     from stratum.engine.client import EngineClient
+    from stratum.server.models import ModelSet
 
 
 def _engine_config(args, serving: bool = False):
@@ -72,11 +73,6 @@ def prepare(model: str) -> None:
           f"{plan.threads} threads, {plan.basis}; ready to serve ({time.perf_counter() - t0:.1f}s)")
 
 
-# Texts this long are tokenized in a helper process, off this process's interpreter lock (see
-# TextTokenizer.offload_large_texts): a 3.8 MB count_tokens stalled other streams 235 ms without it.
-LARGE_TEXT_CHARS = 256 * 1024
-
-
 @dataclass(slots=True)
 class StartUp:
     """What `serve`'s start-up thread brought up, read by the main thread once the server stops: the
@@ -84,6 +80,7 @@ class StartUp:
 
     client: EngineClient | None = None
     error: str | None = None
+    models: ModelSet | None = None  # every model's engine, once the app is built (the first's is `client`)
 
 
 def cmd_serve(args) -> int:
@@ -98,7 +95,15 @@ def cmd_serve(args) -> int:
     t0 = time.perf_counter()
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.DEBUG),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    config = _engine_config(args, serving=True)
+    try:
+        specs = _model_specs(args)
+    except (PullError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    config, args.specs = specs[0].config, specs
+    if len(specs) > 1 and args.replicas > 1:
+        print("error: --replicas serves one model; serve several models without it", file=sys.stderr)
+        return 2
     refused = _refuse_replicas(args)
     if refused is not None:
         return refused
@@ -115,7 +120,7 @@ def cmd_serve(args) -> int:
               else None)
     from stratum.server.startup import StartingApp
 
-    name = args.served_model_name or args.model
+    name = specs[0].name
     starting = StartingApp(name)
     server = _http_server(args, starting)
     up = StartUp()
@@ -128,7 +133,8 @@ def cmd_serve(args) -> int:
             client, where = _start_engine(args, config, engine, starting)
             up.client = client
             starting.stage = "starting server"
-            app = _serving_app(args, client, name)
+            app = _serving_app(args, client, specs)
+            up.models = app.state.runtime.models
             starting.wait_listening()
             starting.serve(app)
             server.rt = app.state.runtime
@@ -155,7 +161,9 @@ def cmd_serve(args) -> int:
         server.run()
     finally:
         stopped.set()
-        if up.client is not None:
+        if up.models is not None:
+            up.models.shutdown()
+        elif up.client is not None:
             up.client.shutdown()
             up.client.tokenizer.close()
         elif engine is not None:
@@ -256,12 +264,44 @@ def _content_policy(args):
     return store
 
 
-def _serving_app(args, client, name: str):
-    """The web app over client, with the settings the command line gave."""
+def _model_specs(args):
+    """The models `serve` serves, the first the default: each --model, then what --models-dir holds; with
+    neither, the default registered model, then every model pulled into $STRATUM_HOME/models."""
+    from stratum.home import stratum_home
+    from stratum.server.models import model_specs
+
+    entries, dirs = list(args.model or []), [Path(d) for d in args.models_dir or []]
+    if not entries and not dirs:
+        entries, dirs = ["smollm2-135m"], [stratum_home() / "models"]
+    args.model = entries[0] if entries else None
+    base = _engine_config(args, serving=True)
+    kind = "thread" if args.engine == "thread" else "process"
+    specs = model_specs(entries, dirs, base, args.served_model_name, engine=kind, restarts=_restart_policy(args))
+    if not specs:
+        raise ValueError(f"no model found under {', '.join(map(str, dirs))}")
+    return specs
+
+
+def _model_set(args, client, specs):
+    """The served models: the first running on `client` already, the others started on first use."""
+    from stratum.engine.config import host_free_memory
+    from stratum.server.models import ModelSet, keep_alive_seconds
+
+    budget = args.models_memory_mb * 2**20 if args.models_memory_mb else int(0.9 * host_free_memory()) + sum(
+        s.weight_bytes + s.kv_bytes for s in specs[:1])  # free at start, the first model loaded already
+    models = ModelSet(specs, memory_bytes=budget, keep_alive_s=keep_alive_seconds(args.keep_alive),
+                      load_wait_s=args.model_load_wait_s,
+                      patterns=tuple(p for p in (args.serve_models_matching or ["claude-*"]) if p))
+    models.adopt(models.default, client)
+    return models
+
+
+def _serving_app(args, client, specs):
+    """The web app over the served models (the first on `client`), with the settings the command line gave."""
     from stratum.server.app import ServerSettings, create_app
     from stratum.telemetry.cost import pricing_from_spec
 
-    config = client.config
+    config, name = client.config, specs[0].name
     keys = tuple(k for k in (args.api_key or []) if k)
     keys += tuple(k.strip() for k in os.environ.get("STRATUM_API_KEYS", "").split(",") if k.strip())
     settings = ServerSettings(model_name=name, aliases=(client.info.model_name,), api_keys=keys,
@@ -282,13 +322,15 @@ def _serving_app(args, client, name: str):
                               reasoning_format=args.reasoning_format,
                               restart_wait_s=args.restart_wait_s,
                               reasoning_budget=args.reasoning_budget if args.reasoning_budget >= 0 else None)
+    from stratum.server.models import LARGE_TEXT_CHARS
+
     client.tokenizer.offload_large_texts(LARGE_TEXT_CHARS)
     if keys:
         print(f"stratum: {len(keys)} API key{'s' if len(keys) != 1 else ''}; " + (
             "the prefix cache is SHARED across keys (--share-prefix-cache): a key can observe, through cache "
             "hits and their timing, prompts that another key sent" if args.share_prefix_cache else
             "each key is a tenant with a prefix cache of its own"), flush=True)
-    return create_app(client, settings)
+    return create_app(_model_set(args, client, specs), settings)
 
 
 def cmd_generate(args) -> int:
@@ -402,7 +444,7 @@ def _pull_parser(sub) -> None:
 
 def _serve_parser(sub) -> None:
     p = sub.add_parser("serve", help="serve the Anthropic and OpenAI APIs")
-    add_engine_args(p)
+    add_engine_args(p, several=True)
     add_serve_args(p)
     p.set_defaults(func=cmd_serve)
 

@@ -18,8 +18,15 @@ def add_activations_arg(p: argparse.ArgumentParser) -> None:
                         "agreement with fp32; docs/numerics.md)")
 
 
-def add_engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="smollm2-135m", help="registered name, .gguf file or Hugging Face folder")
+def add_engine_args(p: argparse.ArgumentParser, several: bool = False) -> None:
+    """The engine's arguments; with `several`, --model is repeatable (a server of several models)."""
+    if several:
+        p.add_argument("--model", action="append", default=None, metavar="[NAME=]MODEL",
+                       help="a model to serve: registered name, .gguf file or Hugging Face folder, optionally named "
+                            "NAME=...; repeatable (the first is the default, loaded at start; the others start on "
+                            "first use). Default: smollm2-135m and every model pulled into $STRATUM_HOME/models")
+    else:
+        p.add_argument("--model", default="smollm2-135m", help="registered name, .gguf file or Hugging Face folder")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="auto: the numerics rule (fp32 on the CPU; docs/numerics.md); bfloat16 trades precision "
@@ -124,4 +131,23 @@ def add_serve_args(p: argparse.ArgumentParser) -> None:
                         "default: start one here")
     p.add_argument("--routing", default="prefix", choices=["prefix", "round-robin", "power-of-two"],
                    help="with --replicas: how a request picks its replica (default: the one holding its prefix)")
+    add_models_args(p)
     p.add_argument("--log-level", default="warning")
+
+
+def add_models_args(p: argparse.ArgumentParser) -> None:
+    """A server of several models (`server/models.py`): where they are found, how long they stay loaded,
+    what they may take."""
+    p.add_argument("--models-dir", action="append", default=None, metavar="DIR",
+                   help="serve every GGUF file and Hugging Face folder under DIR too, named by file or folder "
+                        "(repeatable; without --model, $STRATUM_HOME/models is served)")
+    p.add_argument("--keep-alive", default="5m",
+                   help="how long a model stays loaded after its last request, as Ollama's keep_alive (\"5m\", "
+                        "seconds; 0 unloads at once; negative: forever); requests may set their own (Ollama's "
+                        "keep_alive, X-Stratum-Keep-Alive). The first model stays loaded unless a request says")
+    p.add_argument("--models-memory-mb", type=int, default=None,
+                   help="what the loaded models may take together (weights' files + KV pools); a model that does "
+                        "not fit unloads the least recently used idle ones (default: 90%% of the memory free at "
+                        "start)")
+    p.add_argument("--model-load-wait-s", type=float, default=120.0,
+                   help="a request for a model that is loading waits this long, then gets 503 with retry-after")

@@ -15,6 +15,7 @@ import torch
 from stratum.engine import weight_cache
 from stratum.engine.config import (
     EngineConfig, ResolvedConfig, configured_threads, default_prefill_threads, default_threads,
+    host_free_memory,
 )
 from stratum.engine.model_runner import ModelRunner
 from stratum.home import stratum_home
@@ -123,22 +124,10 @@ def kv_pool_blocks(memory_mb: int | None, per_block: int, block_size: int, max_m
 
 def free_memory(device: str) -> int:
     """Bytes free for the KV pool: the GPU's free memory; on the CPU the system's available memory, or
-    what this process's memory cgroup still allows where that is less (a container's limit)."""
+    what this process's memory cgroup still allows where that is less (`config.host_free_memory`)."""
     if device.startswith("cuda"):
         return torch.cuda.mem_get_info(torch.device(device))[0]
-    import psutil
-
-    free = psutil.virtual_memory().available
-    for limit, usage in (("memory.max", "memory.current"),
-                         ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
-        try:  # cgroup v2, then v1, each as mounted in this process's namespace
-            cap = (Path("/sys/fs/cgroup") / limit).read_text().strip()
-            if cap != "max":
-                free = min(free, int(cap) - int((Path("/sys/fs/cgroup") / usage).read_text()))
-            break
-        except (OSError, ValueError):
-            continue
-    return free
+    return host_free_memory()
 
 
 def _platform(numerics: Numerics) -> str:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
@@ -15,6 +16,24 @@ if TYPE_CHECKING:
     from stratum.engine.sampling_params import SamplingParams
     from stratum.kernels import KernelPlan
     from stratum.kernels.numerics import Numerics
+
+
+def host_free_memory() -> int:
+    """The system's available memory in bytes, or what this process's memory cgroup still allows where
+    that is less (a container's limit)."""
+    import psutil
+
+    free = psutil.virtual_memory().available
+    for limit, usage in (("memory.max", "memory.current"),
+                         ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes")):
+        try:  # cgroup v2, then v1, each as mounted in this process's namespace
+            cap = (Path("/sys/fs/cgroup") / limit).read_text().strip()
+            if cap != "max":
+                free = min(free, int(cap) - int((Path("/sys/fs/cgroup") / usage).read_text()))
+            break
+        except (OSError, ValueError):
+            continue
+    return free
 
 
 def configured_threads(num_threads: int | None = None) -> int:

@@ -31,6 +31,7 @@ from stratum.server.ollama_routes import ollama_routes
 from stratum.server.openapi import describe_bodies
 from stratum.server.protocol import (BatchCreateRequest, ChatCompletionRequest, CompletionRequest, CountTokensRequest,
                                      InputTokensRequest, MessagesRequest, ResponsesRequest)
+from stratum.server.models import ModelCatalogue, ModelSet, hold_model, release_held
 from stratum.server.routes import generation_routes
 from stratum.server.runtime import Runtime, make_runtime
 from stratum.server.settings import ServerSettings
@@ -49,13 +50,16 @@ EXPOSED_HEADERS = ["request-id", "x-stratum-cost", "x-stratum-trace", "x-stratum
                    "x-ratelimit-reset-tokens"]
 
 
-def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
-    """The app serving `engine` with `settings`; its `state.runtime` is the `Runtime` its requests share."""
+def create_app(models: ModelSet | EngineClient, settings: ServerSettings) -> FastAPI:
+    """The app serving `models` (or one running engine, served as `settings.model_name`) with `settings`;
+    its `state.runtime` is the `Runtime` its requests share."""
+    if isinstance(models, EngineClient):
+        models = ModelSet.of_engine(settings.model_name, models, settings.aliases, settings.model_patterns)
     app = FastAPI(title="Stratum", version="0.1.0", docs_url="/docs", redoc_url=None)
     # the tenants' settled spending, beside the batches: a restart reads it back
     budgets = (BudgetStore(Path(settings.data_dir) / "budgets.sqlite3")
                if settings.data_dir is not None and settings.tenant_budget_tokens is not None else None)
-    rt = make_runtime(engine, settings.model_name, settings.pricing, settings.tenant_budget_tokens,
+    rt = make_runtime(models, settings.pricing, settings.tenant_budget_tokens,
                       settings.budget_window_s, settings.pollution_policy, settings.isolate_tenants,
                       settings.header_wait_s, settings.ping_interval_s, settings.responses_store_bytes, budgets)
     rt.parse_thought, rt.reasoning_budget = settings.reasoning_format != "none", settings.reasoning_budget
@@ -66,7 +70,10 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     runner = _batches(app, rt, settings)
     if settings.console:
         _console_routes(app, rt, settings, runner)
+    app.router.on_startup.append(models.start_reaper)
+    app.router.on_shutdown.append(models.stop_reaper)
     app.add_middleware(Envelope, max_body_bytes=settings.max_body_bytes, digests=settings.key_digests, runner=runner,
+                       models=models,
                        max_batch_bytes=settings.max_batch_bytes, metrics=rt.metrics,
                        max_header_bytes=settings.max_header_bytes, max_header_count=settings.max_header_count)
     if settings.cors_origins:  # outermost: a browser's preflight is answered before authentication
@@ -80,7 +87,7 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
 
     @app.get("/health")
     async def health():
-        return health_response(engine, rt, settings)
+        return health_response(rt)
 
     @app.get("/metrics")
     async def metrics():
@@ -93,23 +100,23 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
             headers["x-stratum-supported"] = NEGOTIATION_VERSION
         return Response(status_code=200, headers=headers)
 
+    catalogue = ModelCatalogue(models, settings.created_at)
+
     @app.get("/v1/models")
     async def list_models():
-        card = _model_card(settings)
-        return {"data": [card], "has_more": False, "first_id": card["id"], "last_id": card["id"]}
+        return catalogue.page()
 
     @app.get("/v1/models/{model_id:path}")
     async def get_model(model_id: str):
-        settings.check_model(model_id)
-        return _model_card(settings)
+        return catalogue.card(models.find(model_id))
 
     counter = TokenCounter(rt.admission, rt.metrics)
 
     @app.post("/v1/messages/count_tokens")
     async def count_tokens(request: Request):
         req = await read_request(request, CountTokensRequest, settings.max_body_bytes, settings.body_timeout_s)
-        settings.check_model(req.model)
-        chat = anthropic_input(req, rt.thought_signer)
+        engine = (await hold_model(request, models, req.model)).engine
+        chat = anthropic_input(req, rt.thought_signer(engine))
         async with counter.admit(request, "/v1/messages/count_tokens", request.state.num_body_bytes) as counting:
             prompt = await counting.count(build_prompt, engine.chat_template, chat, rt.parse_thought)
         return {"input_tokens": len(prompt.token_ids)}
@@ -123,13 +130,20 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
     return app
 
 
-def health_response(engine: EngineClient, rt: Runtime, settings: ServerSettings) -> JSONResponse:
-    """/health: the engine's state in a word (ok, loading, draining, restarting, dead) and what explains it;
-    200 only when a request would run now."""
+def health_response(rt: Runtime) -> JSONResponse:
+    """/health: the default model's engine's state in a word (ok, loading, draining, restarting, dead) and
+    what explains it, and each served model's state; 200 only when a request would run now (an
+    unloaded default model is started by the request that names it)."""
+    default = rt.models.default
+    engine = default.engine
+    if engine is None:  # unloaded (idle past its keep-alive, or evicted) or failed: requests start it
+        status = "draining" if rt.draining else "ok"
+        body = {"status": status, "model": default.name, "models": [m.view() for m in rt.models.models.values()]}
+        return JSONResponse(body, status_code=200 if status == "ok" else 503)
     snap, sup = engine.snapshot, engine.supervision
     status = ("restarting" if sup is not None and sup.state == "restarting" else "dead" if not snap.alive
               else "draining" if rt.draining else "ok" if is_ready(snap) else "loading")
-    body: dict[str, Any] = {"status": status, "model": settings.model_name, "mode": snap.mode,
+    body: dict[str, Any] = {"status": status, "model": default.name, "mode": snap.mode,
                             "running": snap.num_running, "waiting": snap.num_waiting, "queued": engine.num_queued,
                             "kv_blocks": asdict(snap.kv_blocks), "engine_pid": engine.engine_pid}
     headers = {}
@@ -155,6 +169,7 @@ def health_response(engine: EngineClient, rt: Runtime, settings: ServerSettings)
     replicas = engine.replicas()
     if replicas:
         body["replicas"] = [replica_health(v) for v in replicas]
+    body["models"] = [m.view() for m in rt.models.models.values()]
     return JSONResponse(body, status_code=200 if status == "ok" else 503, headers=headers)
 
 
@@ -165,15 +180,20 @@ def is_ready(snap) -> bool:
 
 
 def _supervision_metrics(rt: Runtime) -> None:
-    """/metrics' series of the engine's supervisor, where the engine has one (`engine/supervisor.py`)."""
+    """/metrics' series of the engines' supervisors, where they have one (`engine/supervisor.py`): summed
+    over the loaded models' engines (each model's engine has a supervisor of its own)."""
     from prometheus_client import Gauge
 
-    if rt.engine.supervision is None:
+    def supervisions():
+        return [s for m in rt.models.loaded() if (s := m.engine.supervision) is not None]
+
+    engine = rt.engine
+    if engine is not None and engine.supervision is None and len(rt.models.models) == 1:
         return
     Gauge("stratum_engine_restarts", "Engine processes started again after a death, since the server started",
-          registry=rt.metrics.registry).set_function(lambda: rt.engine.supervision.num_restarts)
+          registry=rt.metrics.registry).set_function(lambda: sum(s.num_restarts for s in supervisions()))
     Gauge("stratum_engine_restarting", "1 while a dead engine process is being replaced",
-          registry=rt.metrics.registry).set_function(lambda: rt.engine.supervision.state == "restarting")
+          registry=rt.metrics.registry).set_function(lambda: any(s.state == "restarting" for s in supervisions()))
 
 
 def _batches(app: FastAPI, rt: Runtime, settings: ServerSettings) -> batches.BatchRunner | None:
@@ -258,8 +278,9 @@ class Envelope:
     client disconnects from the routes.)"""
 
     def __init__(self, app, max_body_bytes: int, digests: tuple[bytes, ...], runner=None, max_batch_bytes: int = 0,
-                 metrics=None, max_header_bytes: int = 32 * 1024, max_header_count: int = 256):
+                 metrics=None, max_header_bytes: int = 32 * 1024, max_header_count: int = 256, models=None):
         self.app = app
+        self.models = models  # the request's hold on its model is released once its response is sent
         self.max_header_bytes = max_header_bytes
         self.max_header_count = max_header_count
         self.metrics = metrics  # its refusals are counted as the routes' are
@@ -298,7 +319,11 @@ class Envelope:
             if self.metrics is not None:
                 self.metrics.observe_error(scope["path"], e.status)
             return await error_response(e, request_id, scope["path"])(scope, receive, send_with_id)
-        await self.app(scope, receive, send_with_id)
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            if self.models is not None:
+                release_held(scope, self.models)
 
 
     def _check_headers(self, headers: list[tuple[bytes, bytes]]) -> None:
@@ -324,8 +349,3 @@ def replica_health(v: ReplicaView) -> dict[str, Any]:
             "running": snap.num_running, "waiting": snap.num_waiting, "in_flight": v.in_flight,
             "kv_blocks": asdict(snap.kv_blocks),
             "held_blocks": v.held_blocks, "reported_s_ago": round(max(0.0, time.time() - v.reported_at), 3)}
-
-
-def _model_card(settings: ServerSettings) -> dict[str, Any]:
-    return {"type": "model", "id": settings.model_name, "display_name": settings.model_name,
-            "created_at": settings.created_at}

@@ -255,7 +255,8 @@ class BatchRunner:
             while True:
                 try:
                     await asyncio.to_thread(self.store.sweep, set(self.in_flight), self.retention_s)
-                    if not self.rt.draining and self.rt.engine.is_alive:
+                    default = self.rt.engine  # None while unloaded: a batch's request starts its model
+                    if not self.rt.draining and (default is None or default.is_alive):
                         interactive = sum(1 for j in self.rt.active.values() if not j.is_batch)
                         room = (self.busy_concurrency if interactive else self.idle_concurrency) - len(self.in_flight)
                         if room > 0:

@@ -25,7 +25,7 @@ from typing import Any, AsyncIterator
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 
-from stratum.engine.client import QueueFull, RequestGroup, RequestStream
+from stratum.engine.client import EngineClient, QueueFull, RequestGroup, RequestStream
 from stratum.engine.outputs import EngineDeadError, MetaState, RequestOutput, RequestStats
 from stratum.engine.request import CachePolicy
 from stratum.engine.sampling_params import SamplingParams
@@ -37,6 +37,7 @@ from stratum.server.compression import compress
 from stratum.server.controls import Controls, check_control_headers, controls_of
 from stratum.server.errors import (APIError, ClientDisconnected, EngineUnavailable, InvalidRequest, Overloaded,
                                    as_api_error)
+from stratum.server.models import ServedModel
 from stratum.server.policy import Matcher, OutputScreen, Rule, mask_messages, mask_text, prompt_texts, screen_prompt
 from stratum.server.render import RenderContext, Renderer
 from stratum.server.report import Facts, Report, early_headers, final_report
@@ -81,12 +82,12 @@ class _Admission:
     """`RequestLifecycle.admit` as an async context: the bounded wait for a restarting engine, then the
     admission itself; the lifecycle it admitted is what the block gets, and what leaving it closes."""
 
-    def __init__(self, decide, rt: Runtime):
-        self.decide, self.rt = decide, rt
+    def __init__(self, decide, rt: Runtime, engine: EngineClient):
+        self.decide, self.rt, self.engine = decide, rt, engine
         self.lc: RequestLifecycle | None = None
 
     async def __aenter__(self) -> "RequestLifecycle":
-        await _engine_back(self.rt)
+        await _engine_back(self.engine, self.rt.restart_wait_s)
         self.lc = self.decide()
         return self.lc
 
@@ -94,14 +95,24 @@ class _Admission:
         await self.lc.__aexit__(exc_type, exc, tb)
 
 
-async def _engine_back(rt: Runtime, poll_s: float = 0.05) -> None:
-    """While the engine's supervisor replaces a dead engine, wait for the new one, up to rt.restart_wait_s."""
-    sup = rt.engine.supervision
-    if sup is None or rt.engine.is_alive:
+async def _engine_back(engine: EngineClient, wait_s: float, poll_s: float = 0.05) -> None:
+    """While the engine's supervisor replaces a dead engine, wait for the new one, up to wait_s."""
+    sup = engine.supervision
+    if sup is None or engine.is_alive:
         return
-    deadline = time.monotonic() + rt.restart_wait_s
-    while not rt.engine.is_alive and rt.engine.supervision.state == "restarting" and time.monotonic() < deadline:
+    deadline = time.monotonic() + wait_s
+    while not engine.is_alive and engine.supervision.state == "restarting" and time.monotonic() < deadline:
         await asyncio.sleep(poll_s)
+
+
+def held_model(request: Request, rt: Runtime) -> ServedModel:
+    """The model the request holds (`models.hold_model`, when its body named it); else the default, loaded."""
+    served = getattr(request.state, "held_model", None)
+    if served is None:
+        served = rt.models.default
+        if served.engine is None:
+            raise EngineUnavailable(f"model {served.name!r} is not loaded")
+    return served
 
 
 @dataclass(slots=True, eq=False)
@@ -114,6 +125,7 @@ class RequestLifecycle:
     endpoint: str
     who: Admitted
     reservation: Reservation
+    model: ServedModel  # the model it runs on, held until its response is sent (`models.hold_model`)
     controls: Controls = Controls()
     prepared: Prepared | None = None
     # the engine's side, once submitted
@@ -135,6 +147,11 @@ class RequestLifecycle:
     def is_batch(self) -> bool:
         return self.who.is_batch
 
+    @property
+    def engine(self) -> EngineClient:
+        """The engine of the model the request named (each served model has its own)."""
+        return self.model.engine
+
     # ---- admit ------------------------------------------------------------------------------------
     @classmethod
     def admit(cls, rt: Runtime, request: Request, endpoint: str, max_tokens: int | None,
@@ -149,19 +166,21 @@ class RequestLifecycle:
             RateLimited: 429, the tenant's budget cannot hold max_tokens and one prompt token.
             Overloaded: 529, the waiting queue is full.
         """
-        return _Admission(lambda: cls._admit(rt, request, endpoint, max_tokens, user_id), rt)
+        model = held_model(request, rt)
+        return _Admission(lambda: cls._admit(rt, request, endpoint, max_tokens, user_id, model), rt, model.engine)
 
     @classmethod
     def _admit(cls, rt: Runtime, request: Request, endpoint: str, max_tokens: int | None,
-               user_id: str | None) -> "RequestLifecycle":
+               user_id: str | None, model: ServedModel) -> "RequestLifecycle":
         if rt.draining:
             raise EngineUnavailable("the server is shutting down", headers={"connection": "close"})
-        if not rt.engine.is_alive:
-            sup = rt.engine.supervision
+        engine = model.engine
+        if not engine.is_alive:
+            sup = engine.supervision
             if sup is not None and sup.state == "restarting":
                 raise EngineUnavailable(f"the engine is restarting after its death ({sup.last_death}); retry "
                                         f"in {sup.retry_after_s}s", headers={"retry-after": str(sup.retry_after_s)})
-            raise EngineUnavailable(f"the engine is not running ({rt.engine.snapshot.error or 'stopped'})")
+            raise EngineUnavailable(f"the engine is not running ({engine.snapshot.error or 'stopped'})")
         check_control_headers(request)
         tenant = tenant_of(request, user_id)
         session = request.headers.get("x-stratum-session-id") or user_id or tenant
@@ -173,9 +192,9 @@ class RequestLifecycle:
                        cache_salt=tenant if rt.isolate_tenants else None, is_advised=is_polluted)
         reservation = Reservation(rt.admission, tenant, endpoint, rt.metrics)
         reservation.check(max_tokens or 0)
-        lc = cls(rt, request, request.state.request_id, endpoint, who, reservation)
+        lc = cls(rt, request, request.state.request_id, endpoint, who, reservation, model)
         try:
-            rt.engine.take_queue_slot(lc.request_id)
+            engine.take_queue_slot(lc.request_id)
         except QueueFull as e:
             rt.metrics.rejections.labels("queue_full").inc()
             raise Overloaded(str(e), headers={"retry-after": str(e.retry_after_s), **reservation.headers()}) from None
@@ -213,7 +232,7 @@ class RequestLifecycle:
             InvalidRequest: the request can never run on this engine.
             RateLimited: its upper bound of cost does not fit in the tenant's budget.
         """
-        rt, engine = self.rt, self.rt.engine
+        rt, engine = self.rt, self.engine
         compression = None
         refusal, chat, raw = await self._screen_prompt(chat, raw)
         if self.answer_policy is not None and sampling.logprobs is not None:  # tokens would show what is held back
@@ -301,7 +320,7 @@ class RequestLifecycle:
         Raises:
             APIError: the server ended it before it ran (a drain), or the engine refused or failed it.
         """
-        p, engine = self.prepared, self.rt.engine
+        p, engine = self.prepared, self.engine
         if self.cancelled is not None:
             raise self.cancelled
         if p.refusal is not None:  # refused before the engine: one finished output per choice, nothing run
@@ -478,7 +497,7 @@ class RequestLifecycle:
         p = self.prepared
         n = len(p.prompt.token_ids) if p is not None else 0
         cached = min(n, (self.stream.expected_cached_tokens if self.stream is not None else None) or 0)
-        block = self.rt.engine.config.block_size
+        block = self.engine.config.block_size
         breakpoint = p.cache_breakpoint if p is not None else 0
         created = max(0, min(breakpoint, n) // block * block - cached) if breakpoint else 0
         return {"input_tokens": n - cached - created, "output_tokens": 0, "cache_read_input_tokens": cached,
@@ -492,7 +511,8 @@ class RequestLifecycle:
         p = self.prepared
         replica = self.stream.replica if self.stream is not None else None
         return Facts(self.endpoint, self.who.tenant, self.controls, replica, self.who.is_advised,
-                     p.compression if p is not None else None, self.policy_report())
+                     p.compression if p is not None else None, self.policy_report(), self.model.name,
+                     len(self.rt.models.models) > 1)
 
     # ---- finish, close ------------------------------------------------------------------------------
     def finish(self, final: RequestOutput) -> Report:
@@ -500,7 +520,7 @@ class RequestLifecycle:
         metrics (`report`), and the reservation settled at its measured cost (`_end`)."""
         p = self.prepared
         usage = usage_of(final, p.cache_breakpoint)
-        done = final_report(self.rt, final, usage, self.facts(), time.process_time() - self.cpu0,
+        done = final_report(self.rt, self.engine, final, usage, self.facts(), time.process_time() - self.cpu0,
                             time.perf_counter() - self.wall0)
         self._end(usage)
         self.rt.pollution.record(self.who.session, done.cache_hit_ratio, p.prompt_text)
@@ -531,7 +551,7 @@ class RequestLifecycle:
         if self.is_ended:
             return
         self.is_ended = True
-        self.rt.engine.release(self.request_id)
+        self.engine.release(self.request_id)
         self.rt.active.pop(self.request_id, None)
         self.reservation.settle(usage)
 

@@ -14,7 +14,7 @@ import hashlib
 import json
 import time
 from dataclasses import dataclass
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from typing import Any, Iterable
 
 from stratum.engine.outputs import RequestOutput
@@ -245,6 +245,12 @@ class ModelCard:
         digest = hashlib.sha256(info.config.numerics.model.encode()).hexdigest()
         return cls(name, facts, digest, info.config.max_model_len, info.config.device)
 
+    @classmethod
+    def of_file(cls, served_name: str, path: str, facts: dict[str, Any]) -> "ModelCard":
+        """A model not loaded yet, from its files alone (its shape is known once it has loaded)."""
+        name = served_name if ":" in served_name else served_name + ":latest"
+        return cls(name, facts, hashlib.sha256(path.encode()).hexdigest(), 0, "cpu")
+
     @property
     def family(self) -> str:
         return self.facts.get("architecture", "unknown")
@@ -264,11 +270,16 @@ class ModelCard:
         return {"name": self.name, "model": self.name, "modified_at": modified_at, "size": self.size,
                 "digest": self.digest, "details": self.details}
 
-    def running(self) -> dict[str, Any]:
-        """An entry of /api/ps: loaded for as long as the server runs (no `expires_at`); `size` is its weights."""
-        return {"name": self.name, "model": self.name, "size": self.size,
-                "size_vram": self.size if self.device.startswith("cuda") else 0, "digest": self.digest,
-                "details": self.details, "context_length": self.context_length}
+    def running(self, expires_at: float | None = None) -> dict[str, Any]:
+        """An entry of /api/ps: `expires_at` when its keep-alive runs out (monotonic seconds; None: it
+        stays loaded, and none is given); `size` is its weights."""
+        entry = {"name": self.name, "model": self.name, "size": self.size,
+                 "size_vram": self.size if self.device.startswith("cuda") else 0, "digest": self.digest,
+                 "details": self.details, "context_length": self.context_length}
+        if expires_at is not None:
+            at = datetime.now(timezone.utc) + timedelta(seconds=max(0.0, expires_at - time.monotonic()))
+            entry["expires_at"] = at.isoformat().replace("+00:00", "Z")
+        return entry
 
     def model_info(self) -> dict[str, Any]:
         """/api/show's `model_info`, keyed as a GGUF's metadata is (what clients read a context length from)."""

@@ -2,7 +2,7 @@
 `/api/version`, `/api/tags`, `/api/ps`, `/api/show`, `/api/chat`, `/api/generate`; `/api/embed` and
 `/api/embeddings` (no embedding model is served: Ollama's refusal); and Ollama's model-management
 routes (pull, push, create, copy, delete, blobs) refused in its error shape, since the server serves
-the one model it started with."""
+the models it started with (`models.ModelSet`)."""
 
 from __future__ import annotations
 
@@ -18,10 +18,12 @@ from stratum.server.chat import ChatInput, Prompt, append_turn, build_prompt, to
 from stratum.server.controls import asks_for_meta
 from stratum.server.errors import APIError, InvalidRequest, NotFound
 from stratum.server.lifecycle import RequestLifecycle
+from stratum.server.models import ServedModel, hold_model
 from stratum.server.protocol.ollama import (OllamaChatRequest, OllamaEmbedRequest, OllamaGenerateRequest,
                                             OllamaShowRequest)
 from stratum.server.reasoning import Thinking
 from stratum.server.runtime import Runtime
+from stratum.server.sampling import defaults_of
 from stratum.server.settings import ServerSettings
 
 
@@ -85,42 +87,54 @@ def ollama_input(req: OllamaChatRequest, thinking: Thinking) -> ChatInput:
 
 
 class _Served:
-    """What Ollama's routes ask of the served model: its card, the name check, bodies and sampling."""
+    """What Ollama's routes ask of the served models: their cards, the name check, bodies and sampling."""
 
     def __init__(self, rt: Runtime, settings: ServerSettings):
-        self.rt, self.settings, self.engine, self.defaults = rt, settings, rt.engine, settings.sampling_defaults
+        self.rt, self.settings, self.models = rt, settings, rt.models
+        self.cards: dict[str, ollama_api.ModelCard] = {}  # each model's, from its engine once it has loaded
 
-    def card(self) -> ollama_api.ModelCard:
-        return ollama_api.ModelCard.of(self.settings.model_name, self.engine.info)
+    def card(self, served: ServedModel) -> ollama_api.ModelCard:
+        """The model in Ollama's terms: from its engine's facts once it has loaded; before, from its files."""
+        if served.engine is not None:
+            self.cards[served.name] = ollama_api.ModelCard.of(served.name, served.engine.info)
+        if served.name in self.cards:
+            return self.cards[served.name]
+        spec = served.spec
+        facts = {"file_bytes": spec.weight_bytes, "modified_at": spec.modified_at,
+                 "format": "gguf" if spec.path.endswith(".gguf") else "safetensors"}
+        return ollama_api.ModelCard.of_file(served.name, spec.path, facts)
 
     def modified_at(self, c: ollama_api.ModelCard) -> str:
         return c.facts.get("modified_at") or self.settings.created_at
 
-    def reasons(self) -> bool:
-        return self.engine.chat_template.thought_markers is not None
+    @staticmethod
+    def reasons(engine) -> bool:
+        return engine.chat_template.thought_markers is not None
 
-    def check_model(self, name: str) -> None:
-        """The served name, with or without Ollama's tag (":latest"), or any name `check_model` serves.
+    def find(self, name: str) -> ServedModel:
+        """A served name, with or without Ollama's tag (":latest"), or any name the model set serves.
 
         Raises:
             NotFound: 404 in Ollama's words.
         """
         base = name[:-len(":latest")] if name.endswith(":latest") else name
         try:
-            self.settings.check_model(base)
+            return self.models.find(base)
         except NotFound:
-            if name != self.card().name:
-                raise NotFound(f"model '{name}' not found") from None
+            raise NotFound(f"model '{name}' not found") from None
 
-    async def read(self, request: Request, model):
+    async def read(self, request: Request, model) -> tuple:
+        """The body, validated, and the model it names, held (loaded) with the body's keep_alive."""
         req = await read_request(request, model, self.settings.max_body_bytes, self.settings.body_timeout_s)
-        self.check_model(req.model)
-        return req
+        served = self.find(req.model)
+        await hold_model(request, self.models, served.name, getattr(req, "keep_alive", None))
+        return req, served
 
-    def sampling_of(self, req):
+    @staticmethod
+    def sampling_of(req, engine):
         o = req.options
-        return self.defaults.apply(max_tokens=o.max_tokens, temperature=o.temperature, top_p=o.top_p, top_k=o.top_k,
-                                   stop=o.stop, seed=o.seed, logprobs=req.num_logprobs)
+        return defaults_of(engine).apply(max_tokens=o.max_tokens, temperature=o.temperature, top_p=o.top_p,
+                                         top_k=o.top_k, stop=o.stop, seed=o.seed, logprobs=req.num_logprobs)
 
     @staticmethod
     def loaded(req, is_chat: bool) -> Response:
@@ -150,20 +164,21 @@ def _catalogue_routes(app: FastAPI, served: _Served) -> None:
 
     @app.get("/api/tags")
     async def tags():
-        c = served.card()
-        return {"models": [c.tag(served.modified_at(c))]}
+        cards = [served.card(m) for m in served.models.models.values()]
+        return {"models": [c.tag(served.modified_at(c)) for c in cards]}
 
     @app.get("/api/ps")
     async def ps():
-        return {"models": [served.card().running()]}
+        return {"models": [served.card(m).running(m.expires_at) for m in served.models.loaded()]}
 
     @app.post("/api/show")
     async def show(request: Request):
-        await served.read(request, OllamaShowRequest)
-        c, defaults = served.card(), served.defaults
-        capabilities = ["completion", "tools"] + (["thinking"] if served.reasons() else [])
+        _, model = await served.read(request, OllamaShowRequest)
+        engine = model.engine
+        c, defaults = served.card(model), defaults_of(engine)
+        capabilities = ["completion", "tools"] + (["thinking"] if served.reasons(engine) else [])
         parameters = {"temperature": defaults.temperature, "top_p": defaults.top_p}
-        return c.show(served.engine.chat_template.source, parameters, capabilities, served.modified_at(c))
+        return c.show(engine.chat_template.source, parameters, capabilities, served.modified_at(c))
 
     @app.post("/api/embed")
     @app.post("/api/embeddings")
@@ -172,10 +187,10 @@ def _catalogue_routes(app: FastAPI, served: _Served) -> None:
         [[...] per input], "total_duration", "load_duration", "prompt_eval_count"}, /api/embeddings (the
         older form, one `prompt`) with {"embedding": [...]}. The generating model embeds nothing: Ollama's
         refusal for a model without the capability, 400 (and /api/show lists no "embedding")."""
-        req = await served.read(request, OllamaEmbedRequest)
+        req, _ = await served.read(request, OllamaEmbedRequest)
         raise InvalidRequest(f'"{req.model}" does not support embeddings')
 
-    # model management: the server serves the one model it started with
+    # model management: the server serves the models it started with
     @app.post("/api/pull")
     @app.post("/api/push")
     @app.post("/api/create")
@@ -184,44 +199,45 @@ def _catalogue_routes(app: FastAPI, served: _Served) -> None:
     @app.api_route("/api/blobs/{digest}", methods=["POST", "HEAD"])
     async def manage(request: Request):
         what = request.url.path.removeprefix("/api/").split("/")[0]
-        raise NotImplementedHere(f"{what} is not supported: this server serves the one model it was started with "
-                                 f"({served.card().name}); choose another with `stratum serve --model`")
+        names = ", ".join(served.card(m).name for m in served.models.models.values())
+        raise NotImplementedHere(f"{what} is not supported: this server serves the models it was started with "
+                                 f"({names}); add one with `stratum serve --model` or --models-dir")
 
 
 def _generation_routes(app: FastAPI, served: _Served) -> None:
     """/api/chat and /api/generate, through the request lifecycle every API shares."""
-    rt, engine = served.rt, served.engine
+    rt = served.rt
 
     @app.post("/api/chat")
     async def chat(request: Request):
-        req = await served.read(request, OllamaChatRequest)
+        req, model = await served.read(request, OllamaChatRequest)
         if not req.messages:
             return served.loaded(req, is_chat=True)
-        chat = ollama_input(req, ollama_thinking(req.think, req.model, served.reasons()))
-        sampling = served.sampling_of(req)
+        chat = ollama_input(req, ollama_thinking(req.think, req.model, served.reasons(model.engine)))
+        sampling = served.sampling_of(req, model.engine)
         max_tokens = req.options.max_tokens
         async with RequestLifecycle.admit(rt, request, "/api/chat", max_tokens, None) as lc:
             await lc.prepare(chat, sampling, default_max=max_tokens is None)
             await lc.submit()
             renderer = ollama_api.OllamaChat(lc.render_context(req.model), lc.wall0, asks_for_meta(request),
-                                             engine.tokenizer)
+                                             lc.engine.tokenizer)
             return await lc.respond(renderer, req.stream, ollama_api.MEDIA_TYPE)
 
     @app.post("/api/generate")
     async def generate(request: Request):
-        req = await served.read(request, OllamaGenerateRequest)
+        req, model = await served.read(request, OllamaGenerateRequest)
         if not req.prompt and not req.context:
             return served.loaded(req, is_chat=False)
-        thinking = ollama_thinking(req.think, req.model, served.reasons())
-        sampling = served.sampling_of(req)
+        thinking = ollama_thinking(req.think, req.model, served.reasons(model.engine))
+        sampling = served.sampling_of(req, model.engine)
         max_tokens = req.options.max_tokens
         async with RequestLifecycle.admit(rt, request, "/api/generate", max_tokens, None) as lc:
-            raw, like = await _generate_prompt(rt, req, thinking)
+            raw, like = await _generate_prompt(lc.engine, rt.parse_thought, req, thinking)
             await lc.prepare(None if raw else _generate_chat(req, thinking), sampling, default_max=max_tokens is None,
                              raw=raw, like=like)
             await lc.submit()
             renderer = ollama_api.OllamaGenerate(lc.render_context(req.model), lc.wall0, asks_for_meta(request),
-                                                 engine.tokenizer)
+                                                 lc.engine.tokenizer)
             return await lc.respond(renderer, req.stream, ollama_api.MEDIA_TYPE)
 
 
@@ -232,7 +248,7 @@ def _generate_chat(req: OllamaGenerateRequest, thinking: Thinking) -> ChatInput:
     return ChatInput(messages, system_text=req.system or "", output_schema=req.output_schema, thinking=thinking)
 
 
-async def _generate_prompt(rt: Runtime, req: OllamaGenerateRequest,
+async def _generate_prompt(engine, parse_thought: bool, req: OllamaGenerateRequest,
                            thinking: Thinking) -> tuple[list | None, Prompt | None]:
     """The prompt /api/generate queues when the chat path cannot build it alone: `raw` (the text as it
     is), or `context` (a previous answer's tokens, then this prompt rendered as Ollama does); (None,
@@ -241,7 +257,7 @@ async def _generate_prompt(rt: Runtime, req: OllamaGenerateRequest,
     Raises:
         InvalidRequest: the format's schema cannot be enforced.
     """
-    tokenizer, schema = rt.engine.tokenizer, req.output_schema
+    tokenizer, schema = engine.tokenizer, req.output_schema
     if req.raw:
         grammar = structured.json_grammar(schema, "format") if schema is not None else None
         like = Prompt([], grammar=grammar)
@@ -252,6 +268,6 @@ async def _generate_prompt(rt: Runtime, req: OllamaGenerateRequest,
     if not req.context:
         return None, None
     chat = _generate_chat(req, thinking)
-    prompt = await asyncio.to_thread(build_prompt, rt.engine.chat_template, chat, rt.parse_thought)
+    prompt = await asyncio.to_thread(build_prompt, engine.chat_template, chat, parse_thought)
     ids = [*req.context, *prompt.token_ids]
     return [ids], replace(prompt, token_ids=ids)

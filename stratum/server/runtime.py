@@ -12,10 +12,12 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from stratum.engine.client import EngineClient
+from stratum.engine.protocol import EngineSnapshot
 from stratum.server.budget import BudgetStore, CostAdmission
 from stratum.server.compression import CompressionSettings
 from stratum.server.errors import APIError, EngineUnavailable
 from stratum.home import stratum_home
+from stratum.server.models import ModelSet
 from stratum.server.policy import PolicyStore
 from stratum.server.pollution import PollutionDetector
 from stratum.server.reasoning import ThoughtSigner
@@ -37,10 +39,10 @@ class Held(Protocol):
 
 @dataclass
 class Runtime:
-    """The server's in-process orchestration state."""
+    """The server's in-process orchestration state: the models served (`models`; each request runs on
+    the engine of the one it names, `lifecycle.RequestLifecycle.engine`) and what their requests share."""
 
-    engine: EngineClient
-    model_name: str
+    models: ModelSet
     admission: CostAdmission
     pollution: PollutionDetector
     pricing: PricingModel
@@ -62,24 +64,43 @@ class Runtime:
     policy: PolicyStore | None = None  # the content policy (`--content-policy`), reloaded as its file changes
 
     @property
-    def thought_signer(self) -> ThoughtSigner | None:
+    def engine(self) -> EngineClient | None:
+        """The default (first) model's engine, while it is loaded."""
+        return self.models.default.engine
+
+    @property
+    def model_name(self) -> str:
+        return self.models.default.name
+
+    def thought_signer(self, engine: EngineClient) -> ThoughtSigner | None:
         """What checks the thinking blocks sent back, where the model reads them (its template reasons)."""
-        return self.thoughts if self.engine.chat_template.thought_markers is not None else None
+        return self.thoughts if engine.chat_template.thought_markers is not None else None
+
+    def snapshot(self) -> EngineSnapshot:
+        """The default model's engine's last snapshot (an idle placeholder while it is unloaded)."""
+        engine = self.engine
+        return engine.snapshot if engine is not None else _UNLOADED
+
+
+_UNLOADED = EngineSnapshot(alive=True)
 
 
 RESPONSES_STORE_BYTES = 64 * 2**20  # stored Responses API responses, in memory (`--responses-store-mb`)
 
 
-def make_runtime(engine: EngineClient, model_name: str, pricing: PricingModel, budget_tokens: int | None,
+def make_runtime(models: ModelSet, pricing: PricingModel, budget_tokens: int | None,
                  window_s: float, pollution_policy: str, isolate_tenants: bool = False, header_wait_s: float = 2.0,
                  ping_interval_s: float = 5.0, responses_store_bytes: int = RESPONSES_STORE_BYTES,
                  budget_store: BudgetStore | None = None) -> Runtime:
     active: dict[str, Held] = {}
-    metrics = Metrics(lambda: engine.snapshot, engine.replicas, lambda: len(active))
+    default = models.default
+    metrics = Metrics(lambda: rt.snapshot(), lambda: default.engine.replicas() if default.engine else [],
+                      lambda: len(active), models=models)
     admission = CostAdmission(budget_tokens, window_s, store=budget_store)
-    return Runtime(engine, model_name, admission, PollutionDetector(pollution_policy),
-                   pricing, metrics, isolate_tenants=isolate_tenants, header_wait_s=header_wait_s,
-                   ping_interval_s=ping_interval_s, active=active, responses=ResponseStore(responses_store_bytes))
+    rt = Runtime(models, admission, PollutionDetector(pollution_policy), pricing, metrics,
+                 isolate_tenants=isolate_tenants, header_wait_s=header_wait_s, ping_interval_s=ping_interval_s,
+                 active=active, responses=ResponseStore(responses_store_bytes))
+    return rt
 
 
 async def drain(rt: Runtime, timeout_s: float, grace_s: float = 2.0) -> int:

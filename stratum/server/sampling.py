@@ -42,6 +42,11 @@ class SamplingDefaults:
             logprobs=logprobs, prompt_logprobs=prompt_logprobs)
 
 
+def defaults_of(engine: "EngineClient") -> SamplingDefaults:
+    """The sampling defaults of the model an engine serves (its registered settings, else Anthropic's)."""
+    return SamplingDefaults(temperature=engine.config.default_temperature, top_p=engine.config.default_top_p)
+
+
 def for_prompt(sampling: SamplingParams, prompt: Prompt) -> SamplingParams:
     """The prompt's grammar; with tools, a stop at the end of a tool call when the answer may make only
     one, and the tool-call markers that are special tokens (Mistral's [TOOL_CALLS]) kept in the text, to

@@ -22,13 +22,16 @@ _RATIO_BUCKETS = (0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
 
 
 class Metrics:
-    def __init__(self, snapshot_source=None, replica_source=None, in_flight_source=None):
+    def __init__(self, snapshot_source=None, replica_source=None, in_flight_source=None, models=None):
         """Args:
             snapshot_source: a zero-argument callable returning the engine's latest EngineSnapshot
-                (the replicas' summed, when the engine is several).
+                (the replicas' summed, when the engine is several; the default model's, when several
+                models are served).
             replica_source: a zero-argument callable returning each replica's ReplicaView (or none).
             in_flight_source: a zero-argument callable returning how many requests the server admitted
                 and has not yet released (`lifecycle.RequestLifecycle`).
+            models: the served models (`server.models.ModelSet`): each one's state and engine gauges,
+                labelled with its name.
         """
         r = self.registry = CollectorRegistry()
         self.requests = Counter("stratum_request_count", "Requests answered, by endpoint and outcome",
@@ -60,7 +63,13 @@ class Metrics:
         self.policy_matches = Counter("stratum_policy_matches", "Content policy rules matched (`server.policy`), by "
                                       "rule, tenant, where (prompt or answer) and action", ["rule", "tenant", "scope",
                                                                                             "action"], registry=r)
+        self.model_requests = Counter("stratum_model_request_count", "Requests answered, by the model that ran them",
+                                      ["model"], registry=r)
+        self.model_tokens = Counter("stratum_model_tokens", "Prompt and generated tokens of answered requests, by "
+                                    "model", ["model", "kind"], registry=r)
         self._speculative_series()
+        if models is not None:
+            r.register(_ModelCollector(models))
         # The console's window: (wall time, tenant, ttft s, inter-token gaps, output tokens, usd) per answered request
         self.recent: deque[tuple[float, str, float | None, list[float], int, float]] = deque(maxlen=4096)
         self.num_answered = self.num_hit_tokens = self.num_query_tokens = 0  # the console's totals
@@ -117,6 +126,9 @@ class Metrics:
     def observe_request(self, endpoint: str, model: str, stats: RequestStats, cost: CostFields, usd: float,
                         tenant: str = "") -> None:
         self.requests.labels(endpoint, "ok").inc()
+        self.model_requests.labels(model).inc()
+        self.model_tokens.labels(model, "prompt").inc(stats.num_prompt_tokens)
+        self.model_tokens.labels(model, "generation").inc(stats.num_output_tokens)
         self.num_answered += 1
         self.num_hit_tokens += stats.num_cached_tokens
         self.num_query_tokens += stats.num_prompt_tokens
@@ -244,6 +256,40 @@ class _ReplicaCollector:
             for v in views:
                 family.add_metric([v.name], float(value(v)))
             yield family
+
+
+class _ModelCollector:
+    """Each served model's state and engine gauges, labelled with its name, at scrape time."""
+
+    STATES = ("unloaded", "loading", "loaded", "failed")
+
+    def __init__(self, models):
+        self.models = models
+
+    def describe(self):
+        return []  # collected at scrape time only: models load and unload
+
+    def collect(self):
+        served = list(self.models.models.values())
+        state = GaugeMetricFamily("stratum_model_state", "1 for each served model's state", labels=["model", "state"])
+        in_flight = GaugeMetricFamily("stratum_model_requests_in_flight", "Requests holding the model",
+                                      labels=["model"])
+        running = GaugeMetricFamily("stratum_model_requests_running", "Requests in the model's running batch",
+                                    labels=["model"])
+        waiting = GaugeMetricFamily("stratum_model_requests_waiting", "Requests in the model's waiting queue",
+                                    labels=["model"])
+        usage = GaugeMetricFamily("stratum_model_kv_cache_usage_ratio", "The model's KV blocks held by running "
+                                  "requests / all", labels=["model"])
+        for m in served:
+            for s in self.STATES:
+                state.add_metric([m.name, s], float(m.state == s))
+            in_flight.add_metric([m.name], float(m.num_in_flight))
+            if m.engine is not None:
+                snap = m.engine.snapshot
+                running.add_metric([m.name], float(snap.num_running))
+                waiting.add_metric([m.name], float(snap.num_waiting))
+                usage.add_metric([m.name], float(snap.kv_usage))
+        yield from (state, in_flight, running, waiting, usage)
 
 
 class _TierCollector:
