@@ -211,7 +211,7 @@ class ServedModel:
     aliases: tuple[str, ...] = ()
     loading: asyncio.Future | None = None
     is_pinned: bool = False  # its engine was handed in, not started here: never unloaded
-    keep_alive_s: float | None = None  # after its last request, when that request names none (None: the set's)
+    is_kept: bool = False  # the default model: loaded at start and kept (unloaded only to make room)
     num_loads: int = 0
 
     def __post_init__(self) -> None:
@@ -224,7 +224,7 @@ class ServedModel:
     def view(self) -> dict[str, Any]:
         """/health's entry: the state, and what explains it."""
         body: dict[str, Any] = {"name": self.name, "state": self.state, "in_flight": self.num_in_flight,
-                                "footprint_mb": round(self.footprint_bytes / 2**20, 1)}
+                                "footprint_mb": round(self.footprint_bytes / 2**20, 1), "loads": self.num_loads}
         if self.expires_at is not None:
             body["expires_in_s"] = round(max(0.0, self.expires_at - time.monotonic()), 1)
         if self.error and self.state == "failed":
@@ -252,7 +252,7 @@ class ModelSet:
         assert specs, "a server serves at least one model"
         self.models = {s.name: ServedModel(s) for s in specs}
         self.default = self.models[specs[0].name]
-        self.default.keep_alive_s = FOREVER  # loaded at start, and kept, as a one-model server's is
+        self.default.is_kept = True  # loaded at start and kept, as a one-model server's is
         self.start, self.memory_bytes, self.keep_alive_s = start, memory_bytes, keep_alive_s
         self.load_wait_s, self.patterns = load_wait_s, patterns
         self._reaper: asyncio.Task | None = None
@@ -318,13 +318,13 @@ class ModelSet:
 
     def release(self, served: ServedModel, keep_alive_s: float | None) -> None:
         """A request's hold ends: once none holds the model, it stays loaded for `keep_alive_s` (the
-        request's, else the server's `keep_alive_s`); 0 unloads it now."""
+        request's, else the server's `keep_alive_s`); 0 unloads it now. The default model stays loaded
+        whatever a request says (it is unloaded only to make room for another)."""
         served.num_in_flight -= 1
         served.last_used = time.monotonic()
-        if served.num_in_flight or served.state != "loaded" or served.is_pinned:
+        if served.num_in_flight or served.state != "loaded" or served.is_pinned or served.is_kept:
             return
-        keep = keep_alive_s if keep_alive_s is not None else served.keep_alive_s
-        keep = self.keep_alive_s if keep is None else keep
+        keep = self.keep_alive_s if keep_alive_s is None else keep_alive_s
         served.expires_at = None if keep == FOREVER else served.last_used + keep
         if keep == 0:
             self._unload_soon(served)
