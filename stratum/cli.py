@@ -354,16 +354,24 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    """Chat in the terminal with a running server (--url), or with one started for the session (--model)."""
+    """Chat in the terminal with a running server (--url; --model picks one of its models, by default its
+    first), or with one started for the session (serving --model, by default smollm2-135m)."""
     from stratum.client import terminal
 
     proc = None
     url = args.url
     try:
         if url is None:
-            print(f"stratum: starting {args.model}...", file=sys.stderr, flush=True)
-            proc, url = terminal.local_server(args.model, ["--data-dir", ""])
-        model = args.served_model_name or httpx_model(url, args.api_key) or args.model
+            print(f"stratum: starting {args.model or 'smollm2-135m'}...", file=sys.stderr, flush=True)
+            proc, url = terminal.local_server(args.model or "smollm2-135m", ["--data-dir", ""])
+            model = args.served_model_name or httpx_model(url, args.api_key) or args.model
+        else:
+            served = server_models(url, args.api_key)
+            model = args.served_model_name or args.model or (served[0] if served else None)
+            if model is None or (args.model and served and not _is_served(url, args.api_key, model)):
+                print(f"error: {url} does not serve {model!r}; it serves {', '.join(served) or 'nothing'}",
+                      file=sys.stderr)
+                return 1
         print(f"stratum: chatting with {model} at {url} (/reset, /exit)", file=sys.stderr, flush=True)
         return terminal.repl(url, model, args.api_key, args.max_tokens, args.system)
     except RuntimeError as e:
@@ -376,14 +384,33 @@ def cmd_chat(args) -> int:
 
 
 def httpx_model(url: str, api_key: str | None) -> str | None:
-    """The model a server serves, from /v1/models."""
+    """The model a server serves first (its default), from /v1/models."""
+    served = server_models(url, api_key)
+    return served[0] if served else None
+
+
+def server_models(url: str, api_key: str | None) -> list[str]:
+    """The models a server serves, from /v1/models (none where it does not answer)."""
     import httpx
 
     try:
         r = httpx.get(url + "/v1/models", headers={"x-api-key": api_key} if api_key else {}, timeout=10)
-        return r.json()["data"][0]["id"]
-    except (httpx.HTTPError, KeyError, IndexError, ValueError):
-        return None
+        return [m["id"] for m in r.json()["data"]]
+    except (httpx.HTTPError, KeyError, TypeError, ValueError):
+        return []
+
+
+def _is_served(url: str, api_key: str | None, model: str) -> bool:
+    """Whether the server runs `model` (a served name, an alias or a name its patterns match)."""
+    import httpx
+    from urllib.parse import quote
+
+    try:
+        r = httpx.get(f"{url}/v1/models/{quote(model, safe='')}", headers={"x-api-key": api_key} if api_key else {},
+                      timeout=10)
+        return r.status_code == 200
+    except httpx.HTTPError:
+        return True  # said by the first answer instead
 
 
 def cmd_info(args) -> int:
@@ -452,7 +479,9 @@ def _serve_parser(sub) -> None:
 def _chat_parser(sub) -> None:
     p = sub.add_parser("chat", help="chat in the terminal, streaming, with each answer's cost")
     p.add_argument("--url", default=None, help="a running server; without it one is started for the session")
-    p.add_argument("--model", default="smollm2-135m", help="the model a session's own server runs")
+    p.add_argument("--model", default=None,
+                   help="with --url, which of the server's models to chat with (default: its first); without, "
+                        "the model a session's own server runs (default: smollm2-135m)")
     p.add_argument("--served-model-name", default=None)
     p.add_argument("--api-key", default=os.environ.get("STRATUM_API_KEY"))
     p.add_argument("--system", default=None)

@@ -144,7 +144,8 @@ def add_models_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--keep-alive", default="5m",
                    help="how long a model stays loaded after its last request, as Ollama's keep_alive (\"5m\", "
                         "seconds; 0 unloads at once; negative: forever); requests may set their own (Ollama's "
-                        "keep_alive, X-Stratum-Keep-Alive). The first model stays loaded, unless another needs its memory")
+                        "keep_alive, X-Stratum-Keep-Alive). The first model stays loaded unless another needs its "
+                        "memory")
     p.add_argument("--models-memory-mb", type=int, default=None,
                    help="what the loaded models may take together (weights' files + KV pools); a model that does "
                         "not fit unloads the least recently used idle ones (default: 90%% of the memory free at "

@@ -74,3 +74,30 @@ def test_console_is_off_when_asked(tiny_model_dir):
         assert httpx.get(server.url + "/console").status_code == 404
     finally:
         server.stop()
+
+
+def test_the_model_picker_lists_every_model_with_its_state_and_chats_with_the_one_chosen(browser, tmp_path):
+    from tests.conftest import ServerProcess
+    from tests.factories import make_tiny_model_dir
+
+    other = make_tiny_model_dir(tmp_path / "other", seed=1, hidden=32)
+    first = make_tiny_model_dir(tmp_path / "first", seed=0)
+    server = ServerProcess(f"first={first}", "--model", f"other={other}", "--kv-cache-mb", "8").wait_ready()
+    try:
+        page = browser.new_page(viewport={"width": 1100, "height": 700})
+        page.goto(server.url + "/console")
+        page.wait_for_function("document.getElementById('model').options.length === 2")
+        assert page.eval_on_selector_all("#model option", "os => os.map(o => o.textContent)") == [
+            "first", "other (unloaded)"]
+        page.select_option("#model", "other")
+        page.fill("#prompt", "hello")
+        page.click("#send")
+        page.wait_for_selector(".turn.assistant[data-done='true']", timeout=60_000)
+        assert page.inner_text(".turn.assistant .cost").split(" · ")[0].endswith(",model=other")
+        page.goto(server.url + "/console/dashboard")
+        page.wait_for_function("document.querySelectorAll('#models tr').length === 2")
+        rows = page.eval_on_selector_all("#models tr", "rs => rs.map(r => [...r.children].map(c => c.textContent))")
+        assert [r[:2] for r in rows] == [["first", "loaded"], ["other", "loaded"]]
+        page.close()
+    finally:
+        server.stop()

@@ -179,7 +179,8 @@ def test_a_model_with_a_request_in_flight_is_never_evicted(model_dirs):
                            "--models-memory-mb", "10").wait_ready()
     try:
         client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
-        with client.messages.stream(model="a", max_tokens=1900, messages=HI, extra_body={"ignore_eos": True, "temperature": 0}) as s:
+        greedy_to_the_end = {"ignore_eos": True, "temperature": 0}
+        with client.messages.stream(model="a", max_tokens=1900, messages=HI, extra_body=greedy_to_the_end) as s:
             next(iter(s))  # a is generating
             done: list = []
             waiter = threading.Thread(target=lambda: done.append(ask(server, "b").parse().model))

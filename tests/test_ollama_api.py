@@ -232,7 +232,7 @@ def test_errors_are_ollamas(tiny, tiny_server):
     for call in (lambda: tiny.pull("llama3.2"), lambda: tiny.delete("tiny"), lambda: tiny.copy("tiny", "x"),
                  lambda: tiny.push("tiny"), lambda: tiny.create("x", from_="tiny")):
         status, error = status_of(call)
-        assert status == 400 and "serves the one model" in error
+        assert status == 400 and "serves the models it was started with (tiny:latest)" in error
     status, error = status_of(lambda: tiny.chat(model="tiny", messages=hi(), options={"temperature": "hot"}))
     assert status == 400 and "temperature" in error
     assert status_of(lambda: tiny.chat(model="tiny", messages=hi(), keep_alive="soon"))[0] == 400
