@@ -508,7 +508,10 @@ def _info_parser(sub) -> None:
     p = sub.add_parser("info", help="hardware, the model's architecture and tensor types, what runs packed, "
                                     "and the kernel plan")
     p.add_argument("file", nargs="?", default=None, help="a .gguf file or Hugging Face folder (default: --model)")
-    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--model", action="append", default=None, metavar="[NAME=]MODEL",
+                   help="a model to report on, as `serve --model` takes it (repeatable; default smollm2-135m)")
+    p.add_argument("--models-dir", action="append", default=None, metavar="DIR",
+                   help="also every model under DIR, as `serve --models-dir` finds them")
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="as `serve --dtype`")
     add_activations_arg(p)

@@ -10,18 +10,16 @@ import sys
 
 
 def print_info(args) -> int:
-    """The hardware, and the kernel plan `stratum serve` would run this model with; for the model, its
-    architecture, tensor types and what runs packed (and why not, where not)."""
+    """The hardware, and the kernel plan `stratum serve` would run each model with; for each model, its
+    architecture, tensor types and what runs packed (and why not, where not). One model (FILE, or one
+    --model) is reported at the top level; several (--model repeated, NAME=MODEL, --models-dir) under
+    `models`, each with its served name, as `stratum serve` would serve them."""
     import platform
-    from dataclasses import asdict
 
     import torch
 
-    from stratum.engine import builder
-    from stratum.engine.config import EngineConfig
     from stratum.kernels import native
     from stratum.kernels.cpu import cpu_flags, cpu_name
-    from stratum.models.registry import PullError
 
     flags = cpu_flags()
     info = {
@@ -33,7 +31,47 @@ def print_info(args) -> int:
     }
     if torch.cuda.is_available():
         info["cuda_device"] = torch.cuda.get_device_name(0)
-    model = args.file or args.model
+    try:
+        named = _named_models(args)
+    except (ValueError, OSError) as e:  # PullError: a model not pulled, a path that does not exist
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    reports = [{"name": name, **_model_info(args, model)} for name, model in named]
+    if len(reports) == 1:
+        info.update({k: v for k, v in reports[0].items() if k != "name"})
+    else:
+        info["models"] = reports
+    print(json.dumps(info, indent=2))
+    errors = [r["plan_error"] for r in reports if "plan_error" in r]
+    for e in errors:
+        print(f"error: {e}", file=sys.stderr)
+    return 1 if errors else 0
+
+
+def _named_models(args) -> list[tuple[str, str]]:
+    """(served name, model) for FILE, else each --model (NAME=MODEL too), then what --models-dir holds."""
+    from pathlib import Path
+
+    from stratum.server.models import parse_model_arg, scan_models_dir
+
+    if args.file:
+        return [(args.file, args.file)]
+    entries = args.model or ([] if args.models_dir else ["smollm2-135m"])
+    named = [(name or model, model) for name, model in map(parse_model_arg, entries)]
+    for folder in args.models_dir or []:
+        named += [(n, m) for n, m in scan_models_dir(Path(folder)) if all(n != k for k, _ in named)]
+    return named
+
+
+def _model_info(args, model: str) -> dict:
+    """One model's report: its checkpoint, the engine serve would build, the numerics rule and the kernel
+    plan; `plan_error` where it cannot be served."""
+    from dataclasses import asdict
+
+    from stratum.engine import builder
+    from stratum.engine.config import EngineConfig
+    from stratum.models.registry import PullError
+
     config = EngineConfig(model=model, num_threads=args.threads, serving=True, remeasure_plan=args.remeasure,
                           dtype=args.dtype, activations=args.activations)
     try:
@@ -41,12 +79,8 @@ def print_info(args) -> int:
         resolved = builder.resolve(config, checkpoint)
         inputs = builder.rule_inputs(config, checkpoint, resolved.device)
     except (PullError, ValueError) as e:  # ModelLoadError names the unsupported architecture or tensor type
-        info["plan_error"] = str(e)
-        print(json.dumps(info, indent=2))
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    info["model"] = model
-    info["checkpoint"] = _checkpoint_info(checkpoint, resolved)
+        return {"model": model, "plan_error": str(e)}
+    info: dict = {"model": model, "checkpoint": _checkpoint_info(checkpoint, resolved)}
     info["engine"] = {"device": resolved.device, "dtype": resolved.dtype, "threads": resolved.num_threads,
                       "prefill_threads": resolved.prefill_threads, "max_model_len": resolved.max_model_len,
                       "kv_blocks": resolved.num_kv_blocks,
@@ -54,8 +88,7 @@ def print_info(args) -> int:
     # the rule (kernels/numerics.py) from its inputs, then the speed choices that keep its numerics
     info["numerics"] = {"inputs": asdict(inputs), "result": resolved.numerics.describe()}
     info["kernel_plan"] = resolved.kernel_plan.describe()
-    print(json.dumps(info, indent=2))
-    return 0
+    return info
 
 
 def _checkpoint_info(checkpoint, resolved) -> dict:

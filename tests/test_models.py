@@ -219,3 +219,14 @@ def test_past_the_load_wait_a_request_gets_503_and_an_idle_model_unloads_after_k
         assert entry["error"] and health(server)["status"] == "ok"
     finally:
         server.stop()
+
+
+def test_info_reports_each_model_by_its_served_name(model_dirs, capsys):
+    import json
+
+    from stratum.cli import main
+
+    assert main(["info", "--model", f"a={model_dirs / 'a'}", "--models-dir", str(model_dirs), "--threads", "1"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    shapes = {m["name"]: (m["checkpoint"]["hidden"], m["checkpoint"]["layers"]) for m in report["models"]}
+    assert shapes == {"a": (64, 2), "b": (32, 2), "c": (32, 1)} and report["cpu_count"]
