@@ -95,26 +95,11 @@ def cmd_serve(args) -> int:
     t0 = time.perf_counter()
     logging.basicConfig(level=getattr(logging, args.log_level.upper(), logging.DEBUG),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    try:
-        specs = _model_specs(args)
-    except (PullError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    config, args.specs = specs[0].config, specs
-    if len(specs) > 1 and args.replicas > 1:
-        print("error: --replicas serves one model; serve several models without it", file=sys.stderr)
-        return 2
-    refused = _refuse_replicas(args)
+    refused = _refuse_serving(args)
     if refused is not None:
         return refused
-    refused = _refuse_any_origin(args)
-    if refused is not None:
-        return refused
-    try:
-        args.policy_store = _content_policy(args)
-    except ValueError as e:  # policy.PolicyError: said before the engine loads
-        print(f"stratum: --content-policy: {e}", file=sys.stderr)
-        return 2
+    specs = args.specs
+    config = specs[0].config
     # The engine process loads the model while this one opens the port and builds the web app.
     engine = (EngineProcess(config, _restart_policy(args)) if args.engine == "process" and args.replicas == 1
               else None)
@@ -172,6 +157,32 @@ def cmd_serve(args) -> int:
         print(f"error: {up.error}", file=sys.stderr)
         return 1
     return 0
+
+
+def _refuse_serving(args) -> int | None:
+    """The exit status when the command line cannot be served, said on stderr; None when it can (then
+    `args.specs` holds the models, and `args.policy_store` the content policy)."""
+    from stratum.models.registry import PullError
+
+    try:
+        args.specs = _model_specs(args)
+    except (PullError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    if len(args.specs) > 1 and args.replicas > 1:
+        print("error: --replicas serves one model; serve several models without it", file=sys.stderr)
+        return 2
+    refused = _refuse_replicas(args)
+    if refused is None:
+        refused = _refuse_any_origin(args)
+    if refused is not None:
+        return refused
+    try:
+        args.policy_store = _content_policy(args)
+    except ValueError as e:  # policy.PolicyError: said before the engine loads
+        print(f"stratum: --content-policy: {e}", file=sys.stderr)
+        return 2
+    return None
 
 
 def _restart_policy(args):
