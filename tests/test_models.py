@@ -8,6 +8,8 @@ a loading model waiting (or a 503 with retry-after past --model-load-wait-s), an
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 
@@ -152,6 +154,22 @@ def test_requests_for_a_loading_model_wait_for_it_and_it_loads_once(two):
     assert entry["state"] == "loaded" and entry["in_flight"] == 0 and entry["loads"] == loads + 1
 
 
+def entry(server, name: str) -> dict:
+    return next(m for m in health(server)["models"] if m["name"] == name)
+
+
+def test_each_models_engine_is_supervised_on_its_own(two):
+    ask(two, "tiny-b")
+    dead, first = entry(two, "tiny-b")["engine_pid"], entry(two, "tiny-a")["engine_pid"]
+    os.kill(dead, signal.SIGKILL)
+    deadline = time.monotonic() + 60
+    while entry(two, "tiny-b").get("engine_pid") in (dead, None):
+        assert time.monotonic() < deadline, health(two)
+        time.sleep(0.2)
+    assert ask(two, "tiny-b").parse().model == "tiny-b"
+    assert entry(two, "tiny-a")["engine_pid"] == first == health(two)["engine_pid"]
+
+
 def test_the_least_recently_used_idle_model_makes_room(model_dirs):
     """--models-dir names b and c by folder (a, the first, is named too: served once); a budget of two
     models' footprints (an 8 MiB pool each)."""
@@ -174,9 +192,10 @@ def test_the_least_recently_used_idle_model_makes_room(model_dirs):
 
 
 def test_a_model_with_a_request_in_flight_is_never_evicted(model_dirs):
-    """A budget of one model: b waits for a's stream to end before a is unloaded to make room for it."""
+    """A budget of one model: b waits for a's stream to end before a is unloaded to make room for it.
+    Then b's engine dies, with restarts off: b's next request starts it again."""
     server = ServerProcess(f"a={model_dirs / 'a'}", "--model", f"b={model_dirs / 'b'}", "--kv-cache-mb", "8",
-                           "--models-memory-mb", "10").wait_ready()
+                           "--models-memory-mb", "10", "--engine-restarts", "0").wait_ready()
     try:
         client = anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
         greedy_to_the_end = {"ignore_eos": True, "temperature": 0}
@@ -195,6 +214,11 @@ def test_a_model_with_a_request_in_flight_is_never_evicted(model_dirs):
         assert text
         waiter.join(60)
         assert done == ["b"] and states(server) == {"a": "unloaded", "b": "loaded"}
+        # an engine that died, not restarted (--engine-restarts 0): its next request starts a new one
+        loads = entry(server, "b")["loads"]
+        os.kill(entry(server, "b")["engine_pid"], signal.SIGKILL)
+        time.sleep(1)
+        assert ask(server, "b").parse().model == "b" and entry(server, "b")["loads"] == loads + 1
     finally:
         server.stop()
 

@@ -126,6 +126,7 @@ class RequestLifecycle:
     who: Admitted
     reservation: Reservation
     model: ServedModel  # the model it runs on, held until its response is sent (`models.hold_model`)
+    client: EngineClient  # that model's engine at admission (a model started again later has a new one)
     controls: Controls = Controls()
     prepared: Prepared | None = None
     # the engine's side, once submitted
@@ -150,7 +151,7 @@ class RequestLifecycle:
     @property
     def engine(self) -> EngineClient:
         """The engine of the model the request named (each served model has its own)."""
-        return self.model.engine
+        return self.client
 
     # ---- admit ------------------------------------------------------------------------------------
     @classmethod
@@ -192,7 +193,7 @@ class RequestLifecycle:
                        cache_salt=tenant if rt.isolate_tenants else None, is_advised=is_polluted)
         reservation = Reservation(rt.admission, tenant, endpoint, rt.metrics)
         reservation.check(max_tokens or 0)
-        lc = cls(rt, request, request.state.request_id, endpoint, who, reservation, model)
+        lc = cls(rt, request, request.state.request_id, endpoint, who, reservation, model, engine)
         try:
             engine.take_queue_slot(lc.request_id)
         except QueueFull as e:
