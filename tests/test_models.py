@@ -136,7 +136,24 @@ def test_a_request_keep_alive_of_zero_unloads_its_model_after_it(two):
     assert status.status_code == 400 and status.json()["error"]["type"] == "invalid_request_error"
 
 
+def test_a_batch_runs_each_request_on_the_model_it_names(two):
+    client = anthropic.Anthropic(base_url=two.url, api_key="unused", max_retries=0)
+    params = [{"model": m, "max_tokens": 6, "temperature": 0, "messages": HI} for m in ("tiny-a", "tiny-b", "nope")]
+    batch = client.messages.batches.create(requests=[{"custom_id": f"r{i}", "params": p} for i, p in enumerate(params)])
+    deadline = time.monotonic() + 120
+    while client.messages.batches.retrieve(batch.id).processing_status != "ended":
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    results = {r.custom_id: r.result for r in client.messages.batches.results(batch.id)}
+    assert results["r2"].type == "errored" and results["r2"].error.type == "not_found_error"
+    for i, name in enumerate(("tiny-a", "tiny-b")):
+        message, cost = results[f"r{i}"].message, results[f"r{i}"].model_extra["stratum_cost"]
+        assert message.model == name and cost["header"].endswith(f",model={name}")
+        assert message.content[0].text == ask(two, name).parse().content[0].text
+
+
 def test_requests_for_a_loading_model_wait_for_it_and_it_loads_once(two):
+    ask(two, "tiny-b", headers={"X-Stratum-Keep-Alive": "0"})
     wait_for(two, "tiny-b", "unloaded", timeout=15)
     loads = next(m for m in health(two)["models"] if m["name"] == "tiny-b")["loads"]
     results: list = []
@@ -193,7 +210,7 @@ def test_the_least_recently_used_idle_model_makes_room(model_dirs):
 
 def test_a_model_with_a_request_in_flight_is_never_evicted(model_dirs):
     """A budget of one model: b waits for a's stream to end before a is unloaded to make room for it.
-    Then b's engine dies, with restarts off: b's next request starts it again."""
+    Then b's engine dies, with restarts off: b answers 503, and a takes its place."""
     server = ServerProcess(f"a={model_dirs / 'a'}", "--model", f"b={model_dirs / 'b'}", "--kv-cache-mb", "8",
                            "--models-memory-mb", "10", "--engine-restarts", "0").wait_ready()
     try:
@@ -214,11 +231,14 @@ def test_a_model_with_a_request_in_flight_is_never_evicted(model_dirs):
         assert text
         waiter.join(60)
         assert done == ["b"] and states(server) == {"a": "unloaded", "b": "loaded"}
-        # an engine that died, not restarted (--engine-restarts 0): its next request starts a new one
-        loads = entry(server, "b")["loads"]
+        # an engine that died, not restarted (--engine-restarts 0): its model answers 503, and its memory
+        # goes to the next model asked for
         os.kill(entry(server, "b")["engine_pid"], signal.SIGKILL)
         time.sleep(1)
-        assert ask(server, "b").parse().model == "b" and entry(server, "b")["loads"] == loads + 1
+        with pytest.raises(anthropic.InternalServerError) as e:
+            ask(server, "b")
+        assert e.value.status_code == 503
+        assert ask(server, "a").parse().model == "a" and states(server) == {"a": "loaded", "b": "unloaded"}
     finally:
         server.stop()
 

@@ -302,8 +302,8 @@ class ModelSet:
         """Hold `served` for a request: started if it is not (waiting for it up to load_wait_s), and
         never unloaded until `release`.
 
-        A model whose engine died and was given up by its supervisor is started again here; one being
-        restarted by it is `RequestLifecycle.admit`'s to wait for.
+        A model whose engine died is its supervisor's to restart (`RequestLifecycle.admit` waits for it)
+        or to give up (then it answers 503, as `--engine-restarts` says, until it is unloaded to make room).
 
         Raises:
             EngineUnavailable: 503 with retry-after, the model did not load in time, or failed to.
@@ -311,9 +311,6 @@ class ModelSet:
         served.num_in_flight += 1
         served.expires_at = None
         try:
-            if served.state == "loaded" and _is_given_up(served.engine):  # a new engine, as for a model not loaded
-                served.state, engine, served.engine = "unloaded", served.engine, None
-                await asyncio.to_thread(_stop, engine)
             if served.state != "loaded":
                 await self._wait_loaded(served)
         except BaseException:
@@ -432,13 +429,6 @@ class ModelSet:
             if m.engine is not None:
                 engine, m.engine, m.state = m.engine, None, "unloaded"
                 _stop(engine)
-
-
-def _is_given_up(engine: EngineClient) -> bool:
-    """Its engine is dead for good: its supervisor gave up (a crash loop), or it had none. (Dead and
-    "running" is a death its supervisor has not heard of yet: it restarts it.)"""
-    sup = engine.supervision
-    return not engine.is_alive and (sup is None or sup.state == "given_up")
 
 
 def _stop(engine: EngineClient) -> None:
