@@ -274,3 +274,19 @@ def test_info_reports_each_model_by_its_served_name(model_dirs, capsys):
     report = json.loads(capsys.readouterr().out)
     shapes = {m["name"]: (m["checkpoint"]["hidden"], m["checkpoint"]["layers"]) for m in report["models"]}
     assert shapes == {"a": (64, 2), "b": (32, 2), "c": (32, 1)} and report["cpu_count"]
+
+
+def test_keep_alive_reads_as_ollamas_durations_and_model_names_as_name_equals_model():
+    import math
+
+    from stratum.server.models import keep_alive_seconds, parse_model_arg
+
+    assert [keep_alive_seconds(v) for v in ("5m", "1h30m", "90", "0", 0, "1.5s", None)] == [
+        300, 5400, 90, 0, 0, 1.5, None]
+    assert keep_alive_seconds("-1") == keep_alive_seconds(-5) == keep_alive_seconds("-1m") == math.inf
+    for bad in ("soon", "5 m", "m", "", "nan"):
+        with pytest.raises(ValueError):
+            keep_alive_seconds(bad)
+    assert parse_model_arg("coder=/models/q.gguf") == ("coder", "/models/q.gguf")
+    assert parse_model_arg("smollm2-135m") == (None, "smollm2-135m")
+    assert parse_model_arg("./a=b.gguf") == (None, "./a=b.gguf")

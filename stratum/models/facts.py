@@ -41,5 +41,5 @@ def model_facts(ck: Checkpoint) -> dict[str, Any]:
             "modified_at": datetime.fromtimestamp(mtime, timezone.utc).isoformat().replace("+00:00", "Z"),
             "context_length": c.max_position_embeddings, "embedding_length": c.hidden_size,
             "block_count": c.num_layers, "feed_forward_length": c.intermediate_size, "head_count": c.num_heads,
-            "head_count_kv": c.num_kv_heads, "vocab_size": c.vocab_size, "rope_freq_base": c.rope_theta,
-            "layer_norm_rms_epsilon": c.rms_norm_eps}
+            "head_dim": c.head_dim, "head_count_kv": c.num_kv_heads, "vocab_size": c.vocab_size,
+            "rope_freq_base": c.rope_theta, "layer_norm_rms_epsilon": c.rms_norm_eps}

@@ -191,7 +191,7 @@ def kv_pool_bytes(client: EngineClient) -> int:
     if not (heads and layers and width):
         return 0
     width_bytes = 2 if cfg.dtype == "bfloat16" else 4
-    per_token = 2 * layers * facts.get("head_count_kv", heads) * (width // heads) * width_bytes
+    per_token = 2 * layers * facts.get("head_count_kv", heads) * facts.get("head_dim", width // heads) * width_bytes
     return cfg.num_kv_blocks * cfg.block_size * per_token
 
 
