@@ -223,10 +223,10 @@ def _start_engine(args, config, engine, starting):
         starting.wait_listening()  # the server's event loop reads the engine's events
         return engine.connect(on_stage=lambda stage: setattr(starting, "stage", stage), loop=starting.loop), "a process"
     from stratum.engine.thread_transport import start_thread_engine
-    from stratum.engine.core import EngineCore
+    from stratum.engine.encoder import make_engine
 
     starting.stage = "loading model"
-    return start_thread_engine(EngineCore(config)), "a thread"
+    return start_thread_engine(make_engine(config)), "a thread"
 
 
 def _refuse_any_origin(args) -> int | None:

@@ -160,8 +160,8 @@ def health_response(engine: EngineClient, rt: Runtime, settings: ServerSettings)
 
 def is_ready(snap) -> bool:
     """Whether a request would run now: the engine has reported its KV pool and the step it runs
-    (before its first report the snapshot is a placeholder with neither)."""
-    return snap.kv_blocks.total > 0 and bool(snap.step)
+    (before its first report the snapshot is a placeholder with neither); an encoder has no KV pool."""
+    return (snap.kv_blocks.total > 0 or snap.step == "encoder") and bool(snap.step)
 
 
 def _supervision_metrics(rt: Runtime) -> None:
