@@ -36,7 +36,7 @@ def _engine_config(args, serving: bool = False):
                                   max_waiting=args.max_waiting),
         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
         prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
-        draft_model=args.draft_model,
+        draft_model=args.draft_model, pooling=getattr(args, "pooling", None),
     )
 
 
@@ -48,6 +48,11 @@ def cmd_pull(args) -> int:
     except PullError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    from stratum.models.bert import is_encoder
+    from stratum.models.registry import model_path
+
+    if is_encoder(model_path(args.name)):  # an encoder runs on PyTorch's step: no kernels to prepare
+        return 0
     if not args.no_prepare:
         try:
             prepare(args.name)

@@ -81,6 +81,7 @@ class EncoderCore:
         torch.set_num_threads(threads)
         self.model_config = cfg = checkpoint.config
         self.tokenizer = checkpoint.tokenizer
+        self.path = checkpoint.path
         self.model = BertEncoder(checkpoint)
         self.device = torch.device(device)
         if device != "cpu":
@@ -109,9 +110,15 @@ class EncoderCore:
 
     def info(self) -> EngineInfo:
         cfg = self.model_config
-        facts = {"architecture": cfg.architecture, "embedding_length": cfg.hidden_size,
-                 "block_count": cfg.num_layers, "context_length": cfg.max_model_len,
-                 "parameters": sum(t.numel() for t in self.model.tensors())}
+        path = self.path
+        files = [p for p in path.rglob("*") if p.is_file()] if path.is_dir() else [path]
+        facts = {"architecture": cfg.architecture, "name": cfg.name,
+                 "format": "gguf" if path.suffix == ".gguf" else "safetensors",
+                 "num_parameters": sum(t.numel() for t in self.model.tensors()), "quantization": "F32",
+                 "file_bytes": sum(f.stat().st_size for f in files), "context_length": cfg.max_model_len,
+                 "embedding_length": cfg.hidden_size, "block_count": cfg.num_layers,
+                 "feed_forward_length": cfg.intermediate_size, "head_count": cfg.num_heads,
+                 "vocab_size": cfg.vocab_size, "pooling_type": cfg.pooling.kind}
         return EngineInfo(self.config, cfg.name, cfg.vocab_size, {"step": ENCODER_STEP, "device": self.config.device},
                           facts, tasks=self.tasks, pooling=cfg.pooling.kind, embedding_size=self.model.embedding_size)
 

@@ -16,7 +16,6 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 from stratum.models.config import ContextLengthError
 from stratum.models.loader import ModelLoadError

@@ -24,6 +24,7 @@ from stratum.server.body import read_request
 from stratum.server.budget import BudgetStore
 from stratum.server.chat import anthropic_input, build_prompt
 from stratum.server.counting import TokenCounter
+from stratum.server.embeddings import embedding_routes
 from stratum.server.errors import (APIError, HeadersTooLarge, InvalidRequest, MethodNotAllowed, NotFound, Overloaded,
                                    RequestTooLarge, error_response, new_request_id)
 from stratum.server.http import OVER_LIMIT
@@ -115,6 +116,7 @@ def create_app(engine: EngineClient, settings: ServerSettings) -> FastAPI:
         return {"input_tokens": len(prompt.token_ids)}
 
     generation_routes(app, rt, settings, counter)
+    embedding_routes(app, rt, settings, counter)
     ollama_routes(app, rt, settings)
     describe_bodies(app, {"/v1/messages": MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest,
                           "/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
