@@ -70,7 +70,8 @@ def test_a_vector_is_the_same_alone_and_in_any_batch(bert_dir):
     prompts = ids_of(alone_engine, TEXTS)
     alone = [encode(alone_engine, [p])[0] for p in prompts]
     for budget in (512, 40, 16):  # one batch, several, one sequence per step
-        engine = make_engine(EngineConfig(model=str(bert_dir), scheduler=SchedulerConfig(max_num_batched_tokens=budget)))
+        scheduler = SchedulerConfig(max_num_batched_tokens=budget)
+        engine = make_engine(EngineConfig(model=str(bert_dir), scheduler=scheduler))
         assert encode(engine, prompts) == alone, budget  # bit for bit
         assert encode(engine, prompts[::-1]) == alone[::-1]
 

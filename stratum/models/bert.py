@@ -355,6 +355,11 @@ class BertEncoder:
         `lengths` (sum T). Returns the last hidden states [T, hidden]."""
         cfg = self.config
         eps, heads, dim = cfg.layer_norm_eps, cfg.num_heads, cfg.head_dim
+        # every row of the forward padded once to ROW_MULTIPLE (rows of token 0 at position 0, attended
+        # by none and read by none), so that each matmul runs over it as it is
+        pad = -input_ids.shape[0] % ROW_MULTIPLE
+        if pad:
+            input_ids, token_type_ids, positions = (F.pad(t, (0, pad)) for t in (input_ids, token_type_ids, positions))
         x = self.word[input_ids] + self.token_type[token_type_ids] + self.position[positions]
         x = F.layer_norm(x, (cfg.hidden_size,), *self.embed_norm, eps)
         starts = [0]
@@ -362,14 +367,15 @@ class BertEncoder:
             starts.append(starts[-1] + n)
         for qkv_w, qkv_b, out, norm1, up, down, norm2 in self.layers:
             qkv = _linear(x, qkv_w, qkv_b)  # [T, 3 * hidden]
-            ctx = torch.empty_like(x)
+            ctx = torch.zeros_like(x)
             for a, b in zip(starts, starts[1:]):  # attention within each sequence, none across
-                q, k, v = qkv[a:b].view(b - a, 3, heads, dim).permute(1, 2, 0, 3)  # each [heads, L, dim]
-                ctx[a:b] = F.scaled_dot_product_attention(q, k, v).transpose(0, 1).reshape(b - a, -1)
+                # [3, 1, heads, L, dim]: four dimensions, so PyTorch takes its fused (flash) CPU kernel
+                q, k, v = qkv[a:b].view(1, b - a, 3, heads, dim).permute(2, 0, 3, 1, 4)
+                ctx[a:b] = F.scaled_dot_product_attention(q, k, v)[0].transpose(0, 1).reshape(b - a, -1)
             x = F.layer_norm(x + _linear(ctx, *out), (cfg.hidden_size,), *norm1, eps)
             h = self.act(_linear(x, *up))
             x = F.layer_norm(x + _linear(h, *down), (cfg.hidden_size,), *norm2, eps)
-        return x
+        return x[: x.shape[0] - pad]
 
     @torch.inference_mode()
     def pool(self, hidden: torch.Tensor, lengths: list[int]) -> torch.Tensor:
