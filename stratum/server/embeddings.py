@@ -24,6 +24,7 @@ from stratum.server.controls import controls_of
 from stratum.server.counting import TokenCounter
 from stratum.server.errors import InvalidRequest
 from stratum.server.lifecycle import Prepared, RequestLifecycle
+from stratum.server.openapi import describe_bodies
 from stratum.server.protocol.embeddings import EmbeddingRequest, RerankRequest
 from stratum.server.runtime import Runtime
 from stratum.server.sampling import CONTEXT_LENGTH_EXCEEDED
@@ -94,6 +95,8 @@ def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
 
 def embedding_routes(app: FastAPI, rt: Runtime, settings: ServerSettings, counter: TokenCounter) -> None:
     """/v1/embeddings and the rerank routes (docs/api.md, "Embeddings and rerank")."""
+    describe_bodies(app, {"/v1/embeddings": EmbeddingRequest, "/v1/rerank": RerankRequest, "/rerank": RerankRequest,
+                          "/v2/rerank": RerankRequest})
 
     async def read(request: Request, model):
         req = await read_request(request, model, settings.max_body_bytes, settings.body_timeout_s)
