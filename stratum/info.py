@@ -21,6 +21,7 @@ def print_info(args) -> int:
     from stratum.engine.config import EngineConfig
     from stratum.kernels import native
     from stratum.kernels.cpu import cpu_flags, cpu_name
+    from stratum.models.bert import EncoderCheckpoint
     from stratum.models.registry import PullError
 
     flags = cpu_flags()
@@ -38,6 +39,9 @@ def print_info(args) -> int:
                           dtype=args.dtype, activations=args.activations)
     try:
         checkpoint = builder.load(config)
+        if isinstance(checkpoint, EncoderCheckpoint):  # PyTorch's step: no numerics rule or kernel plan
+            print(json.dumps({**info, "model": model, "encoder": _encoder_info(config, checkpoint)}, indent=2))
+            return 0
         resolved = builder.resolve(config, checkpoint)
         inputs = builder.rule_inputs(config, checkpoint, resolved.device)
     except (PullError, ValueError) as e:  # ModelLoadError names the unsupported architecture or tensor type
@@ -56,6 +60,18 @@ def print_info(args) -> int:
     info["kernel_plan"] = resolved.kernel_plan.describe()
     print(json.dumps(info, indent=2))
     return 0
+
+
+def _encoder_info(config, checkpoint) -> dict:
+    """What an encoder serves (`engine.encoder.EncoderCore`): its tasks, pooling, vector and context."""
+    from stratum.engine.encoder import EncoderCore
+
+    info = EncoderCore(config, checkpoint).info()
+    c = info.config
+    return {"architecture": info.model_facts["architecture"], "tasks": list(info.tasks), "pooling": info.pooling,
+            "normalized": checkpoint.config.pooling.normalize, "embedding_size": info.embedding_size,
+            "max_model_len": c.max_model_len, "device": c.device, "threads": c.num_threads,
+            "parameters": info.model_facts["num_parameters"], "step": "PyTorch, float32"}
 
 
 def _checkpoint_info(checkpoint, resolved) -> dict:

@@ -76,6 +76,16 @@ def test_a_vector_is_the_same_alone_and_in_any_batch(bert_dir):
         assert encode(engine, prompts[::-1]) == alone[::-1]
 
 
+def test_info_describes_an_encoder(bert_dir):
+    import json
+
+    out = subprocess.run([sys.executable, "-m", "stratum.cli", "info", str(bert_dir)], capture_output=True, text=True,
+                         check=True).stdout
+    encoder = json.loads(out)["encoder"]
+    assert (encoder["tasks"], encoder["pooling"], encoder["embedding_size"], encoder["max_model_len"]) == (
+        ["embed"], "mean", 64, 128)
+
+
 def test_encoder_refuses_what_it_cannot_run(bert_dir):
     from stratum.engine.sampling_params import InvalidRequestError
 
