@@ -37,7 +37,7 @@ def _engine_config(args, serving: bool = False):
                                   max_waiting=args.max_waiting),
         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
         prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
-        draft_model=args.draft_model,
+        draft_model=args.draft_model, pooling=getattr(args, "pooling", None),
     )
 
 
@@ -49,6 +49,11 @@ def cmd_pull(args) -> int:
     except PullError as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    from stratum.models.bert import is_encoder
+    from stratum.models.registry import model_path
+
+    if is_encoder(model_path(args.name)):  # an encoder runs on PyTorch's step: no kernels to prepare
+        return 0
     if not args.no_prepare:
         try:
             prepare(args.name)
@@ -242,10 +247,10 @@ def _start_engine(args, config, engine, starting):
         starting.wait_listening()  # the server's event loop reads the engine's events
         return engine.connect(on_stage=lambda stage: setattr(starting, "stage", stage), loop=starting.loop), "a process"
     from stratum.engine.thread_transport import start_thread_engine
-    from stratum.engine.core import EngineCore
+    from stratum.engine.encoder import make_engine
 
     starting.stage = "loading model"
-    return start_thread_engine(EngineCore(config)), "a thread"
+    return start_thread_engine(make_engine(config)), "a thread"
 
 
 def _refuse_any_origin(args) -> int | None:

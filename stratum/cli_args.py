@@ -62,6 +62,10 @@ def add_engine_args(p: argparse.ArgumentParser, several: bool = False) -> None:
     p.add_argument("--prompt-lookup-max", type=int, default=5, help="the longest n-gram prompt lookup matches")
     p.add_argument("--draft-model", default=None, metavar="FILE",
                    help="a smaller model with the same tokenizer (GGUF file or folder) that proposes tokens")
+    p.add_argument("--pooling", default=None, choices=["mean", "last"],
+                   help="also serve embeddings (/v1/embeddings, /api/embed) from a chat model: the mean or the last "
+                        "token of its final hidden states, at unit length (as llama-server's --pooling); an "
+                        "encoder (BERT) pools as its files say")
     p.add_argument("--engine", default="process", choices=["process", "thread"],
                    help="where the engine loop runs: a process of its own (default), or a thread of the server "
                         "(with --replicas, each replica's process runs it)")

@@ -70,12 +70,15 @@ def _model_info(args, model: str) -> dict:
 
     from stratum.engine import builder
     from stratum.engine.config import EngineConfig
+    from stratum.models.bert import EncoderCheckpoint
     from stratum.models.registry import PullError
 
     config = EngineConfig(model=model, num_threads=args.threads, serving=True, remeasure_plan=args.remeasure,
                           dtype=args.dtype, activations=args.activations)
     try:
         checkpoint = builder.load(config)
+        if isinstance(checkpoint, EncoderCheckpoint):  # PyTorch's step: no numerics rule or kernel plan
+            return {"model": model, "encoder": _encoder_info(config, checkpoint)}
         resolved = builder.resolve(config, checkpoint)
         inputs = builder.rule_inputs(config, checkpoint, resolved.device)
     except (PullError, ValueError) as e:  # ModelLoadError names the unsupported architecture or tensor type
@@ -89,6 +92,18 @@ def _model_info(args, model: str) -> dict:
     info["numerics"] = {"inputs": asdict(inputs), "result": resolved.numerics.describe()}
     info["kernel_plan"] = resolved.kernel_plan.describe()
     return info
+
+
+def _encoder_info(config, checkpoint) -> dict:
+    """What an encoder serves (`engine.encoder.EncoderCore`): its tasks, pooling, vector and context."""
+    from stratum.engine.encoder import EncoderCore
+
+    info = EncoderCore(config, checkpoint).info()
+    c = info.config
+    return {"architecture": info.model_facts["architecture"], "tasks": list(info.tasks), "pooling": info.pooling,
+            "normalized": checkpoint.config.pooling.normalize, "embedding_size": info.embedding_size,
+            "max_model_len": c.max_model_len, "device": c.device, "threads": c.num_threads,
+            "parameters": info.model_facts["num_parameters"], "step": "PyTorch, float32"}
 
 
 def _checkpoint_info(checkpoint, resolved) -> dict:

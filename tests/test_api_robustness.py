@@ -142,7 +142,8 @@ def test_schemathesis_finds_no_server_errors(fuzz_server, max_examples):
                 elif response.status_code >= 400:
                     data = response.json()
                     error = data.get("error") if isinstance(data.get("error"), dict) else {}
-                    if operation.path.startswith(("/v1/chat/completions", "/v1/completions", "/v1/responses")):
+                    if operation.path.startswith(("/v1/chat/completions", "/v1/completions", "/v1/responses",
+                                                  "/v1/embeddings", "/v1/rerank", "/v2/rerank", "/rerank")):
                         if "type" in data or not error.get("type") or not {"message", "param", "code"} <= set(error):
                             problem = "error body not in OpenAI's shape"
                     elif data.get("type") != "error" or not error.get("type"):

@@ -126,6 +126,9 @@ class EngineConfig:
     prompt_lookup_min: int = 2  # the n-gram lengths prompt lookup matches
     prompt_lookup_max: int = 5
     draft_model: str | None = None  # a GGUF file or folder with the model's tokenizer
+    # a decoder's embeddings (`--pooling`, as llama-server's): "mean" or "last" of the final hidden states;
+    # None: it serves none (an encoder pools as its checkpoint says)
+    pooling: str | None = None
 
     def to_json(self) -> str:
         """For another process of this runtime (the engine process, the preparing child)."""

@@ -63,6 +63,7 @@ class EngineCore:
             self.upgrade = KernelUpgrade(replace(config, num_kv_blocks=resolved.num_kv_blocks))
         torch.manual_seed(resolved.seed)
         self.model_config = checkpoint.config
+        self.pooling = config.pooling  # embeddings by "mean" or "last" pooling of the final hidden states, or none
         self.model_facts = model_facts(checkpoint)
         self.tokenizer = checkpoint.tokenizer
         self.grammars = GrammarCompiler(checkpoint.tokenizer, checkpoint.config.vocab_size)
@@ -113,8 +114,10 @@ class EngineCore:
 
     def info(self) -> EngineInfo:
         """The engine's configuration and kernel choices, as its start-up and a kernel switch report them."""
+        pooling = self.pooling
         return EngineInfo(self.config, self.model_config.name, self.model_config.vocab_size, self.kernel_choices,
-                          self.model_facts)
+                          self.model_facts, tasks=("generate", "embed") if pooling else ("generate",), pooling=pooling,
+                          embedding_size=self.model_config.hidden_size if pooling else 0)
 
     # ---- requests ------------------------------------------------------------------------------
     def add_request(
@@ -130,12 +133,18 @@ class EngineCore:
         low_latency: bool = False,
         fork_of: str | None = None,
         reasoning: Reasoning | None = None,
+        task: str = "generate",
     ) -> Sequence:
-        """Validate and queue one request.
+        """Validate and queue one request; task "embed": prefill only (max_tokens 0), its finished output
+        carries the pooled vector (`--pooling`).
 
         Raises:
-            InvalidRequestError: out-of-range parameters or too long for the context.
+            InvalidRequestError: out-of-range parameters, too long for the context, or a task not served.
         """
+        if task != "generate" and (task != "embed" or self.pooling is None):
+            raise InvalidRequestError(f"this model serves {', '.join(self.info().tasks)}, not {task}")
+        if task == "embed":
+            sampling = replace(sampling, max_tokens=0, logprobs=None, prompt_logprobs=None, return_logits=False)
         self.config.check_request(len(prompt_token_ids), sampling)
         vocab_size = self.model_config.vocab_size
         if any(not 0 <= t < vocab_size for t in prompt_token_ids):  # else the step fails for the whole batch
@@ -144,7 +153,7 @@ class EngineCore:
         if request_id in self.requests:
             raise InvalidRequestError(f"duplicate request id {request_id!r}")
         cache_policy = cache_policy or CachePolicy()
-        if sampling.prompt_logprobs is not None:  # every prompt position is scored, so none is read from the cache
+        if sampling.prompt_logprobs is not None or task == "embed":  # every prompt position is read, none cached
             cache_policy = CachePolicy(read=False, write=cache_policy.write)
         sampler = SamplerState(
             generator=torch.Generator().manual_seed(sampling.seed) if sampling.seed is not None else None,
@@ -154,6 +163,7 @@ class EngineCore:
         seq = Sequence(request_id, list(prompt_token_ids), sampling, self.config.block_size, priority=priority,
                        cache_salt=cache_salt, cache_policy=cache_policy, pin_prefixes=list(pin_prefixes or []),
                        sampler=sampler)
+        seq.readouts.pooling = self.pooling if task == "embed" else None
         parent = self.requests.get(fork_of) if fork_of else None
         if parent is not None and parent.prompt_token_ids == seq.prompt_token_ids and sampling.prompt_logprobs is None:
             seq.fork_of = parent  # a sample of n: it starts from the parent's computed prompt
@@ -260,7 +270,9 @@ class EngineCore:
             else:
                 if seq.num_computed_tokens >= seq.num_tokens and seq.sampling.max_tokens == 0:
                     self.outputs.prefilled(seq)
-                    outputs.append(self._finish(seq, "length"))
+                    outputs.append(out := self._finish(seq, "length"))
+                    if seq.readouts.pooling:
+                        out.embedding = ModelRunner.pooled(seq)
                 continue
             taken = self.outputs.take(seq, tokens, token_logprobs, now)
             kept = tokens[: taken.num_kept]

@@ -34,7 +34,7 @@ class LoopEngine(Protocol):
                     priority: int = 0, cache_salt: str | None = None, cache_policy: CachePolicy | None = None,
                     tool_marker: str | None = None, pin_prefixes: list[tuple[int, float]] | None = None,
                     low_latency: bool = False, fork_of: str | None = None,
-                    reasoning: Reasoning | None = None) -> Sequence: ...
+                    reasoning: Reasoning | None = None, task: str = "generate") -> Sequence: ...
     def expected_cached_tokens(self, seq: Sequence) -> int: ...
     def abort(self, request_id: str) -> RequestOutput | None: ...
     def recent_cache_keys(self, max_keys: int) -> list[bytes]: ...
@@ -136,7 +136,7 @@ class EngineLoop:
                         cache_salt=command.cache_salt, cache_policy=command.cache_policy,
                         tool_marker=command.tool_marker, pin_prefixes=command.pin_prefixes,
                         low_latency=command.low_latency, fork_of=command.fork_of,
-                        reasoning=command.reasoning)
+                        reasoning=command.reasoning, task=command.task)
                 except InvalidRequestError as e:
                     events.append(RequestFailed(rid, str(e), "invalid_request"))
                     return

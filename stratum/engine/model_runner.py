@@ -98,6 +98,8 @@ class ModelRunner:
         fast_rows = [j for seq, j in samplers if seq.sampler.is_low_latency]
         t0 = time.perf_counter()
         hidden = self.model(input_ids, positions, meta, self.kv_caches)
+        if any(item.seq.readouts.pooling for item in sched.scheduled):
+            self._read_hidden(sched, hidden)
         if meta.probe is not None:
             for seq, values in zip(meta.probe.seqs, meta.probe.results):
                 seq.readouts.coverage_sum += sum(values) / len(values)
@@ -121,6 +123,30 @@ class ModelRunner:
         for seq, first, k in verifiers:
             out.verify_rows[seq.request_id] = logits[first : first + k + 1]
         return out
+
+    @staticmethod
+    def _read_hidden(sched: SchedulerOutput, hidden: torch.Tensor) -> None:
+        """Embedding requests' final hidden states out of the step's rows (`Readouts.hidden`)."""
+        row = 0
+        for item in sched.scheduled:
+            seq, n, start = item.seq, item.num_new_tokens, item.start
+            out = seq.readouts
+            if out.pooling == "mean":
+                if out.hidden is None:
+                    out.hidden = torch.empty(seq.num_prompt_tokens, hidden.shape[1])
+                out.hidden[start : start + n] = hidden[row : row + n].float().cpu()
+            elif out.pooling == "last" and start + n == seq.num_tokens:
+                out.hidden = hidden[row + n - 1].float().cpu()
+            row += n
+
+    @staticmethod
+    def pooled(seq) -> list[float]:
+        """An embedding request's vector once its prefill is done: its rows' mean (over every prompt
+        position at once, so how its prefill was chunked does not change it) or its last row, at unit
+        length (as llama-server's embeddings are by default)."""
+        out = seq.readouts
+        vector = out.hidden.mean(0) if out.pooling == "mean" else out.hidden
+        return torch.nn.functional.normalize(vector, dim=0).tolist()
 
     @staticmethod
     def read_verified(seq, start: int, rows: torch.Tensor, num_kept: int) -> None:

@@ -108,6 +108,7 @@ class RequestOutput:
     prompt_logprobs: list | None = None  # with sampling.prompt_logprobs, on the finished output: per prompt token
     delta_reasoning: str = ""  # a reasoning model's thought: its new text, and all of it so far
     reasoning: str = ""
+    embedding: list[float] | None = None  # an "embed" request's vector, a "score" request's [score]: finished only
 
     @property
     def state_label(self) -> str:

@@ -314,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
             loop.stop()
 
     from stratum.engine import builder
-    from stratum.engine.core import EngineCore
+    from stratum.engine.encoder import make_engine
 
     def send(message) -> None:
         _write_all(ev_fd, _pack(encode(message)))
@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         config = EngineConfig.from_json(args.config)
         checkpoint = builder.load(config)
         send(TokenizerData.of(checkpoint.tokenizer, checkpoint.chat_template))
-        engine = EngineCore(config, checkpoint)
+        engine = make_engine(config, checkpoint)
     except Exception as e:  # the serving side prints this and exits
         send(StartFailed(f"{type(e).__name__}: {e}"))
         return 1

@@ -122,6 +122,11 @@ class EngineInfo:
     vocab_size: int
     kernel_choices: dict[str, Any]
     model_facts: dict[str, Any] = field(default_factory=dict)  # the checkpoint's shape and size (`models.facts`)
+    # what it serves: "generate", "embed" (a vector per input, pooled as `pooling` says: "mean", "cls",
+    # "last"), "score" (a cross-encoder's relevance of a pair); the vector's size (0: no embeddings)
+    tasks: tuple[str, ...] = ("generate",)
+    pooling: str | None = None
+    embedding_size: int = 0
 
 
 
@@ -186,6 +191,8 @@ class AddRequest:
     low_latency: bool = False
     fork_of: str | None = None  # an earlier request of the same prompt whose computed prompt it starts from
     reasoning: Reasoning | None = None  # a reasoning model's thought: its markers and budget
+    # "generate"; "embed" or "score": prefill only, its output's `embedding` the pooled vector (or the score)
+    task: str = "generate"
 
 
 @dataclass(frozen=True, slots=True)

@@ -106,6 +106,11 @@ class Readouts:
     prompt_logprobs: dict[int, tuple] = field(default_factory=dict)  # prompt position -> (logprob, top)
     coverage_sum: float = 0.0  # attention coverage samples (kv_sparsity: layers.attention.attention_coverage)
     coverage_count: int = 0
+    # an embedding request's pooling ("mean" | "last") and the final hidden states it reads: every prompt
+    # position's row [prompt, hidden] for "mean" (a recomputed chunk writes its rows again), the last one's for
+    # "last"; pooled when its prefill ends (`ModelRunner.pooled`)
+    pooling: str | None = None
+    hidden: "torch.Tensor | None" = None
 
     @property
     def kv_sparsity(self) -> float | None:

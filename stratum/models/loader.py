@@ -154,12 +154,16 @@ class ModelLoadError(ValueError):
 
 
 def load_checkpoint(path: str | Path) -> Checkpoint:
-    """Load a `.gguf` file or a Hugging Face folder.
+    """Load a `.gguf` file or a Hugging Face folder (a BERT one as `bert.EncoderCheckpoint`).
 
     Raises:
         ModelLoadError: missing files, unsupported architecture or tokenizer.
     """
+    from stratum.models import bert
+
     path = Path(path)
+    if bert.is_encoder(path):
+        return bert.load_encoder(path)
     if path.is_file() and path.suffix == ".gguf":
         return load_gguf(path)
     if path.is_dir() and (path / "config.json").exists():

@@ -24,6 +24,7 @@ from stratum.server.body import read_request
 from stratum.server.budget import BudgetStore
 from stratum.server.chat import anthropic_input, build_prompt
 from stratum.server.counting import TokenCounter
+from stratum.server.embeddings import embedding_routes
 from stratum.server.errors import (APIError, HeadersTooLarge, InvalidRequest, MethodNotAllowed, NotFound, Overloaded,
                                    RequestTooLarge, error_response, new_request_id)
 from stratum.server.http import OVER_LIMIT
@@ -122,6 +123,7 @@ def create_app(models: ModelSet | EngineClient, settings: ServerSettings) -> Fas
         return {"input_tokens": len(prompt.token_ids)}
 
     generation_routes(app, rt, settings, counter)
+    embedding_routes(app, rt, settings, counter)
     ollama_routes(app, rt, settings)
     describe_bodies(app, {"/v1/messages": MessagesRequest, "/v1/messages/count_tokens": CountTokensRequest,
                           "/v1/chat/completions": ChatCompletionRequest, "/v1/completions": CompletionRequest,
@@ -175,8 +177,8 @@ def health_response(rt: Runtime) -> JSONResponse:
 
 def is_ready(snap) -> bool:
     """Whether a request would run now: the engine has reported its KV pool and the step it runs
-    (before its first report the snapshot is a placeholder with neither)."""
-    return snap.kv_blocks.total > 0 and bool(snap.step)
+    (before its first report the snapshot is a placeholder with neither); an encoder has no KV pool."""
+    return (snap.kv_blocks.total > 0 or snap.step == "encoder") and bool(snap.step)
 
 
 def _supervision_metrics(rt: Runtime) -> None:

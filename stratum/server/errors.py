@@ -17,7 +17,8 @@ from typing import Any
 
 from starlette.responses import JSONResponse  # what fastapi.responses re-exports, without importing FastAPI
 
-OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses")
+OPENAI_PATHS = ("/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/v1/rerank",
+                "/v2/rerank", "/rerank")
 RESPONSES_PATH = "/v1/responses"
 OLLAMA_PREFIX = "/api/"
 # OpenAI names server-side failures "server_error"; the other types read the same in both APIs.

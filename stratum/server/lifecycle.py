@@ -76,6 +76,7 @@ class Prepared:
     is_context_capped: bool  # max_tokens was lowered to the room the context leaves (`sampling.fit_to_context`)
     compression: dict[str, Any] | None  # the compressive mode's report, when it was asked for
     refusal: Rule | None = None  # a content policy rule blocked the prompt: nothing is submitted
+    task: str = "generate"  # or "embed", "score": prefill only, each prompt's output a vector (`server.embeddings`)
 
 
 class _Admission:
@@ -230,10 +231,13 @@ class RequestLifecycle:
             like: with `raw`, a prompt whose reading rules (grammar, tools, thought) the raw prompt keeps
                 (Ollama's `context` continued, or a raw prompt with a `format`).
         Raises:
-            InvalidRequest: the request can never run on this engine.
+            InvalidRequest: the request can never run on this engine (an encoder generates nothing).
             RateLimited: its upper bound of cost does not fit in the tenant's budget.
         """
         rt, engine = self.rt, self.engine
+        if "generate" not in engine.info.tasks:  # an encoder: embeddings or scores only (`server.embeddings`)
+            raise InvalidRequest(f"the model {self.model.name!r} does not generate text: it serves "
+                                 f"{' and '.join(engine.info.tasks)} only", param="model", code="model_not_supported")
         compression = None
         refusal, chat, raw = await self._screen_prompt(chat, raw)
         if self.answer_policy is not None and sampling.logprobs is not None:  # tokens would show what is held back
@@ -336,7 +340,7 @@ class RequestLifecycle:
             reasoning = replace(reasoning, budget=self.rt.reasoning_budget)
         options = dict(priority=self.controls.priority, cache_policy=p.cache_policy, cache_salt=self.who.cache_salt,
                        tool_marker=marker, pin_prefixes=list(p.pins), low_latency=self.controls.is_low_latency,
-                       reasoning=reasoning)
+                       reasoning=reasoning, task=p.task)
         n, total = p.n, len(p.prompt_ids) * p.n
         self.choices = {self.request_id if i == 0 else f"{self.request_id}.{i}": i for i in range(total)}
         if total == 1:

@@ -1,6 +1,7 @@
 """Ollama's routes, beside the others on the same engine, admission, telemetry and lifecycle: `/`,
 `/api/version`, `/api/tags`, `/api/ps`, `/api/show`, `/api/chat`, `/api/generate`; `/api/embed` and
-`/api/embeddings` (no embedding model is served: Ollama's refusal); and Ollama's model-management
+`/api/embeddings` (`embeddings.ollama_embed`: a model that embeds nothing is refused in Ollama's words); and
+Ollama's model-management
 routes (pull, push, create, copy, delete, blobs) refused in its error shape, since the server serves
 the models it started with (`models.ModelSet`)."""
 
@@ -16,6 +17,7 @@ from stratum.server import ollama_api, structured
 from stratum.server.body import read_request
 from stratum.server.chat import ChatInput, Prompt, append_turn, build_prompt, tool_call, tool_result
 from stratum.server.controls import asks_for_meta
+from stratum.server.embeddings import ollama_embed, tasks_of
 from stratum.server.errors import APIError, InvalidRequest, NotFound
 from stratum.server.lifecycle import RequestLifecycle
 from stratum.server.models import ServedModel, hold_model
@@ -175,20 +177,21 @@ def _catalogue_routes(app: FastAPI, served: _Served) -> None:
     async def show(request: Request):
         _, model = await served.read(request, OllamaShowRequest)
         engine = model.engine
-        c, defaults = served.card(model), defaults_of(engine)
-        capabilities = ["completion", "tools"] + (["thinking"] if served.reasons(engine) else [])
+        c, defaults, tasks = served.card(model), defaults_of(engine), tasks_of(engine)
+        generates = ["completion", "tools"] + (["thinking"] if served.reasons(engine) else [])
+        capabilities = (generates if "generate" in tasks else []) + (["embedding"] if "embed" in tasks else [])
         parameters = {"temperature": defaults.temperature, "top_p": defaults.top_p}
         return c.show(engine.chat_template.source, parameters, capabilities, served.modified_at(c))
 
     @app.post("/api/embed")
     @app.post("/api/embeddings")
     async def embed(request: Request):
-        """Where an embedding model is served it answers here: /api/embed with {"model", "embeddings":
-        [[...] per input], "total_duration", "load_duration", "prompt_eval_count"}, /api/embeddings (the
-        older form, one `prompt`) with {"embedding": [...]}. The generating model embeds nothing: Ollama's
-        refusal for a model without the capability, 400 (and /api/show lists no "embedding")."""
-        req, _ = await served.read(request, OllamaEmbedRequest)
-        raise InvalidRequest(f'"{req.model}" does not support embeddings')
+        """/api/embed with {"model", "embeddings": [[...] per input], "total_duration", "load_duration",
+        "prompt_eval_count"}, /api/embeddings (the older form, one `prompt`) with {"embedding": [...]}; a
+        model without the capability is Ollama's refusal, 400 (and /api/show lists no "embedding")."""
+        req, model = await served.read(request, OllamaEmbedRequest)
+        is_legacy = request.url.path == "/api/embeddings"
+        return await ollama_embed(served.rt, request, req, model.engine, is_legacy=is_legacy)
 
     # model management: the server serves the models it started with
     @app.post("/api/pull")

@@ -209,8 +209,8 @@ def _percentiles(values: list[float]) -> dict[str, float | None]:
 # The routes a request is counted under; any other path is "other", so that no client can grow the
 # series without bound (a scan of random paths).
 ENDPOINTS = ("/v1/messages/count_tokens", "/v1/messages/batches", "/v1/messages", "/v1/chat/completions",
-             "/v1/completions", "/v1/responses/input_tokens", "/v1/responses", "/v1/models", "/health", "/metrics",
-             "/console")
+             "/v1/completions", "/v1/responses/input_tokens", "/v1/responses", "/v1/models", "/v1/embeddings",
+             "/v1/rerank", "/v2/rerank", "/rerank", "/api/embed", "/api/embeddings", "/health", "/metrics", "/console")
 
 
 def endpoint_of(path: str) -> str:

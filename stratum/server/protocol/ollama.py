@@ -171,3 +171,4 @@ class OllamaEmbedRequest(Loose):
     model: str = Field(min_length=1, max_length=256)
     input: str | list[str] | None = None
     prompt: str | None = None
+    truncate: bool = True  # an input longer than the context is cut to it (Ollama's default), else refused
