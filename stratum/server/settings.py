@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import fnmatch
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
 
 from stratum.server.auth import key_digests
-from stratum.server.errors import NotFound
 from stratum.server.policy import PolicyStore
 from stratum.server.sampling import SamplingDefaults
 from stratum.telemetry.cost import ArticleFormula, PricingModel
@@ -18,7 +16,7 @@ from stratum.telemetry.cost import ArticleFormula, PricingModel
 class ServerSettings:
     """Args:
         model_name: the id clients send in `model`; aliases are accepted too.
-        model_patterns: globs of other model names served by the loaded model (`check_model`).
+        model_patterns: globs of other model names served by the first model (`models.ModelSet.find`).
         api_keys: accepted keys; empty means no authentication. Only their SHA-256 digests are kept.
         max_body_bytes: request bodies above this get 413 before any parsing.
         max_header_bytes, max_header_count: requests whose headers are larger, or more, get 431 (`app.Envelope`,
@@ -93,15 +91,3 @@ class ServerSettings:
     def sampling_defaults(self) -> SamplingDefaults:
         """What every generating route fills an omitted sampling field with."""
         return SamplingDefaults(temperature=self.default_temperature, top_p=self.default_top_p)
-
-    def check_model(self, name: str) -> None:
-        """The served name, an alias, or a name matching one of `model_patterns` (by default any Claude
-        model id, so Anthropic's clients, which name Claude models, run on the loaded model unchanged).
-
-        Raises:
-            NotFound: 404, naming the model served.
-        """
-        if name == self.model_name or name in self.aliases:
-            return
-        if not any(fnmatch.fnmatchcase(name, p) for p in self.model_patterns):
-            raise NotFound(f"model {name!r} not found; this server serves {self.model_name!r}")
