@@ -37,6 +37,7 @@ from stratum.engine.request import CachePolicy, SamplerState, Sequence, Sequence
 from stratum.engine.sampling_params import InvalidRequestError, SamplingParams
 from stratum.engine.scheduler import Scheduler, SchedulerOutput
 from stratum.engine.spec_decode import SpecConfig, Speculator
+from stratum.engine.step_cost import CostPrior, StepCost
 from stratum.kernels.governor import StepThreads
 from stratum.models.facts import model_facts
 from stratum.models.loader import Checkpoint
@@ -238,6 +239,8 @@ class EngineCore:
         if not sched.is_empty:
             self.num_steps += 1
             self.step_stats.append(stats)
+            self.step_cost.observe(sched.cost_features(), step_s)
+            stats.planned_s = sched.planned_s
             self.speculator.observe_step(sched.scheduled, step_s - draft_s)
         return outputs
 
@@ -344,14 +347,13 @@ class EngineCore:
         config = self.config
         if self.mode == "basic":
             self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, enable_prefix_cache=False)
-            basic = SchedulerConfig(max_num_batched_tokens=config.scheduler.max_num_batched_tokens, max_num_seqs=1,
-                                    max_waiting=config.scheduler.max_waiting, watermark_blocks=0)
-            self.scheduler = Scheduler(basic, self.block_manager, fifo=True)
+            basic = replace(config.scheduler, max_num_seqs=1, watermark_blocks=0)
+            self.scheduler = Scheduler(basic, self.block_manager, fifo=True, cost=self.step_cost)
         else:
             fault = self.faults.orchestration
             self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_cache,
                                               fault=fault)
-            self.scheduler = Scheduler(config.scheduler, self.block_manager, fault=fault)
+            self.scheduler = Scheduler(config.scheduler, self.block_manager, fault=fault, cost=self.step_cost)
         self.scheduler.num_preemptions = num_preemptions
         self.scheduler.adopt(pending)
         self.tier.attach(self.block_manager, self.runner.kv_caches, kv_binding(config, self.model))
@@ -360,6 +362,8 @@ class EngineCore:
     def _adopt_kernels(self) -> None:
         """What follows the model's kernels: the threads, the runner's grammars, the KV block size in bytes."""
         config = self.config
+        # each step's cost, learnt from the steps these kernels run (a kernel switch starts over)
+        self.step_cost = StepCost(CostPrior.guess(self.model_facts["num_parameters"], config.device))
         self.threads = StepThreads(config.num_threads, config.prefill_threads, governed=self.model.packed is not None)
         self.runner.grammars = self.grammars
         draft = self.speculator.draft
