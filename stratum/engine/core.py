@@ -21,7 +21,7 @@ import torch
 
 from stratum.engine import builder
 from stratum.engine.block_manager import BlockManager
-from stratum.engine.config import EngineConfig, ResolvedConfig, SchedulerConfig
+from stratum.engine.config import EngineConfig, ResolvedConfig
 from stratum.engine.disk_store import open_store
 from stratum.engine.disk_tier import DiskTier
 from stratum.engine.faults import Faults
