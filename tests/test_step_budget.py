@@ -16,9 +16,9 @@ from tests.factories import make_block_manager, make_seq
 from tests.test_scheduler import FakeRunner, plan
 
 
-def fixed_cost(fixed_s=0.02, row_s=0.004, seq_s=0.0, pair_s=0.0) -> StepCost:
+def fixed_cost(fixed_s=0.02, row_s=0.004, pair_s=0.0) -> StepCost:
     """A cost model that has measured nothing: its prior is the cost."""
-    return StepCost(CostPrior(fixed_s, row_s, seq_s, pair_s))
+    return StepCost(CostPrior(fixed_s, row_s, pair_s))
 
 
 def make_budgeted(cost: StepCost, max_itl_ms=200.0, budget=512, num_blocks=2048, block_size=16):
@@ -40,39 +40,41 @@ def start_decoding(sched, runner, request_id="d", max_tokens=200, block_size=16)
 
 
 def test_the_fit_recovers_a_linear_step_cost_from_measured_steps():
-    truth = (0.012, 0.0031, 0.0008, 0.0002)
-    cost = fixed_cost(0.05, 0.01, 0.01, 0.001)  # a prior far from the truth
+    truth = (0.012, 0.0031, 0.0002)
+    cost = fixed_cost(0.05, 0.01, 0.001)  # a prior far from the truth
     rng = random.Random(0)
     for _ in range(200):
-        rows, seqs, start = rng.randint(1, 512), rng.randint(1, 8), rng.randint(0, 8000)
-        x = step_features(rows, seqs, chunk_pairs(start, rows))
+        rows, start = rng.randint(1, 512), rng.randint(0, 8000)
+        x = step_features(rows, chunk_pairs(start, rows))
         cost.observe(x, sum(c * v for c, v in zip(truth, x)))
     assert cost.coefficients[1:] == pytest.approx(truth[1:], rel=0.02)
     assert cost.coefficients[0] == pytest.approx(truth[0], rel=0.02)
     assert cost.num_observed == 200
-    for rows, seqs, start in ((1, 1, 100), (64, 2, 4000), (512, 1, 0)):
-        x = step_features(rows, seqs, chunk_pairs(start, rows))
+    for rows, start in ((1, 100), (64, 4000), (512, 0)):
+        x = step_features(rows, chunk_pairs(start, rows))
         assert cost.predict(x) == pytest.approx(sum(c * v for c, v in zip(truth, x)), rel=0.02)
 
 
 def test_the_chunk_fits_the_budget_and_one_more_token_would_not():
-    cost = fixed_cost(0.0, 0.004, 0.001, 0.0005)
+    cost = fixed_cost(0.0, 0.004, 0.0005)
+    c = cost.coefficients
     for start in (0, 1000, 12000):
-        n = cost.chunk_for(0.15, start, is_new_seq=True)
-        c = cost.coefficients
+        n = cost.chunk_for(0.15, start)
 
         def added(k):
-            return c[1] * k + c[2] + c[3] * chunk_pairs(start, k) * 1e-3
+            return c[1] * k + c[2] * chunk_pairs(start, k) * 1e-3
 
-        assert n > 0 and added(n) <= 0.15 + 1e-12 < added(n + 1)
-    assert cost.chunk_for(0.15, 12000, True) < cost.chunk_for(0.15, 0, True)  # attention grows with context
+        assert n > 0 and added(n) == pytest.approx(cost.added_s(start, n))
+        assert added(n) <= 0.15 + 1e-12 < added(n + 1)
+    assert cost.chunk_for(0.15, 12000) < cost.chunk_for(0.15, 0)  # attention grows with context
+    assert cost.chunk_for(-0.01, 0) == 0
 
 
 def test_bad_measurements_are_ignored():
     cost = fixed_cost()
     for bad in (0.0, -1.0, float("nan"), float("inf")):
-        cost.observe(step_features(1, 1, 1.0), bad)
-    assert cost.num_observed == 0 and cost.coefficients == [0.02, 0.004, 0.0, 0.0]
+        cost.observe(step_features(1, 1.0), bad)
+    assert cost.num_observed == 0 and cost.coefficients == [0.02, 0.004, 0.0]
 
 
 # ---- the scheduler under the budget -----------------------------------------------------------------------
@@ -187,7 +189,7 @@ def test_the_engine_learns_its_step_cost_and_keeps_a_decode_moving_beside_a_long
     assert len(chunks) > 1500 // 512 + 1 and max(chunks) < 512  # the long prompt was cut finer than the token budget
     assert engine.step_cost.num_observed == engine.num_steps
     prior = engine.step_cost.prior
-    assert engine.step_cost.coefficients != [prior.fixed_s, prior.row_s, prior.seq_s, prior.pair_s]
+    assert engine.step_cost.coefficients != [prior.fixed_s, prior.row_s, prior.pair_s]
     engine.abort("d")
     while engine.has_unfinished():
         engine.step()

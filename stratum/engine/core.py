@@ -363,7 +363,9 @@ class EngineCore:
         """What follows the model's kernels: the threads, the runner's grammars, the KV block size in bytes."""
         config = self.config
         # each step's cost, learnt from the steps these kernels run (a kernel switch starts over)
-        self.step_cost = StepCost(CostPrior.guess(self.model_facts["num_parameters"], config.device))
+        shape = self.model_config
+        self.step_cost = StepCost(CostPrior.guess(self.model_facts["num_parameters"], shape.hidden_size,
+                                                  shape.num_layers, config.device))
         self.threads = StepThreads(config.num_threads, config.prefill_threads, governed=self.model.packed is not None)
         self.runner.grammars = self.grammars
         draft = self.speculator.draft

@@ -66,9 +66,9 @@ class SchedulerOutput:
         return not self.scheduled
 
     def cost_features(self) -> tuple[float, ...]:
-        """What the step computes, as `StepCost` weighs it: rows, requests, attention pairs."""
+        """What the step computes, as `StepCost` weighs it: rows and attention pairs."""
         pairs = sum(chunk_pairs(s.start, s.num_new_tokens) for s in self.scheduled)
-        return step_features(self.num_batched_tokens, len(self.scheduled), pairs)
+        return step_features(self.num_batched_tokens, pairs)
 
 
 @dataclass(slots=True)
@@ -84,25 +84,23 @@ class TimeBudget:
     seconds_left: float
     num_prefills: int = 0
 
-    def spend(self, start: int, num_tokens: int, is_new_seq: bool) -> None:
-        c = self.cost.coefficients
-        self.seconds_left -= (c[1] * num_tokens + (c[2] if is_new_seq else 0.0)
-                              + c[3] * chunk_pairs(start, num_tokens) * 1e-3)
+    def spend(self, start: int, num_tokens: int) -> None:
+        self.seconds_left -= self.cost.added_s(start, num_tokens)
 
     def rows_for(self, start: int) -> int:
         """Rows after start computed positions that fit what is left (verified proposals)."""
-        return max(0, self.cost.chunk_for(self.seconds_left, start, is_new_seq=False))
+        return self.cost.chunk_for(self.seconds_left, start)
 
-    def chunk(self, start: int, num_tokens: int, is_new_seq: bool, share: float = 1.0) -> int:
+    def chunk(self, start: int, num_tokens: int, share: float = 1.0) -> int:
         """The prefill chunk, of at most num_tokens, that fits (0: none this step); spent at once."""
-        fit = self.cost.chunk_for(self.seconds_left * share, start, is_new_seq)
+        fit = self.cost.chunk_for(self.seconds_left * share, start)
         if self.num_prefills == 0:
             fit = max(fit, MIN_PREFILL_CHUNK)
         elif fit < MIN_PREFILL_CHUNK:
             return 0
         n = min(num_tokens, fit)
         self.num_prefills += 1
-        self.spend(start, n, is_new_seq)
+        self.spend(start, n)
         return n
 
 
@@ -266,7 +264,7 @@ class Scheduler:
             if seq.is_prefilling:
                 n = min(n, max(1, prefill_cap))
                 if time_budget is not None:
-                    n = time_budget.chunk(seq.num_computed_tokens, n, is_new_seq=True, share=share)
+                    n = time_budget.chunk(seq.num_computed_tokens, n, share=share)
                     if n == 0:
                         continue
             if not self._allocate_or_preempt(seq, n, out):
@@ -274,14 +272,14 @@ class Scheduler:
             out.add(seq, n)
             budget -= n
             if time_budget is not None and not seq.is_prefilling:
-                time_budget.spend(seq.num_computed_tokens, n, is_new_seq=True)
+                time_budget.spend(seq.num_computed_tokens, n)
             if seq.spec_token_ids and seq.is_decoding:
                 item = out.scheduled[-1]
                 rows = budget if time_budget is None else min(budget, time_budget.rows_for(item.start + 1))
                 k = self._speculate(item, rows)
                 budget -= k
                 if time_budget is not None and k:
-                    time_budget.spend(item.start + 1, k, is_new_seq=False)
+                    time_budget.spend(item.start + 1, k)
         return budget
 
     def _admit(self, out: SchedulerOutput, budget: int, time_budget: TimeBudget | None) -> None:
@@ -299,7 +297,7 @@ class Scheduler:
                     del self.waiting[i]
                     budget -= 1
                     if time_budget is not None:
-                        time_budget.spend(seq.num_computed_tokens, 1, is_new_seq=True)
+                        time_budget.spend(seq.num_computed_tokens, 1)
                     continue
                 if seq.fork_of is not None:
                     break  # no block for it now
@@ -318,7 +316,7 @@ class Scheduler:
                 continue
             n = min(seq.num_tokens - hit, budget)
             if time_budget is not None:
-                n = time_budget.chunk(hit, n, is_new_seq=True)
+                n = time_budget.chunk(hit, n)
                 if n == 0:
                     break
             need = -(-(hit + n) // self.bm.block_size) - hit // self.bm.block_size
