@@ -10,7 +10,7 @@ import pytest
 from stratum.engine.config import EngineConfig, SchedulerConfig
 from stratum.engine.request import CachePolicy
 from stratum.engine.sampling_params import SamplingParams
-from stratum.engine.scheduler import MIN_PREFILL_CHUNK, Scheduler
+from stratum.engine.scheduler import MIN_PREFILL_CHUNK, PLANNED_SHARE, Scheduler
 from stratum.engine.step_cost import CostPrior, StepCost, chunk_pairs, step_features
 from tests.factories import make_block_manager, make_seq
 from tests.test_scheduler import FakeRunner, plan
@@ -21,7 +21,7 @@ def fixed_cost(fixed_s=0.02, row_s=0.004, pair_s=0.0) -> StepCost:
     return StepCost(CostPrior(fixed_s, row_s, pair_s))
 
 
-def make_budgeted(cost: StepCost, max_itl_ms=200.0, budget=512, num_blocks=2048, block_size=16):
+def make_budgeted(cost: StepCost, max_itl_ms=200.0 / PLANNED_SHARE, budget=512, num_blocks=2048, block_size=16):
     bm = make_block_manager(num_blocks=num_blocks, block_size=block_size)
     config = SchedulerConfig(max_num_batched_tokens=budget, watermark_blocks=0, max_itl_ms=max_itl_ms)
     scheduler = Scheduler(config, bm, cost=cost)
@@ -181,7 +181,7 @@ def test_the_engine_learns_its_step_cost_and_keeps_a_decode_moving_beside_a_long
         chunk = long.num_computed_tokens - before
         assert chunk >= MIN_PREFILL_CHUNK or long.num_computed_tokens == long.num_prompt_tokens
         if chunk > MIN_PREFILL_CHUNK:  # above the floor only where the plan fits the budget
-            assert stats.planned_s <= max_itl_ms / 1e3 + 1e-9
+            assert stats.planned_s <= PLANNED_SHARE * max_itl_ms / 1e3 + 1e-9
         chunks.append(chunk)
         gaps_in_steps.append(d.num_output_tokens - last)
         last = d.num_output_tokens

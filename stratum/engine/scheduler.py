@@ -25,8 +25,13 @@ from stratum.engine.request import Sequence, SequenceStatus
 from stratum.engine.step_cost import StepCost, chunk_pairs, step_features
 
 # The smallest prefill chunk a step beside decodes gives the first prefill it schedules, even where the
-# decodes alone fill the time budget: a long prompt keeps moving (two blocks of the default size).
-MIN_PREFILL_CHUNK = 32
+# decodes alone fill the time budget: a long prompt keeps moving. Small, because at long context a row's
+# attention is most of its cost (SmolLM2-135M at 11k tokens of context: about 25 ms a row on two cores),
+# and there a small chunk loses little to the step's fixed cost.
+MIN_PREFILL_CHUNK = 8
+# A step is planned to this share of the budget: the rest is for the loop's own work between steps
+# (outputs, events) and for the fit's error, so that the gaps clients see stay inside it.
+PLANNED_SHARE = 0.8
 
 
 @dataclass(slots=True)
@@ -246,7 +251,7 @@ class Scheduler:
         max_itl_ms = self.config.max_itl_ms
         if self.cost is None or max_itl_ms <= 0 or all(s.is_prefilling for s in self.running):
             return None
-        return TimeBudget(self.cost, max_itl_ms / 1e3 - self.cost.coefficients[0])
+        return TimeBudget(self.cost, PLANNED_SHARE * max_itl_ms / 1e3 - self.cost.coefficients[0])
 
     def _schedule_running(self, out: SchedulerOutput, prefill_cap: int, time_budget: TimeBudget | None,
                           share: float) -> int:
