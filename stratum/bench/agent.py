@@ -1,9 +1,9 @@
 """`stratum bench agent`: an agent session as coding CLIs send it, with a second client's stream beside it.
 
 The session (`agent_session.make_session`, seeded: every server gets the same bytes): a system prompt of
-instructions and tool schemas (--system-tokens, about 11k), the task, then --turns turns that each add a
-tool call and its result (--tool-result-tokens), streamed over the OpenAI chat API with `tools`, one turn
-after the other. A neighbour client streams one short question's answer after another (--neighbour-tokens
+instructions and tool schemas (--system-tokens, about 10k), the task, then --turns turns that each add a
+tool call and its result (--tool-result-tokens), streamed over the OpenAI chat API one turn after the
+other; the schemas are written into the system prompt (`--tools-field`: sent as `tools`). A neighbour client streams one short question's answer after another (--neighbour-tokens
 each, ignore_eos) from before the first turn until the last one ends. Reported per server: the first
 turn's TTFT, the later turns' TTFTs, the prompt tokens the server counted, and the neighbour's gaps
 between consecutive tokens while the session ran (longest, p99), against GOALS.
@@ -103,8 +103,9 @@ async def run_session(url: str, model: str, session: Session, args: argparse.Nam
         turns = []
         for k, messages in enumerate(session.turns):
             body = {"model": model, "stream": True, "max_tokens": args.max_tokens, "temperature": 0.0,
-                    "messages": messages, "tools": session.tools, "tool_choice": "auto",
-                    "stream_options": {"include_usage": True}}
+                    "messages": messages, "stream_options": {"include_usage": True}}
+            if session.tools:
+                body |= {"tools": session.tools, "tool_choice": "auto"}
             r = RequestResult(conversation=0, turn=k, kind="agent")
             await stream(client, url, body, r, t_origin)
             turns.append(r)
@@ -202,6 +203,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=None, help="llama-server's threads (default: every core)")
     p.add_argument("--system-tokens", type=int, default=11000,
                    help="the system prompt with its tools, about (default: %(default)s; the servers count it)")
+    p.add_argument("--tools-field", action="store_true",
+                   help="send the tool schemas as the request's `tools` (as the CLIs do) instead of in the system "
+                        "prompt's text (the default: every server then reads the same text; llama-server drops "
+                        "`tools` a template without tools cannot render)")
     p.add_argument("--turns", type=int, default=5, help="the first turn and those after tool calls")
     p.add_argument("--tool-result-tokens", type=int, default=200, help="each tool result, about")
     p.add_argument("--max-tokens", type=int, default=16, help="each turn's answer (its TTFT is measured)")
@@ -219,7 +224,8 @@ def main(argv: list[str] | None = None) -> int:
     from stratum.models.registry import model_path, resolve_model_path
 
     args = parse_args(argv)
-    session = make_session(args.seed, args.system_tokens, args.turns, args.tool_result_tokens)
+    session = make_session(args.seed, args.system_tokens, args.turns, args.tool_result_tokens,
+                           tools_in_system=not args.tools_field)
     results: dict[str, Any] = {}
     if args.url:
         results[args.url] = measure(args.url.rstrip("/"), args.served_model, session, args)
@@ -237,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
            "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version()},
            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
            "session": {"turns": len(session.turns), "system_chars": session.num_system_chars,
-                       "tools": len(session.tools)},
+                       "tools_in": "tools" if session.tools else "system prompt"},
            "goals": GOALS, "results": results}
     if not args.llama_server and not args.url:
         doc["llama_server"] = "not run: no --llama-server binary given"

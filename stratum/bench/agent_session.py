@@ -72,7 +72,7 @@ CALLS = (("Bash", {"command": "python -m pytest tests/test_orders.py -x -q", "de
 @dataclass(frozen=True, slots=True)
 class Session:
     system: str
-    tools: list[dict]
+    tools: list[dict]  # [] where the schemas are written into the system prompt
     turns: list[list[dict]]  # each turn's whole message list, as the client sends it
 
     @property
@@ -106,22 +106,38 @@ def tool_result(rng: random.Random, name: str, num_tokens: int) -> str:
     return make_text(rng, num_tokens)
 
 
-def make_session(seed: int, system_tokens: int, num_turns: int, tool_result_tokens: int) -> Session:
+def make_session(seed: int, system_tokens: int, num_turns: int, tool_result_tokens: int,
+                 tools_in_system: bool = True) -> Session:
     """The system prompt (a quarter instructions, the rest tool schemas) and num_turns turns: the first
-    is the task alone, each later one adds the previous turn's tool call and its result."""
+    is the task alone, each later one adds the previous turn's tool call and its result.
+
+    tools_in_system: the schemas written into the system prompt as JSON lines, as a chat template
+    without tools renders them, so every server reads the same text (llama-server drops `tools` the
+    template cannot render); False: sent as the request's `tools`, as the CLIs do."""
     rng = random.Random(seed)
     system = ("You are an interactive CLI tool that helps users with software engineering tasks. Use the "
               "instructions below and the tools available to you to assist the user.\n\n"
               + make_text(rng, system_tokens // 4))
     tools = tool_schemas(rng, system_tokens - system_tokens // 4)
+    if tools_in_system:
+        system += ("\n\n# Tools\n\nYou may call one or more functions. Their signatures, one JSON object a line:\n"
+                   + "\n".join(json.dumps(t["function"]) for t in tools)
+                   + '\n\nFor each call, reply with {"name": ..., "arguments": {...}} in <tool_call></tool_call> tags.')
+        tools = []
     messages = [{"role": "system", "content": system}, {"role": "user", "content": TASK}]
     turns = [list(messages)]
     for k in range(1, num_turns):
         name, arguments = CALLS[(k - 1) % len(CALLS)]
         call_id = f"call_{k}"
-        messages = messages + [
-            {"role": "assistant", "content": None, "tool_calls": [
-                {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]},
-            {"role": "tool", "tool_call_id": call_id, "content": tool_result(rng, name, tool_result_tokens)}]
+        result = tool_result(rng, name, tool_result_tokens)
+        if tools_in_system:  # the call and its result as text, as such a template renders them
+            call = json.dumps({"name": name, "arguments": arguments})
+            messages = messages + [{"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
+                                   {"role": "user", "content": f"<tool_response>\n{result}\n</tool_response>"}]
+        else:
+            messages = messages + [
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]},
+                {"role": "tool", "tool_call_id": call_id, "content": result}]
         turns.append(messages)
     return Session(system, tools, turns)
