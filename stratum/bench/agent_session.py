@@ -80,12 +80,12 @@ class Session:
         return len(self.system) + len(json.dumps(self.tools))
 
 
-def tool_schemas(rng: random.Random, num_tokens: int) -> list[dict]:
-    """The tools as OpenAI function tools, their descriptions long as a coding CLI's (usage notes,
-    examples) to about num_tokens tokens in all."""
-    per_tool = max(16, num_tokens // len(TOOLS))
+def tool_schemas(rng: random.Random, num_tokens: int, num_tools: int = len(TOOLS)) -> list[dict]:
+    """The first num_tools tools as OpenAI function tools, their descriptions long as a coding CLI's
+    (usage notes, examples) to about num_tokens tokens in all."""
+    per_tool = max(16, num_tokens // num_tools)
     out = []
-    for name, what, params, required in TOOLS:
+    for name, what, params, required in TOOLS[:num_tools]:
         properties = {p: {"type": t, "description": d} | ({"items": {"type": "object"}} if t == "array" else {})
                       for p, (t, d) in params.items()}
         out.append({"type": "function", "function": {
@@ -107,7 +107,7 @@ def tool_result(rng: random.Random, name: str, num_tokens: int) -> str:
 
 
 def make_session(seed: int, system_tokens: int, num_turns: int, tool_result_tokens: int,
-                 tools_in_system: bool = True) -> Session:
+                 tools_in_system: bool = True, num_tools: int = len(TOOLS)) -> Session:
     """The system prompt (a quarter instructions, the rest tool schemas) and num_turns turns: the first
     is the task alone, each later one adds the previous turn's tool call and its result.
 
@@ -118,7 +118,7 @@ def make_session(seed: int, system_tokens: int, num_turns: int, tool_result_toke
     system = ("You are an interactive CLI tool that helps users with software engineering tasks. Use the "
               "instructions below and the tools available to you to assist the user.\n\n"
               + make_text(rng, system_tokens // 4))
-    tools = tool_schemas(rng, system_tokens - system_tokens // 4)
+    tools = tool_schemas(rng, system_tokens - system_tokens // 4, num_tools)
     if tools_in_system:
         system += ("\n\n# Tools\n\nYou may call one or more functions. Their signatures, one JSON object a line:\n"
                    + "\n".join(json.dumps(t["function"]) for t in tools)
