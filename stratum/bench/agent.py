@@ -3,10 +3,11 @@
 The session (`agent_session.make_session`, seeded: every server gets the same bytes): a system prompt of
 instructions and tool schemas (--system-tokens, about 10k), the task, then --turns turns that each add a
 tool call and its result (--tool-result-tokens), streamed over the OpenAI chat API one turn after the
-other; the schemas are written into the system prompt (`--tools-field`: sent as `tools`). A neighbour client streams one short question's answer after another (--neighbour-tokens
-each, ignore_eos) from before the first turn until the last one ends. Reported per server: the first
-turn's TTFT, the later turns' TTFTs, the prompt tokens the server counted, and the neighbour's gaps
-between consecutive tokens while the session ran (longest, p99), against GOALS.
+other; the schemas are written into the system prompt (`--tools-field`: sent as `tools`). A neighbour
+client streams one short question's answer after another (--neighbour-tokens each, ignore_eos) from
+before the first turn until the last one ends. Reported per server: the first turn's TTFT, the later
+turns' TTFTs, the prompt tokens the server counted, and the neighbour's gaps between consecutive
+tokens while the session ran (longest, p99), against GOALS.
 
 Servers: --url runs against any OpenAI-compatible server; else `stratum serve` is started here (with
 --stratum-args, a fresh disk-tier folder so the first turn is cold) and, with --llama-server PATH,

@@ -135,9 +135,10 @@ def make_session(seed: int, system_tokens: int, num_turns: int, tool_result_toke
             messages = messages + [{"role": "assistant", "content": f"<tool_call>{call}</tool_call>"},
                                    {"role": "user", "content": f"<tool_response>\n{result}\n</tool_response>"}]
         else:
+            function = {"name": name, "arguments": json.dumps(arguments)}
             messages = messages + [
-                {"role": "assistant", "content": None, "tool_calls": [
-                    {"id": call_id, "type": "function", "function": {"name": name, "arguments": json.dumps(arguments)}}]},
+                {"role": "assistant", "content": None,
+                 "tool_calls": [{"id": call_id, "type": "function", "function": function}]},
                 {"role": "tool", "tool_call_id": call_id, "content": result}]
         turns.append(messages)
     return Session(system, tools, turns)
