@@ -194,3 +194,21 @@ def test_the_engine_learns_its_step_cost_and_keeps_a_decode_moving_beside_a_long
     while engine.has_unfinished():
         engine.step()
     assert engine.block_manager.num_used_blocks == 0
+
+
+def test_speculation_keeps_its_answers_under_a_budget_that_binds(tmp_path):
+    from stratum.kernels import native
+    from tests.factories import make_tiny_gguf
+    from tests.test_spec_decode import PROMPTS, _engine, _greedy, _run
+
+    if not native.available():
+        pytest.skip("native kernels not built")
+    path = make_tiny_gguf(tmp_path / "tiny.gguf")
+    _, plain = _run(_engine(path, "off"), PROMPTS, [_greedy()] * 4)
+    engine = _engine(path, "ngram", scheduler=SchedulerConfig(max_itl_ms=2.0))
+    long_prompt = engine.tokenizer.encode("numbers 0123456789 " * 40)
+    engine.add_request(long_prompt, SamplingParams(max_tokens=1), request_id="long")  # prefills beside them
+    _, spec = _run(engine, PROMPTS, [_greedy()] * 4)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert sum(o.stats.num_spec_accepted_tokens for o in spec) > 0
+    assert any(s.planned_s is not None and s.num_spec_proposed_tokens for s in engine.step_stats)
