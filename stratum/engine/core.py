@@ -2,8 +2,10 @@
 
 `EngineCore` owns the model on its kernels (`builder.Built`), the scheduler over the KV pool, the
 speculator and the disk tier of one process, and hands each step's kept tokens to its output
-processor (`output_processor.OutputProcessor`), which turns them into what clients see. It also owns
-the degraded basic mode and the switch from a cold start's provisional kernels to the prepared ones.
+processor (`output_processor.OutputProcessor`), which turns them into what clients see; each step's
+measured time goes to the step cost (`step_cost.StepCost`) the scheduler sizes prefill chunks by
+while requests decode. It also owns the degraded basic mode and the switch from a cold start's
+provisional kernels to the prepared ones.
 """
 
 from __future__ import annotations
