@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import platform
 import shlex
@@ -240,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
                     results[server.label] = measure(url, None, session, args)
                 finally:
                     stop(proc)
+                print(f"{server.label}: {json.dumps(results[server.label]['summary'])}", file=sys.stderr, flush=True)
     doc = {"benchmark": "agent",
            "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version()},
            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
