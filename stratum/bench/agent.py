@@ -226,6 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     from stratum.models.registry import model_path, resolve_model_path
 
     args = parse_args(argv)
+    load_before = os.getloadavg()  # the machine's load: these figures move with it on shared cores
     session = make_session(args.seed, args.system_tokens, args.turns, args.tool_result_tokens,
                            tools_in_system=not args.tools_field)
     results: dict[str, Any] = {}
@@ -243,7 +244,8 @@ def main(argv: list[str] | None = None) -> int:
                     stop(proc)
                 print(f"{server.label}: {json.dumps(results[server.label]['summary'])}", file=sys.stderr, flush=True)
     doc = {"benchmark": "agent",
-           "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version()},
+           "machine": {"cpu": cpu_name(), "cores": os.cpu_count(), "python": platform.python_version(),
+                       "load_average_1m": {"start": round(load_before[0], 2), "end": round(os.getloadavg()[0], 2)}},
            "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
            "session": {"turns": len(session.turns), "system_chars": session.num_system_chars,
                        "tools_in": "tools" if session.tools else "system prompt"},
