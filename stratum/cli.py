@@ -34,7 +34,7 @@ def _engine_config(args, serving: bool = False):
         enable_prefix_cache=not args.no_prefix_cache, kv_disk_gb=args.kv_disk_gb, kv_disk_dir=args.kv_disk_dir,
         num_threads=args.threads,
         scheduler=SchedulerConfig(max_num_batched_tokens=args.max_batched_tokens, max_num_seqs=args.max_num_seqs,
-                                  max_waiting=args.max_waiting),
+                                  max_waiting=args.max_waiting, max_itl_ms=args.max_itl_ms),
         speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
         prompt_lookup_min=args.prompt_lookup_min, prompt_lookup_max=args.prompt_lookup_max,
         draft_model=args.draft_model, pooling=getattr(args, "pooling", None),
@@ -464,7 +464,7 @@ def cmd_warmup(args) -> int:
 
 
 BENCHMARKS = ("offline", "serve", "compare", "roofline", "soak", "constrained", "batch", "cluster", "startup",
-              "speculative", "disktier", "policy", "fuzz")
+              "speculative", "disktier", "policy", "fuzz", "agent")
 
 
 def cmd_bench(args, rest) -> int:

@@ -44,6 +44,10 @@ def add_engine_args(p: argparse.ArgumentParser, several: bool = False) -> None:
     p.add_argument("--yarn-orig-ctx", type=int, default=None,
                    help="the context the scaling extends (default: the model's trained context)")
     p.add_argument("--max-batched-tokens", type=int, default=512, help="token budget per step (prefill chunk)")
+    p.add_argument("--max-itl-ms", type=float, default=200.0,
+                   help="while any request decodes, size each step's prefill chunks by the measured step cost so "
+                        "no decoding request waits longer than this for its next token (default 200; 0: off, "
+                        "prefill chunks of --max-batched-tokens always)")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--max-waiting", type=int, default=256, help="waiting-queue cap; beyond it 529 overloaded")
     p.add_argument("--threads", type=int, default=None, help=THREADS_HELP)

@@ -156,6 +156,11 @@ def test_histograms_agree_with_traces(workload):
     assert total(m, "stratum_prefill_time_seconds", "stratum_prefill_time_seconds_count") == len(docs)
     itl = sum(d["usage"]["output_tokens"] - 1 for d in sampled)
     assert total(m, "stratum_inter_token_latency_seconds", "stratum_inter_token_latency_seconds_count") == itl
+    gaps = [d["steps"][2]["inter_token"] for d in docs]
+    assert sum(g["gaps"] for g in gaps) == itl
+    assert total(m, "stratum_inter_token_latency_seconds", "stratum_inter_token_latency_seconds_sum") == pytest.approx(
+        sum(g["mean_ms"] * g["gaps"] for g in gaps if g["gaps"]) / 1e3, abs=1e-6 * max(1, itl))
+    assert all(g["max_ms"] >= g["p99_ms"] >= 0 for g in gaps if g["gaps"])
     # the sums are the traces' own durations (which are rounded to the microsecond)
     prefill_s = sum(d["steps"][1]["duration_us"] for d in docs) / 1e6
     assert total(m, "stratum_prefill_time_seconds", "stratum_prefill_time_seconds_sum") == pytest.approx(

@@ -34,7 +34,7 @@ TRACE_STEP_KEYS = {
     "prefill": {"name", "duration_us", "cache_hit", "cache_hit_ratio", "cached_tokens", "computed_tokens", "chunks",
                 "tiers", "disk_read_us", "memory_used_mb"},
     "decode_loop": {"name", "duration_us", "tokens", "kv_sparsity", "kv_sparsity_samples", "tokens_per_second",
-                    "speculative", "thinking"},
+                    "speculative", "thinking", "inter_token"},
 }
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -267,6 +267,9 @@ def test_trace_documents_every_step(client, tiny_server, tiny_model_dir):
     assert decode_loop["kv_sparsity_samples"] == (n_out - 1) // 8 + 1
     assert decode_loop["tokens_per_second"] == pytest.approx(
         decode_loop["tokens"] / (decode_loop["duration_us"] / 1e6), rel=1e-3)
+    gaps = decode_loop["inter_token"]  # one per output after the first (speculation may bring several tokens)
+    assert 0 < gaps["gaps"] <= decode_loop["tokens"] and gaps["max_ms"] >= gaps["p99_ms"] >= 0
+    assert gaps["mean_ms"] * gaps["gaps"] <= decode_loop["duration_us"] / 1e3 + 0.01 * gaps["gaps"]
     # X-Stratum-Debug: full adds the hardware
     assert isinstance(hw["threads"], int) and hw["threads"] >= 1
     assert hw["rss_mb"] > 0

@@ -74,12 +74,19 @@ class SchedulerConfig:
     max_num_seqs: cap on running sequences (the decode batch).
     max_waiting: cap on the waiting queue; beyond it requests are rejected as overloaded.
     watermark_blocks: free blocks kept back when admitting new requests, so running ones can grow.
+    max_itl_ms: while any request decodes, the most a step may cost by its measured cost model
+        (`step_cost.StepCost`), so no decoding request waits longer for its next token; prefill chunks
+        are sized to fit (at least `scheduler.MIN_PREFILL_CHUNK` tokens). 0: no time budget, the
+        default here, for offline batches (`LLM`), where nobody waits on a token; `stratum serve`
+        sets 200 ms (`--max-itl-ms`), chosen by measurement on the 2-core reference machine
+        (docs/benchmarks.md).
     """
 
     max_num_batched_tokens: int = 512
     max_num_seqs: int = 64
     max_waiting: int = 256
     watermark_blocks: int = 4
+    max_itl_ms: float = 0.0
 
 
 @dataclass(frozen=True)

@@ -2,8 +2,10 @@
 
 `EngineCore` owns the model on its kernels (`builder.Built`), the scheduler over the KV pool, the
 speculator and the disk tier of one process, and hands each step's kept tokens to its output
-processor (`output_processor.OutputProcessor`), which turns them into what clients see. It also owns
-the degraded basic mode and the switch from a cold start's provisional kernels to the prepared ones.
+processor (`output_processor.OutputProcessor`), which turns them into what clients see; each step's
+measured time goes to the step cost (`step_cost.StepCost`) the scheduler sizes prefill chunks by
+while requests decode. It also owns the degraded basic mode and the switch from a cold start's
+provisional kernels to the prepared ones.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import torch
 
 from stratum.engine import builder
 from stratum.engine.block_manager import BlockManager
-from stratum.engine.config import EngineConfig, ResolvedConfig, SchedulerConfig
+from stratum.engine.config import EngineConfig, ResolvedConfig
 from stratum.engine.disk_store import open_store
 from stratum.engine.disk_tier import DiskTier
 from stratum.engine.faults import Faults
@@ -37,6 +39,7 @@ from stratum.engine.request import CachePolicy, SamplerState, Sequence, Sequence
 from stratum.engine.sampling_params import InvalidRequestError, SamplingParams
 from stratum.engine.scheduler import Scheduler, SchedulerOutput
 from stratum.engine.spec_decode import SpecConfig, Speculator
+from stratum.engine.step_cost import CostPrior, StepCost
 from stratum.kernels.governor import StepThreads
 from stratum.models.facts import model_facts
 from stratum.models.loader import Checkpoint
@@ -248,6 +251,8 @@ class EngineCore:
         if not sched.is_empty:
             self.num_steps += 1
             self.step_stats.append(stats)
+            self.step_cost.observe(sched.cost_features(), step_s)
+            stats.planned_s = sched.planned_s
             self.speculator.observe_step(sched.scheduled, step_s - draft_s)
         return outputs
 
@@ -356,14 +361,13 @@ class EngineCore:
         config = self.config
         if self.mode == "basic":
             self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, enable_prefix_cache=False)
-            basic = SchedulerConfig(max_num_batched_tokens=config.scheduler.max_num_batched_tokens, max_num_seqs=1,
-                                    max_waiting=config.scheduler.max_waiting, watermark_blocks=0)
-            self.scheduler = Scheduler(basic, self.block_manager, fifo=True)
+            basic = replace(config.scheduler, max_num_seqs=1, watermark_blocks=0)
+            self.scheduler = Scheduler(basic, self.block_manager, fifo=True, cost=self.step_cost)
         else:
             fault = self.faults.orchestration
             self.block_manager = BlockManager(config.num_kv_blocks, config.block_size, config.enable_prefix_cache,
                                               fault=fault)
-            self.scheduler = Scheduler(config.scheduler, self.block_manager, fault=fault)
+            self.scheduler = Scheduler(config.scheduler, self.block_manager, fault=fault, cost=self.step_cost)
         self.scheduler.num_preemptions = num_preemptions
         self.scheduler.adopt(pending)
         self.tier.attach(self.block_manager, self.runner.kv_caches, kv_binding(config, self.model))
@@ -372,6 +376,10 @@ class EngineCore:
     def _adopt_kernels(self) -> None:
         """What follows the model's kernels: the threads, the runner's grammars, the KV block size in bytes."""
         config = self.config
+        # each step's cost, learnt from the steps these kernels run (a kernel switch starts over)
+        shape = self.model_config
+        self.step_cost = StepCost(CostPrior.guess(self.model_facts["num_parameters"], shape.hidden_size,
+                                                  shape.num_layers, config.device))
         self.threads = StepThreads(config.num_threads, config.prefill_threads, governed=self.model.packed is not None)
         self.runner.grammars = self.grammars
         draft = self.speculator.draft

@@ -132,4 +132,5 @@ class StepStats:
     num_spec_accepted_tokens: int = 0
     num_verify_seqs: int = 0
     draft_s: float = 0.0
+    planned_s: float | None = None  # the step's cost as the scheduler planned it under its time budget
 

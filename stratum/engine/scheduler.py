@@ -5,7 +5,10 @@ blocks: the engine runs the step and hands the scheduler the step back (`commit`
 
 Order of a step: running decodes first (one token each), then running prefills continue with a
 chunk, then waiting requests are admitted by priority class and arrival, each with a chunk that
-fits the remaining token budget. When blocks run out, the lowest-priority, latest-arriving running
+fits the remaining token budget. While any request decodes, the step also keeps a time budget
+(`SchedulerConfig.max_itl_ms`): its prefill chunks are sized by the measured cost of a step
+(`step_cost.StepCost`), in the same order, so that no decoding request waits longer than the budget
+for its next token. When blocks run out, the lowest-priority, latest-arriving running
 request is preempted by recompute: its blocks are freed (its computed prefix stays in the cache)
 and it returns to the waiting queue at num_computed_tokens = 0.
 """
@@ -19,6 +22,16 @@ from dataclasses import dataclass, field
 from stratum.engine.block_manager import BlockManager
 from stratum.engine.config import SchedulerConfig
 from stratum.engine.request import Sequence, SequenceStatus
+from stratum.engine.step_cost import StepCost, chunk_pairs, step_features
+
+# The smallest prefill chunk a step beside decodes gives the first prefill it schedules, even where the
+# decodes alone fill the time budget: a long prompt keeps moving. Small, because at long context a row's
+# attention is most of its cost (SmolLM2-135M at 11k tokens of context: about 25 ms a row on two cores),
+# and there a small chunk loses little to the step's fixed cost.
+MIN_PREFILL_CHUNK = 8
+# A step is planned to this share of the budget: the rest is for the loop's own work between steps
+# (outputs, events) and for the fit's error, so that the gaps clients see stay inside it.
+PLANNED_SHARE = 0.8
 
 
 @dataclass(slots=True)
@@ -39,6 +52,8 @@ class SchedulerOutput:
     started: list[Sequence] = field(default_factory=list)  # scheduled for the first time: they left the queue
     preempted: list[Sequence] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)  # (source, destination) KV blocks, before the step
+    # the step's cost as planned under the time budget (seconds; None: no request decoded, no budget)
+    planned_s: float | None = None
 
     def add(self, seq: Sequence, num_new_tokens: int) -> None:
         self.scheduled.append(ScheduledSeq(seq, num_new_tokens, seq.num_computed_tokens, seq.is_decoding))
@@ -55,6 +70,44 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.scheduled
 
+    def cost_features(self) -> tuple[float, ...]:
+        """What the step computes, as `StepCost` weighs it: rows and attention pairs."""
+        pairs = sum(chunk_pairs(s.start, s.num_new_tokens) for s in self.scheduled)
+        return step_features(self.num_batched_tokens, pairs)
+
+
+@dataclass(slots=True)
+class TimeBudget:
+    """The seconds left in a step that runs decodes (`SchedulerConfig.max_itl_ms`), spent in the
+    scheduler's order: decodes, running prefills, then admitted ones.
+
+    The first prefill chunk gets at least MIN_PREFILL_CHUNK tokens; a later one is scheduled only where
+    that many fit. A running prefill leaves half of what is left while a short prompt waits, so the
+    short prompt starts this step."""
+
+    cost: StepCost
+    seconds_left: float
+    num_prefills: int = 0
+
+    def spend(self, start: int, num_tokens: int) -> None:
+        self.seconds_left -= self.cost.added_s(start, num_tokens)
+
+    def rows_for(self, start: int) -> int:
+        """Rows after start computed positions that fit what is left (verified proposals)."""
+        return self.cost.chunk_for(self.seconds_left, start)
+
+    def chunk(self, start: int, num_tokens: int, share: float = 1.0) -> int:
+        """The prefill chunk, of at most num_tokens, that fits (0: none this step); spent at once."""
+        fit = self.cost.chunk_for(self.seconds_left * share, start)
+        if self.num_prefills == 0:
+            fit = max(fit, MIN_PREFILL_CHUNK)
+        elif fit < MIN_PREFILL_CHUNK:
+            return 0
+        n = min(num_tokens, fit)
+        self.num_prefills += 1
+        self.spend(start, n)
+        return n
+
 
 class Scheduler:
     """Args:
@@ -63,8 +116,9 @@ class Scheduler:
     """
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager, fifo: bool = False,
-                 fault: str | None = None):
+                 fault: str | None = None, cost: StepCost | None = None):
         self.config = config
+        self.cost = cost  # the measured step cost (`EngineCore` feeds it); None: no time budget
         self.sort_key = (lambda s: s.arrival_order) if fifo else Sequence.sort_key  # basic mode ignores priority
         self.fault = fault
         self.bm = block_manager
@@ -177,16 +231,35 @@ class Scheduler:
             raise RuntimeError("injected scheduler fault (STRATUM_FAULT_INJECT=scheduler)")
         out = SchedulerOutput()
         self.bm.poll_tiers()
-        budget = self.config.max_num_batched_tokens
         self.running.sort(key=self.sort_key)
-        decodes = [s for s in self.running if not s.is_prefilling]
-        prefills = [s for s in self.running if s.is_prefilling]
         # A prefill that is already running takes at most half the step's budget while a short prompt
         # waits, so that prompt starts now instead of after all of a long document's chunks.
         half = self.config.max_num_batched_tokens // 2
         has_short_waiting = len(self.running) < self.config.max_num_seqs and any(
             s.num_tokens <= half for s in self.waiting[:8])
-        prefill_cap = half if has_short_waiting else self.config.max_num_batched_tokens
+        time_budget = self._time_budget()
+        budget = self._schedule_running(out, half if has_short_waiting else self.config.max_num_batched_tokens,
+                                        time_budget, 0.5 if has_short_waiting else 1.0)
+        if not out.preempted:  # under KV pressure admit nobody new this step
+            self._admit(out, budget, time_budget)
+        if time_budget is not None:
+            out.planned_s = self.cost.predict(out.cost_features())
+        return out
+
+    def _time_budget(self) -> TimeBudget | None:
+        """The step's time budget: while any running request decodes, with a cost model and a budget set."""
+        max_itl_ms = self.config.max_itl_ms
+        if self.cost is None or max_itl_ms <= 0 or all(s.is_prefilling for s in self.running):
+            return None
+        return TimeBudget(self.cost, PLANNED_SHARE * max_itl_ms / 1e3 - self.cost.coefficients[0])
+
+    def _schedule_running(self, out: SchedulerOutput, prefill_cap: int, time_budget: TimeBudget | None,
+                          share: float) -> int:
+        """Running decodes (and their proposals), then running prefills' chunks. Returns the token
+        budget left."""
+        budget = self.config.max_num_batched_tokens
+        decodes = [s for s in self.running if not s.is_prefilling]
+        prefills = [s for s in self.running if s.is_prefilling]
         for seq in decodes + prefills:
             if budget <= 0:
                 break
@@ -195,14 +268,27 @@ class Scheduler:
             n = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if seq.is_prefilling:
                 n = min(n, max(1, prefill_cap))
+                if time_budget is not None:
+                    n = time_budget.chunk(seq.num_computed_tokens, n, share=share)
+                    if n == 0:
+                        continue
             if not self._allocate_or_preempt(seq, n, out):
                 continue
             out.add(seq, n)
             budget -= n
+            if time_budget is not None and not seq.is_prefilling:
+                time_budget.spend(seq.num_computed_tokens, n)
             if seq.spec_token_ids and seq.is_decoding:
-                budget -= self._speculate(out.scheduled[-1], budget)
-        if out.preempted:
-            return out  # under KV pressure admit nobody new this step
+                item = out.scheduled[-1]
+                rows = budget if time_budget is None else min(budget, time_budget.rows_for(item.start + 1))
+                k = self._speculate(item, rows)
+                budget -= k
+                if time_budget is not None and k:
+                    time_budget.spend(item.start + 1, k)
+        return budget
+
+    def _admit(self, out: SchedulerOutput, budget: int, time_budget: TimeBudget | None) -> None:
+        """Waiting requests by priority and arrival, each with the chunk that fits what is left."""
         in_flight = None
         i = 0
         while i < len(self.waiting) and budget > 0 and len(self.running) < self.config.max_num_seqs:
@@ -215,6 +301,8 @@ class Scheduler:
                 if forked:
                     del self.waiting[i]
                     budget -= 1
+                    if time_budget is not None:
+                        time_budget.spend(seq.num_computed_tokens, 1)
                     continue
                 if seq.fork_of is not None:
                     break  # no block for it now
@@ -232,6 +320,10 @@ class Scheduler:
                 i += 1  # its next blocks are being computed by another request: hit them next step
                 continue
             n = min(seq.num_tokens - hit, budget)
+            if time_budget is not None:
+                n = time_budget.chunk(hit, n)
+                if n == 0:
+                    break
             need = -(-(hit + n) // self.bm.block_size) - hit // self.bm.block_size
             if not self.bm.can_allocate(need + watermark) or not self.bm.allocate(seq, n, match):
                 break
@@ -247,7 +339,6 @@ class Scheduler:
             self._start(seq, n, out)
             budget -= n
             in_flight.update(self._pending_keys(seq))
-        return out
 
     def _start(self, seq: Sequence, n: int, out: SchedulerOutput) -> None:
         if seq.first_scheduled_time is None:

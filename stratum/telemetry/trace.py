@@ -38,7 +38,7 @@ def build_trace(stats: "RequestStats", cost: CostFields, usage: dict[str, int], 
             {"name": "decode_loop", "duration_us": round(decode_s * 1e6), "tokens": decode_tokens,
              "kv_sparsity": cost.kv_sparsity, "kv_sparsity_samples": stats.num_kv_sparsity_samples,
              "tokens_per_second": round(decode_tokens / decode_s, 3) if decode_s > 0 else None,
-             "speculative": speculative_view(stats),
+             "speculative": speculative_view(stats), "inter_token": gaps_view(stats.token_times),
              "thinking": {"tokens": stats.num_reasoning_tokens, "ended_by_budget": stats.is_reasoning_cut}},
         ],
         "cost": cost.as_dict(),
@@ -60,6 +60,17 @@ def speculative_view(stats: "RequestStats") -> dict[str, Any]:
     return {"proposed_tokens": proposed, "accepted_tokens": accepted, "verify_steps": steps,
             "acceptance_rate": round(accepted / proposed, 4) if proposed else None,
             "tokens_per_verify_step": round((accepted + steps) / steps, 3) if steps else None}
+
+
+def gaps_view(token_times: list[float]) -> dict[str, Any]:
+    """The gaps between the request's consecutive output tokens (the `stratum_inter_token_latency_seconds`
+    histogram observes the same ones): how many, the longest, p99 (nearest rank) and the mean, in ms."""
+    gaps = sorted(b - a for a, b in zip(token_times, token_times[1:]))
+    if not gaps:
+        return {"gaps": 0, "max_ms": None, "p99_ms": None, "mean_ms": None}
+    p99 = gaps[min(len(gaps) - 1, max(0, -(-99 * len(gaps) // 100) - 1))]
+    return {"gaps": len(gaps), "max_ms": round(gaps[-1] * 1e3, 3), "p99_ms": round(p99 * 1e3, 3),
+            "mean_ms": round(sum(gaps) / len(gaps) * 1e3, 3)}
 
 
 def encode_trace(doc: dict[str, Any]) -> str:
