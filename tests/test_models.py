@@ -290,3 +290,36 @@ def test_keep_alive_reads_as_ollamas_durations_and_model_names_as_name_equals_mo
     assert parse_model_arg("coder=/models/q.gguf") == ("coder", "/models/q.gguf")
     assert parse_model_arg("smollm2-135m") == (None, "smollm2-135m")
     assert parse_model_arg("./a=b.gguf") == (None, "./a=b.gguf")
+
+
+def test_an_encoder_serves_embeddings_beside_a_chat_model_whose_context_flags_are_the_chat_models(model_dirs,
+                                                                                                    tmp_path):
+    """A RAG pipeline's two halves behind one server: the context flags (here past the encoder's 512
+    positions, with YaRN, which learned positions cannot take) are the generator's, and the encoder keeps its own."""
+    from tests.encoders import make_bert_dir
+
+    encoder = make_bert_dir(tmp_path / "encoder")
+    server = ServerProcess(f"tiny-a={model_dirs / 'a'}", "--model", f"embed={encoder}", "--kv-cache-mb", "8",
+                           "--max-model-len", "4096", "--rope-scaling", "yarn").wait_ready()
+    try:
+        oai = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        assert [m.id for m in oai.models.list()] == ["tiny-a", "embed"]
+        raw = oai.embeddings.with_raw_response.create(model="embed", input=["the sea", "a boat"])
+        vectors = raw.parse()
+        assert [len(d.embedding) for d in vectors.data] == [64, 64] and vectors.model == "embed"
+        assert raw.headers["x-stratum-cost"].endswith(",model=embed")
+        chat = oai.chat.completions.create(model="tiny-a", messages=HI, max_tokens=4, temperature=0)
+        assert chat.model == "tiny-a" and chat.usage.completion_tokens > 0
+        with pytest.raises(openai.BadRequestError) as e:  # an encoder generates nothing; a chat model embeds nothing
+            oai.chat.completions.create(model="embed", messages=HI, max_tokens=4)
+        assert e.value.code == "model_not_supported"
+        with pytest.raises(openai.BadRequestError):
+            oai.embeddings.create(model="tiny-a", input="the sea")
+        client = ollama.Client(host=server.url)
+        assert len(client.embed(model="embed", input="the sea").embeddings[0]) == 64
+        assert client.show("embed").capabilities == ["embedding"]
+        assert "embedding" not in client.show("tiny-a").capabilities
+        assert states(server) == {"tiny-a": "loaded", "embed": "loaded"}
+        assert httpx.get(server.url + "/v1/models/embed").json()["id"] == "embed"
+    finally:
+        server.stop()

@@ -58,7 +58,11 @@ SIMD_FEATURES = {"avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512_vnni", "a
 
 def load(config: EngineConfig) -> Checkpoint:
     """The checkpoint, at the context asked for (ContextLengthError where the model cannot reach it)."""
+    from stratum.models.bert import EncoderCheckpoint
+
     checkpoint = load_checkpoint(resolve_model_path(config.model))
+    if isinstance(checkpoint, EncoderCheckpoint) and not config.encoder_takes_context:
+        return checkpoint
     checkpoint.config = checkpoint.config.with_context(config.max_model_len, config.rope_scaling, config.rope_scale,
                                                        config.yarn_orig_ctx)
     return checkpoint

@@ -105,6 +105,9 @@ class EngineConfig:
     rope_scaling: str | None = None
     rope_scale: float | None = None
     yarn_orig_ctx: int | None = None
+    # whether the context above binds an encoder too: one served model, yes (a context it cannot reach is an
+    # error); among several (`server.models.model_specs`) they are the generators', and an encoder keeps its own
+    encoder_takes_context: bool = True
     enable_prefix_cache: bool = True
     # the disk tier under the prefix cache (`disk_tier`): GiB (None: $STRATUM_KV_DISK_GB, else a tenth of the
     # free disk, at most 16; 0: off) under kv_disk_dir (None: $STRATUM_HOME/kv)

@@ -156,7 +156,9 @@ def model_specs(entries: list[str], dirs: list[Path], base: EngineConfig, first_
     if len(set(names)) < len(names):
         raise ValueError(f"two models are named {next(n for n in names if names.count(n) > 1)!r}; "
                          "name them apart with NAME=MODEL")
-    return [spec_of(name, replace(base, model=model), resolve_model_path(model), **kwargs) for name, model in listed]
+    several = len(listed) > 1  # the context flags are then the generators' (`EngineConfig.encoder_takes_context`)
+    return [spec_of(name, replace(base, model=model, encoder_takes_context=not several), resolve_model_path(model),
+                    **kwargs) for name, model in listed]
 
 
 def start_engine(spec: ModelSpec, loop: asyncio.AbstractEventLoop | None = None) -> EngineClient:
