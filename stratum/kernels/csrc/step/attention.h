@@ -252,19 +252,24 @@ void attend_rows(const Step& s, const float* q, const T* k_pool, const T* v_pool
 }
 
 // out [T, H, D] = attention of every row of q [T, H, D] over its own context (positions 0..pos), read in
-// place from the pool. Work is split by KV head and by chunks of 16 rows; a row's arithmetic does not
-// depend on the other rows.
+// place from the pool. Work is split by KV head and by chunks of rows, each chunk walking its blocks in
+// order: a block's keys and values are read once per chunk, so the chunk is as long as keeps at least
+// kItems pieces of work for the threads (a 135 M model's 3 KV heads at 16,384 tokens of context: 16
+// rows a chunk 585, 64 rows 392 ns a row, block and KV head, on one Zen 4 core, the pool streaming
+// from memory). A row's arithmetic does not depend on the other rows or on the chunk's length.
 template <typename T>
 void attend(const Step& s, const float* q, const T* k_pool, const T* v_pool, float* out) {
-  constexpr int64_t kRows = 16;
-  const int64_t chunks = (s.tokens + kRows - 1) / kRows;
+  constexpr int64_t kMinRows = 16, kMaxRows = 128, kItems = 16;
+  int64_t rows = kMaxRows;
+  while (rows > kMinRows && s.kv_heads * ((s.tokens + rows - 1) / rows) < kItems) rows /= 2;
+  const int64_t chunks = (s.tokens + rows - 1) / rows;
   const HeadPasses<T> passes(s);
   parallel_for(0, s.kv_heads * chunks, 1, [&](int64_t begin, int64_t end) {
     FlushDenormals flush;
-    Softmax st(kRows, kScoreRows, passes.group, s.head_dim, s.block_size);
+    Softmax st(rows, kScoreRows, passes.group, s.head_dim, s.block_size);
     for (int64_t item = begin; item < end; ++item) {
-      const int64_t h = item % s.kv_heads, r0 = (item / s.kv_heads) * kRows;
-      attend_rows(s, q, k_pool, v_pool, h, r0, std::min(s.tokens, r0 + kRows), passes, st, out);
+      const int64_t h = item % s.kv_heads, r0 = (item / s.kv_heads) * rows;
+      attend_rows(s, q, k_pool, v_pool, h, r0, std::min(s.tokens, r0 + rows), passes, st, out);
     }
   });
 }
