@@ -21,6 +21,7 @@ def print_info(args) -> int:
     from stratum.engine.config import EngineConfig
     from stratum.kernels import native
     from stratum.kernels.cpu import cpu_flags, cpu_name
+    from stratum.kernels.numerics import ACTIVATION_AGREEMENT
     from stratum.models.registry import PullError
 
     flags = cpu_flags()
@@ -52,7 +53,8 @@ def print_info(args) -> int:
                       "kv_blocks": resolved.num_kv_blocks,
                       "kv_tokens": resolved.num_kv_blocks * resolved.block_size}
     # the rule (kernels/numerics.py) from its inputs, then the speed choices that keep its numerics
-    info["numerics"] = {"inputs": asdict(inputs), "result": resolved.numerics.describe()}
+    info["numerics"] = {"inputs": asdict(inputs), "result": resolved.numerics.describe(),
+                        "activations": ACTIVATION_AGREEMENT}
     info["kernel_plan"] = resolved.kernel_plan.describe()
     print(json.dumps(info, indent=2))
     return 0
