@@ -33,6 +33,8 @@ SHAPES = {
                        rope_theta=1000000.0, eps=1e-6, context=32768),
     "llama-3.2-1b": dict(arch="llama", hidden=2048, layers=16, heads=32, kv_heads=8, intermediate=8192, bias=False,
                          rope_theta=500000.0, eps=1e-5, context=131072),
+    "llama-3.2-3b": dict(arch="llama", hidden=3072, layers=28, heads=24, kv_heads=8, intermediate=8192, bias=False,
+                         rope_theta=500000.0, eps=1e-5, context=131072),
     # no real model: a tiny one whose context holds an agent's 12k-token prompt (`stratum bench disktier`)
     "tiny-16k": dict(arch="llama", hidden=256, layers=4, heads=4, kv_heads=2, intermediate=768, bias=False,
                      rope_theta=500000.0, eps=1e-5, context=16384),

@@ -70,6 +70,7 @@ def _model_info(args, model: str) -> dict:
 
     from stratum.engine import builder
     from stratum.engine.config import EngineConfig
+    from stratum.kernels.numerics import ACTIVATION_AGREEMENT
     from stratum.models.bert import EncoderCheckpoint
     from stratum.models.registry import PullError
 
@@ -89,7 +90,8 @@ def _model_info(args, model: str) -> dict:
                       "kv_blocks": resolved.num_kv_blocks,
                       "kv_tokens": resolved.num_kv_blocks * resolved.block_size}
     # the rule (kernels/numerics.py) from its inputs, then the speed choices that keep its numerics
-    info["numerics"] = {"inputs": asdict(inputs), "result": resolved.numerics.describe()}
+    info["numerics"] = {"inputs": asdict(inputs), "result": resolved.numerics.describe(),
+                        "activations": ACTIVATION_AGREEMENT}
     info["kernel_plan"] = resolved.kernel_plan.describe()
     return info
 

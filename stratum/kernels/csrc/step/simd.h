@@ -11,6 +11,8 @@
 //   kWideMinRows   rows from which the family's `wide_rows` takes a tile (0: it has none; projection.h)
 //   scores_kernel, values_kernel   its register-blocked attention for a pass of 1 to 4 query heads, where it
 //                                  covers the shape (nullptr: attention.h's plain loops)
+//   kScoreRows, rows_scores_kernel the rows whose scores it computes in one pass over a block's keys, and
+//                                  that kernel (nullptr: one row at a time)
 // The families must agree bit for bit: each lane's integer sums are exact, and its float operations are
 // the same ones in the same order in every family (numerics.h).
 #pragma once
@@ -22,6 +24,9 @@ namespace stratum_step {
 // Attention's two inner loops over one block of the pool (attention.h), for T = float or BF16 pools.
 template <typename T>
 using ScoresFn = void (*)(const float* q, int64_t d, const T* kt, float scale, float* scores);
+template <typename T>
+using RowsScoresFn = void (*)(const float* q, int64_t q_stride, int64_t d, const T* kt, float scale, float* scores,
+                              int64_t scores_stride);
 template <typename T>
 using ValuesFn = void (*)(const float* p, const T* v, int64_t stride, int64_t n, float* acc, int64_t bs);
 

@@ -96,19 +96,50 @@ inline void block_scores(const float* q, int64_t d, const T* kt, float scale, fl
   for (int g = 0; g < G; ++g) _mm512_storeu_ps(sc + g * 16, _mm512_mul_ps(a[g], _mm512_set1_ps(scale)));
 }
 
-// acc[g] += sum_t p[g][t] * v[t] for G heads sharing the KV head, the accumulators held in registers.
+// block_scores for R rows reading the same block, row r's G heads at q + r * q_stride and its scores at
+// sc + r * sc_stride: R x G accumulators (a row's G alone wait on the fma latency), each lane's chain
+// over i the one block_scores runs.
+template <typename T, int G, int R>
+inline void rows_scores(const float* q, int64_t q_stride, int64_t d, const T* kt, float scale, float* sc, int64_t sc_stride) {
+  __m512 a[R][G];
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) a[r][g] = _mm512_setzero_ps();
+  for (int64_t i = 0; i < d; ++i) {
+    const __m512 kv = load16(kt + i * 16);
+    for (int r = 0; r < R; ++r)
+      for (int g = 0; g < G; ++g) a[r][g] = _mm512_fmadd_ps(_mm512_set1_ps(q[r * q_stride + g * d + i]), kv, a[r][g]);
+  }
+  const __m512 sv = _mm512_set1_ps(scale);
+  for (int r = 0; r < R; ++r)
+    for (int g = 0; g < G; ++g) _mm512_storeu_ps(sc + r * sc_stride + g * 16, _mm512_mul_ps(a[r][g], sv));
+}
+
+// Keeps a loaded vector in a register: GCC otherwise folds the load into every fma that uses it (G
+// loads of each value vector), and the load port, not the fma, sets the pace.
+inline void in_register(__m512& v) { __asm__("" : "+v"(v)); }
+
+// acc[g] += sum_t p[g][t] * v[t] for G heads sharing the KV head, the accumulators held in registers:
+// C 16-lane columns per head, walked kW at a time so G x kW accumulators and kW values fit the 32
+// registers (head size 128 at 3 or 4 heads in two halves); each lane's fma chain over t is unchanged.
 template <typename T, int C, int G>
 inline void block_values(const float* p, const T* v, int64_t stride, int64_t n, float* acc, int64_t bs) {
-  __m512 a[G][C];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) a[g][c] = _mm512_loadu_ps(acc + (g * C + c) * 16);
-  for (int64_t t = 0; t < n; ++t)
-    for (int c = 0; c < C; ++c) {
-      const __m512 vv = load16(v + t * stride + 16 * c);
-      for (int g = 0; g < G; ++g) a[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * bs + t]), vv, a[g][c]);
+  constexpr int kW = G * C + C <= 28 ? C : C / 2;
+  for (int c0 = 0; c0 < C; c0 += kW) {
+    __m512 a[G][kW];
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < kW; ++c) a[g][c] = _mm512_loadu_ps(acc + (g * C + c0 + c) * 16);
+    for (int64_t t = 0; t < n; ++t) {
+      __m512 vv[kW];
+      for (int c = 0; c < kW; ++c) {
+        vv[c] = load16(v + t * stride + 16 * (c0 + c));
+        in_register(vv[c]);
+      }
+      for (int c = 0; c < kW; ++c)
+        for (int g = 0; g < G; ++g) a[g][c] = _mm512_fmadd_ps(_mm512_set1_ps(p[g * bs + t]), vv[c], a[g][c]);
     }
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c) _mm512_storeu_ps(acc + (g * C + c) * 16, a[g][c]);
+    for (int g = 0; g < G; ++g)
+      for (int c = 0; c < kW; ++c) _mm512_storeu_ps(acc + (g * C + c0 + c) * 16, a[g][c]);
+  }
 }
 
 // The register-blocked forms for the shapes they cover (nullptr: attention.h's plain loops).
@@ -120,6 +151,20 @@ ScoresFn<T> scores_kernel(int64_t block_size, int64_t group) {
     case 2: return block_scores<T, 2>;
     case 3: return block_scores<T, 3>;
     case 4: return block_scores<T, 4>;
+    default: return nullptr;
+  }
+}
+
+constexpr int64_t kScoreRows = 4;  // 4 rows x 4 heads: 16 of the 32 registers
+
+template <typename T>
+RowsScoresFn<T> rows_scores_kernel(int64_t block_size, int64_t group) {
+  if (block_size != 16) return nullptr;
+  switch (group) {
+    case 1: return rows_scores<T, 1, kScoreRows>;
+    case 2: return rows_scores<T, 2, kScoreRows>;
+    case 3: return rows_scores<T, 3, kScoreRows>;
+    case 4: return rows_scores<T, 4, kScoreRows>;
     default: return nullptr;
   }
 }
@@ -136,6 +181,8 @@ ValuesFn<T> values_kernel(int64_t head_dim, int64_t group) {
   if (head_dim == 128) switch (group) {
       case 1: return block_values<T, 8, 1>;
       case 2: return block_values<T, 8, 2>;
+      case 3: return block_values<T, 8, 3>;
+      case 4: return block_values<T, 8, 4>;
       default: break;
     }
   return nullptr;

@@ -107,4 +107,10 @@ ValuesFn<T> values_kernel(int64_t, int64_t) {
   return nullptr;
 }
 
+template <typename T>
+RowsScoresFn<T> rows_scores_kernel(int64_t, int64_t) {
+  return nullptr;
+}
+constexpr int64_t kScoreRows = 1;
+
 }  // namespace stratum_step
