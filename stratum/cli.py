@@ -379,7 +379,7 @@ def cmd_warmup(args) -> int:
 
 
 BENCHMARKS = ("offline", "serve", "compare", "roofline", "soak", "constrained", "batch", "cluster", "startup",
-              "speculative", "disktier", "policy", "fuzz")
+              "speculative", "disktier", "policy", "fuzz", "rag")
 
 
 def cmd_bench(args, rest) -> int:
