@@ -38,7 +38,7 @@ from stratum.bench.ragdata import (
 )
 from stratum.bench.serve import arrival_times, emit
 from stratum.bench.speculative import Server, start, stop
-from stratum.bench.wire import RequestResult, Target, base_url, check_url, send_request
+from stratum.bench.wire import BenchError, RequestResult, Target, base_url, check_url, send_request
 
 EMBED_MODEL = "all-minilm-l6-v2"
 CHAT_MODEL = "smollm2-135m"
@@ -145,7 +145,8 @@ def given_stack(text: str, allow_remote: bool) -> Stack:
     """`LABEL=URL` (one server with both models) or `LABEL=EMBED_URL,CHAT_URL`.
 
     Raises:
-        ValueError: not in that form, or a URL refused (`check_url`).
+        ValueError: not in that form.
+        BenchError: a URL refused (`check_url`).
     """
     label, sep, urls = text.partition("=")
     parts = urls.split(",")
@@ -493,7 +494,7 @@ def main(argv: list[str] | None = None) -> int:
         chunks = build_corpus(args.passages)
         questions = make_questions(chunks, args.questions, args.seed)
         long_questions = make_questions(chunks, args.long_questions, args.seed + 1)
-    except (ValueError, RuntimeError, KeyError) as e:
+    except (ValueError, RuntimeError, KeyError, BenchError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     if not stacks:

@@ -22,6 +22,7 @@ from stratum.bench.serve import latency_stats
 # docstrings are fixtures, not documentation)
 SKIPPED_DIRS = frozenset({"test", "tests", "idlelib", "lib2to3", "site-packages", "dist-packages", "turtledemo",
                           "ensurepip", "pydoc_data", "__pycache__", "tkinter", "venv"})
+MAX_WORD_CHARS = 60  # longer "words" are URLs and drawings: left out, so every passage keeps to its bounds
 SYSTEM_PROMPT = "Answer the question using only the numbered passages. Be brief."
 
 
@@ -92,6 +93,8 @@ class _Packer:
         the next, which repeats the header."""
         self._start(name)
         for w in body:
+            if len(w) > MAX_WORD_CHARS:
+                continue
             if len(self._words) >= self.max_words or self._chars + 1 + len(w) > self.max_chars:
                 self.flush()
                 self._start(name)
