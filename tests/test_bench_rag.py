@@ -7,8 +7,8 @@ import pytest
 
 from stratum.bench import rag
 from stratum.bench.ragdata import (
-    Chunk, QuestionResult, VectorIndex, build_corpus, build_messages, compare_stacks, corpus_digest, goal_verdict,
-    make_questions, phase_summary,
+    Chunk, QuestionResult, VectorIndex, build_corpus, build_messages, compare_stacks, corpus_digest, estimated_pieces,
+    goal_verdict,    make_questions, phase_summary,
 )
 
 
@@ -28,7 +28,7 @@ def write_library(root):
 # ---- the corpus ----------------------------------------------------------------------------------
 def test_corpus_packs_docstrings_in_source_order_within_the_bounds(tmp_path):
     write_library(tmp_path)
-    chunks = build_corpus(3, min_words=40, max_words=70, max_chars=10_000, root=tmp_path)
+    chunks = build_corpus(3, min_words=40, max_words=70, max_chars=10_000, max_pieces=10_000, root=tmp_path)
     # alpha's module (33 words with its header) and f (33) make 66; K's header and 3 words fill the 70, and
     # K goes on in the next passage under its header again, with K.m (64 at the module's end)
     assert [c.names for c in chunks] == [("alpha", "alpha.f", "alpha.K"), ("alpha.K", "alpha.K.m"), ("pkg",)]
@@ -44,9 +44,17 @@ def test_corpus_packs_docstrings_in_source_order_within_the_bounds(tmp_path):
 def test_corpus_too_small_or_bad_bounds_is_an_error(tmp_path):
     write_library(tmp_path)
     with pytest.raises(ValueError, match="fewer than 100"):
-        build_corpus(100, min_words=40, max_words=70, max_chars=10_000, root=tmp_path)
+        build_corpus(100, min_words=40, max_words=70, max_chars=10_000, max_pieces=10_000, root=tmp_path)
     with pytest.raises(ValueError):
         build_corpus(3, min_words=80, max_words=70, root=tmp_path)
+
+
+def test_estimated_pieces_count_marks_and_runs():
+    assert estimated_pieces("cat") == 1
+    assert estimated_pieces("tokenizer") == 3  # 9 letters: one piece per 4
+    assert estimated_pieces("os.path.join()") == 7  # os . path . join ( ): seven runs of one piece each
+    assert estimated_pieces("0x1f2e3d") == 8  # digits and letters alternate: eight runs
+    assert estimated_pieces("1234567") == 3  # seven digits: one piece per 3
 
 
 def test_stdlib_corpus_is_deterministic_and_bounded():
@@ -54,6 +62,7 @@ def test_stdlib_corpus_is_deterministic_and_bounded():
     assert a == b and corpus_digest(a) == corpus_digest(b)
     assert len(a) == 300 and len({c.text for c in a}) == 300
     assert all(50 <= c.num_words <= 100 and len(c.text) <= 640 for c in a)
+    assert all(sum(map(estimated_pieces, c.text.split())) <= 180 for c in a)
     assert corpus_digest(a[:299]) != corpus_digest(a)
 
 
