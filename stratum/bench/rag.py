@@ -1,15 +1,16 @@
 """`stratum bench rag`: a retrieval-augmented pipeline against one Stratum serving both models and
 against two llama-servers (one `--embeddings`, one chat), on the same machine, models, corpus and questions.
 
-Per stack, one after the other (the other stack's servers stopped): embed the corpus (`ragdata.build_corpus`,
-default 2,000 passages of the standard library's docstrings) over POST /v1/embeddings, keep the vectors in
-memory (numpy, cosine), then run the questions, `--concurrency` at a time (or Poisson arrivals at
-`--rate`): each embeds the question, retrieves the top `--top-k` passages and streams an answer from
-/v1/chat/completions (greedy, `ignore_eos`, `--max-tokens`); then the long-context case, the top
-`--long-k` passages in the prompt. Reports per stack the question's latency p50/p99 and its parts
-(embed, TTFT, generation), questions/s, errors, the peak RSS of the stack's processes summed, the
-ratios Stratum ÷ two servers and the goal (`ragdata.goal_verdict`). Prints one JSON document on stdout
-and a short table on stderr.
+Every stack is started, then each in turn embeds the corpus (`ragdata.build_corpus`, default 2,000
+passages of the standard library's docstrings) over POST /v1/embeddings and keeps the vectors in memory
+(numpy, cosine). Then the questions, in `--rounds` rounds whose share runs on one stack after the other
+(the order rotating, so a load that drifts on a shared machine weighs on all alike), `--concurrency` at
+a time (or Poisson arrivals at `--rate`): each embeds the question, retrieves the top `--top-k` passages
+and streams an answer from /v1/chat/completions (greedy, `ignore_eos`, `--max-tokens`); then, the same
+way, the long-context case, the top `--long-k` passages in the prompt. Reports per stack the
+question's latency p50/p99 and its parts (embed, TTFT, generation), questions/s, errors, the peak RSS
+of the stack's processes summed, the ratios Stratum ÷ two servers and the goal (`ragdata.goal_verdict`).
+Prints one JSON document on stdout and a short table on stderr.
 """
 
 from __future__ import annotations
@@ -309,69 +310,110 @@ async def run_questions(stack: Stack, args: argparse.Namespace, index: VectorInd
     return results, wall
 
 
-def run_stack(stack: Stack, args: argparse.Namespace, chunks: list[Chunk], questions: list[Question],
-              long_questions: list[Question]) -> dict[str, Any]:
-    """One stack's whole run: warm-up, corpus, questions, the long-context case. Returns its JSON figures;
-    a corpus that cannot be embedded fails the stack's questions, with the reason."""
+def prepare_stack(stack: Stack, args: argparse.Namespace, chunks: list[Chunk]) -> tuple[dict, VectorIndex | None]:
+    """Warm a stack (an embedding and a question, unrecorded), then embed the corpus. Returns its JSON
+    figures so far and its index, None (with the reason in the figures) where the corpus failed."""
     doc: dict[str, Any] = {"embed_url": stack.embed_url, "chat_url": stack.chat_url}
-    sampler = MemorySampler(stack.pids())
+    with contextlib.suppress(EmbedError, ValueError):  # the corpus step below reports what fails
+        tiny, _ = asyncio.run(embed_corpus(stack, args.embed_model, chunks[:4], 4, 1, args.timeout_s))
+        asyncio.run(run_questions(stack, args, tiny, chunks, [Question("What is a module?", 0)], 2, 1, None))
     try:
-        warm = [Question("What is a module?", 0)]
-        with contextlib.suppress(EmbedError, ValueError):  # the corpus step below reports what fails
-            tiny, _ = asyncio.run(embed_corpus(stack, args.embed_model, chunks[:4], 4, 1, args.timeout_s))
-            asyncio.run(run_questions(stack, args, tiny, chunks, warm, 2, 1, None))
-        try:
-            index, wall = asyncio.run(embed_corpus(stack, args.embed_model, chunks, args.embed_batch,
-                                                   args.concurrency, args.timeout_s))
-        except EmbedError as e:
-            doc["corpus"] = {"error": f"embeddings: {e}"}
-            doc["questions"] = {"questions": len(questions), "completed": 0, "errors": len(questions),
-                                "error_samples": [f"not run: the corpus could not be embedded ({e})"]}
-            return doc
-        doc["corpus"] = {"passages": len(chunks), "wall_s": round(wall, 3),
-                         "passages_per_s": round(len(chunks) / wall, 2), "dimensions": int(index.matrix.shape[1])}
-        log(f"{stack.label}: corpus embedded, {doc['corpus']['passages_per_s']} passages/s")
-        for phase, qs, k, c in (("questions", questions, args.top_k, args.concurrency),
-                                ("long", long_questions, args.long_k, args.long_concurrency)):
-            if not qs:
-                continue
-            results, wall = asyncio.run(run_questions(stack, args, index, chunks, qs, k, c,
-                                                      args.rate if phase == "questions" else None))
-            doc[phase] = phase_summary(results, wall, len(qs))
-            doc[phase]["retrieved"] = [r.retrieved for r in results]
-            s = doc[phase]
-            log(f"{stack.label} {phase}: {s['completed']}/{s['questions']} ok, {s['questions_per_s']} q/s, "
-                f"e2e p99 {s['e2e_ms']['p99']} ms" + (f"; {s['error_samples'][0]}" if s["error_samples"] else ""))
-        return doc
-    finally:
-        doc["memory"] = sampler.stop()
+        index, wall = asyncio.run(embed_corpus(stack, args.embed_model, chunks, args.embed_batch, args.concurrency,
+                                               args.timeout_s))
+    except EmbedError as e:
+        doc["corpus"] = {"error": f"embeddings: {e}"}
+        return doc, None
+    doc["corpus"] = {"passages": len(chunks), "wall_s": round(wall, 3),
+                     "passages_per_s": round(len(chunks) / wall, 2), "dimensions": int(index.matrix.shape[1])}
+    log(f"{stack.label}: corpus embedded, {doc['corpus']['passages_per_s']} passages/s")
+    return doc, index
+
+
+def run_phase(ready: dict[str, tuple[Stack, VectorIndex]], args: argparse.Namespace, chunks: list[Chunk],
+              questions: list[Question], k: int, concurrency: int, rate: float | None) -> dict[str, dict]:
+    """The questions on every ready stack, in `--rounds` rounds: each round's share goes to every stack
+    in turn, the order rotating, so a load on the machine that drifts during the run weighs on every
+    stack alike. Returns each stack's `phase_summary` (its wall time the sum of its rounds')."""
+    num_rounds = max(1, min(args.rounds, len(questions)))
+    bounds = [len(questions) * r // num_rounds for r in range(num_rounds + 1)]
+    labels = list(ready)
+    results: dict[str, list[QuestionResult]] = {label: [] for label in labels}
+    walls = dict.fromkeys(labels, 0.0)
+    for r in range(num_rounds):
+        part = questions[bounds[r] : bounds[r + 1]]
+        for label in labels[r % len(labels):] + labels[: r % len(labels)]:
+            stack, index = ready[label]
+            done, wall = asyncio.run(run_questions(stack, args, index, chunks, part, k, concurrency, rate))
+            for res in done:
+                res.index += bounds[r]
+            results[label] += done
+            walls[label] += wall
+    out = {}
+    for label in labels:
+        out[label] = phase_summary(results[label], walls[label], len(questions))
+        out[label]["retrieved"] = [res.retrieved for res in results[label]]
+        s = out[label]
+        log(f"{label}: {s['completed']}/{s['questions']} ok, {s['questions_per_s']} q/s, e2e p99 "
+            f"{s['e2e_ms']['p99']} ms" + (f"; {s['error_samples'][0]}" if s["error_samples"] else ""))
+    return out
 
 
 def log(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+def start_stack(stack: Stack, args: argparse.Namespace) -> None:
+    """Start the stack's servers (none for given URLs). Raises RuntimeError for one that would not start."""
+    urls = []
+    for server in stack.servers:
+        proc, url = start(server, args.log_dir / f"{server.label}.log", args.start_timeout_s)
+        stack.procs.append(proc)
+        urls.append(url)
+    if urls:
+        stack.embed_url, stack.chat_url = urls[0], urls[-1]
+
+
 def run_all(stacks: list[Stack], args: argparse.Namespace, chunks: list[Chunk], questions: list[Question],
             long_questions: list[Question]) -> dict[str, dict]:
-    """Each stack in turn: its servers started (when this run starts them), its run, its servers stopped,
-    so no stack shares the cores with another's idle servers."""
+    """Start every stack, embed the corpus on each in turn, run the questions and then the long case on
+    all of them (`run_phase`), stop them. A stack whose corpus failed has its questions failed, with the
+    reason; memory is sampled per stack from its start to its end."""
     results: dict[str, dict] = {}
-    for stack in stacks:
-        try:
-            urls = []
-            for server in stack.servers:
-                proc, url = start(server, args.log_dir / f"{server.label}.log", args.start_timeout_s)
-                stack.procs.append(proc)
-                urls.append(url)
-            if urls:
-                stack.embed_url, stack.chat_url = urls[0], urls[-1]
-            results[stack.label] = run_stack(stack, args, chunks, questions, long_questions)
-        except RuntimeError as e:  # a server that would not start
-            results[stack.label] = {"error": str(e)}
-        finally:
+    ready: dict[str, tuple[Stack, VectorIndex]] = {}
+    samplers: dict[str, MemorySampler] = {}
+    try:
+        for stack in stacks:
+            try:
+                start_stack(stack, args)
+            except RuntimeError as e:  # a server that would not start
+                results[stack.label] = {"error": str(e)}
+                continue
+            samplers[stack.label] = MemorySampler(stack.pids())
+        for stack in stacks:
+            if stack.label not in samplers:
+                continue
+            results[stack.label], index = prepare_stack(stack, args, chunks)
+            if index is None:
+                reason = results[stack.label]["corpus"]["error"]
+                results[stack.label]["questions"] = {
+                    "questions": len(questions), "completed": 0, "errors": len(questions),
+                    "error_samples": [f"not run: the corpus could not be embedded ({reason})"]}
+            else:
+                ready[stack.label] = (stack, index)
+        if ready:
+            for phase, qs, k, c in (("questions", questions, args.top_k, args.concurrency),
+                                    ("long", long_questions, args.long_k, args.long_concurrency)):
+                if qs:
+                    for label, summary in run_phase(ready, args, chunks, qs, k, c,
+                                                    args.rate if phase == "questions" else None).items():
+                        results[label][phase] = summary
+        return results
+    finally:
+        for label, sampler in samplers.items():
+            results.setdefault(label, {})["memory"] = sampler.stop()
+        for stack in stacks:
             for proc in stack.procs:
                 stop(proc)
-    return results
 
 
 def retrieval_agreement(a: dict[str, Any], b: dict[str, Any]) -> float | None:
@@ -451,6 +493,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--passages", type=int, default=2000)
     p.add_argument("--questions", type=int, default=32)
     p.add_argument("--concurrency", type=int, default=4, help="questions in flight (default: %(default)s)")
+    p.add_argument("--rounds", type=int, default=4,
+                   help="rounds of each case, each round's questions on every stack in turn (default: %(default)s)")
     p.add_argument("--rate", type=float, default=None,
                    help="Poisson arrivals a second instead, capped at --concurrency")
     p.add_argument("--top-k", type=int, default=8)
@@ -472,7 +516,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if unknown := set(args.start) - {"stratum", "llama"}:
         p.error(f"--start takes stratum and llama, not {', '.join(sorted(unknown))}")
     for flag in ("passages", "questions", "concurrency", "top_k", "long_k", "long_concurrency", "max_tokens",
-                 "embed_batch", "threads", "context"):
+                 "embed_batch", "threads", "context", "rounds"):
         if getattr(args, flag) <= 0:
             p.error(f"--{flag.replace('_', '-')} must be positive")
     if args.long_questions < 0 or (args.rate is not None and args.rate <= 0):
@@ -517,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
                       "passage_words_mean": round(sum(c.num_words for c in chunks) / len(chunks), 1),
                       "questions": args.questions, "concurrency": args.concurrency, "rate": args.rate,
                       "top_k": args.top_k, "long_questions": args.long_questions, "long_k": args.long_k,
-                      "long_concurrency": args.long_concurrency, "max_tokens": args.max_tokens,
+                      "long_concurrency": args.long_concurrency, "rounds": args.rounds, "max_tokens": args.max_tokens,
                       "embed_batch": args.embed_batch, "seed": args.seed, "temperature": 0.0, "ignore_eos": True},
            "results": results, "ratios": ratios}
     emit(doc, args.output)
