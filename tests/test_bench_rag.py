@@ -8,7 +8,7 @@ import pytest
 from stratum.bench import rag
 from stratum.bench.ragdata import (
     Chunk, QuestionResult, VectorIndex, build_corpus, build_messages, compare_stacks, corpus_digest, estimated_pieces,
-    goal_verdict,    make_questions, phase_summary,
+    goal_verdict, make_questions, phase_summary, retrieval_agreement, table,
 )
 
 
@@ -145,8 +145,8 @@ def test_ratios_and_goal():
 def test_retrieval_agreement():
     a = {"questions": {"retrieved": [[1, 2, 3, 4], [5, 6, 7, 8]]}}
     b = {"questions": {"retrieved": [[4, 3, 2, 1], [5, 6, 0, 9]]}}
-    assert rag.retrieval_agreement(a, b) == 0.75
-    assert rag.retrieval_agreement(a, {"questions": {"completed": 0}}) is None
+    assert retrieval_agreement(a, b) == 0.75
+    assert retrieval_agreement(a, {"questions": {"completed": 0}}) is None
 
 
 # ---- the command line ----------------------------------------------------------------------------
@@ -173,7 +173,7 @@ def test_arguments():
 
 def test_table_reports_a_stack_that_could_not_run():
     done = stack_doc(1.0, 2.0)
-    text = rag.table({"stratum": {"error": "exited (1)"}, "llama-server": done}, {})
+    text = table({"stratum": {"error": "exited (1)"}, "llama-server": done}, {})
     assert "stratum        not run: exited (1)" in text
     assert "llama-server   questions" in text and "llama-server   long" in text
 

@@ -298,3 +298,53 @@ def goal_verdict(ours: dict[str, Any], theirs: dict[str, Any], p99_ratio: float 
               and is_long_ok and not a.get("errors"))
     return {"p99_ratio": p99, "p99_goal": p99_ratio, "throughput_ratio": tput,
             "throughput_at_least": throughput_slack, "long_context_served": is_long_ok, "met": is_met}
+
+
+def retrieval_agreement(a: dict[str, Any], b: dict[str, Any]) -> float | None:
+    """The mean share of the top-k passages two stacks both retrieved for the same question (1: the
+    same passages; their encoders agree)."""
+    ra, rb = (a.get("questions") or {}).get("retrieved"), (b.get("questions") or {}).get("retrieved")
+    pairs = [(x, y) for x, y in zip(ra or [], rb or []) if x and y]
+    if not pairs:
+        return None
+    return round(sum(len(set(x) & set(y)) / len(x) for x, y in pairs) / len(pairs), 4)
+
+
+def table(results: dict[str, dict], ratios: dict[str, Any]) -> str:
+    """A short table per stack: the two cases' latency, parts, throughput, errors; then memory and ratios."""
+    lines = [f"{'stack':<14} {'case':<9} {'ok':>7} {'q/s':>7} {'e2e p50':>9} {'e2e p99':>9} {'embed p50':>9} "
+             f"{'TTFT p50':>9} {'gen p50':>9} {'peak RSS':>10}"]
+
+    def ms(d: dict | None, key: str) -> str:
+        v = (d or {}).get(key)
+        return f"{v:,.0f}" if v is not None else "-"
+
+    for label, doc in results.items():
+        if "error" in doc:
+            lines.append(f"{label:<14} not run: {doc['error']}")
+            continue
+        peak = (doc.get("memory") or {}).get("peak_mb")
+        for phase in ("questions", "long"):
+            s = doc.get(phase)
+            if not s:
+                continue
+            lines.append(f"{label:<14} {phase:<9} {s['completed']:>3}/{s['questions']:<3} "
+                         f"{s.get('questions_per_s') or '-':>7} {ms(s.get('e2e_ms'), 'p50'):>9} "
+                         f"{ms(s.get('e2e_ms'), 'p99'):>9} {ms(s.get('embed_ms'), 'p50'):>9} "
+                         f"{ms(s.get('ttft_ms'), 'p50'):>9} {ms(s.get('generate_ms'), 'p50'):>9} "
+                         f"{f'{peak:,.0f} MB' if peak else '-':>10}")
+            if s["error_samples"]:
+                lines.append(f"{'':<14} errors: {s['error_samples'][0][:150]}")
+    for key, row in ratios.items():
+        lines.append(f"{key}: " + ", ".join(f"{k} {v}" for k, v in _flat(row)))
+    return "\n".join(lines)
+
+
+def _flat(row: dict, prefix: str = "") -> list[tuple[str, Any]]:
+    out = []
+    for k, v in row.items():
+        if isinstance(v, dict):
+            out += _flat(v, f"{prefix}{k}.")
+        else:
+            out.append((prefix + k, v))
+    return out
