@@ -433,8 +433,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--embed-gguf", default=None, help="the encoder as a GGUF for llama-server (no conversion)")
     p.add_argument("--chat-model", default=CHAT_MODEL, help="registered name or GGUF file (default: %(default)s)")
     p.add_argument("--embed-model", default=EMBED_MODEL, help="the encoder's name (default: %(default)s)")
+    # --keep-alive -1: both models stay loaded, as llama-server's do (an encoder idle for the default 5
+    # minutes while the other stack runs would be unloaded and its next question would wait for its load)
     p.add_argument("--stratum-serve", default="--model {chat} --model {embed} --max-model-len {context} "
-                   "--rope-scaling yarn",
+                   "--rope-scaling yarn --keep-alive -1",
                    help="`stratum serve`'s arguments besides --port, --threads and --data-dir ({chat}, {embed} "
                         "and {context} filled in; default: %(default)s)")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1,
