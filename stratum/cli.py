@@ -464,7 +464,7 @@ def cmd_warmup(args) -> int:
 
 
 BENCHMARKS = ("offline", "serve", "compare", "roofline", "soak", "constrained", "batch", "cluster", "startup",
-              "speculative", "disktier", "policy", "fuzz", "agent")
+              "speculative", "disktier", "policy", "fuzz", "agent", "rag")
 
 
 def cmd_bench(args, rest) -> int:
