@@ -553,8 +553,7 @@ def _warmup_parser(sub) -> None:
 
 
 def _bench_parser(sub) -> None:
-    p = sub.add_parser("bench", help="benchmarks: offline, serve, compare, roofline, soak, constrained, batch, "
-                                     "cluster, startup, speculative, disktier, fuzz (each takes --help)",
+    p = sub.add_parser("bench", help=f"benchmarks: {', '.join(BENCHMARKS)} (each takes --help)",
                        add_help=False)
     p.add_argument("kind", choices=BENCHMARKS)
     p.set_defaults(func=None)
