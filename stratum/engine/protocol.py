@@ -330,7 +330,7 @@ _MESSAGES: dict[type, dict[str, Callable]] = {
     RequestOutput: {"stats": _record(RequestStats), "state": MetaState},
     EngineSnapshot: {"kv_blocks": _record(KVBlocks)},
     Accepted: {}, Started: {}, RequestFailed: {}, HeldKeys: {}, EngineDied: {}, Routed: {},
-    EngineInfo: {"config": _config},
+    EngineInfo: {"config": _config, "tasks": tuple},
     AddRequest: {"sampling": _record(SamplingParams), "cache_policy": _record(CachePolicy),
                  "pin_prefixes": lambda prefixes: [tuple(p) for p in prefixes], "reasoning": _record(Reasoning)},
     Abort: {}, ListHeld: {}, Stop: {},
