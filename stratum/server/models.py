@@ -16,7 +16,6 @@ import asyncio
 import fnmatch
 import logging
 import math
-import re
 import time
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
@@ -26,42 +25,13 @@ from typing import Any, Callable
 from stratum.engine.client import EngineClient
 from stratum.engine.config import EngineConfig
 from stratum.server.errors import EngineUnavailable, InvalidRequest, NotFound
+from stratum.server.protocol.ollama import FOREVER, keep_alive_seconds
 
 log = logging.getLogger("stratum.server")
 
-FOREVER = math.inf
 DEFAULT_KEEP_ALIVE_S = 300.0  # Ollama's default keep_alive, 5 minutes
 DEFAULT_KV_ESTIMATE_MB = 256  # a model's KV pool before it first reports its own (builder.KV_POOL_MIN_MB)
 KEEP_ALIVE_HEADER = "x-stratum-keep-alive"
-# Go's time.ParseDuration units, which Ollama's keep_alive strings use ("5m", "1h30m", "-1s", "0")
-_UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
-_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
-
-
-def keep_alive_seconds(value: float | int | str | None) -> float | None:
-    """Ollama's keep_alive as seconds: a number of seconds or a Go duration ("5m", "1h30m"); negative
-    is forever (`FOREVER`), 0 unloads after the request; None where none is given.
-
-    Raises:
-        ValueError: neither a number nor a duration.
-    """
-    if value is None:
-        return None
-    if isinstance(value, str):
-        text = value.strip()
-        try:
-            seconds = float(text)
-        except ValueError:
-            sign, body = (-1.0, text[1:]) if text[:1] == "-" else (1.0, text.lstrip("+"))
-            parts = _PART.findall(body)
-            if not body or "".join(a + u for a, u in parts) != body:
-                raise ValueError(f"keep_alive {value!r} is not a duration (\"5m\", \"1h\", \"-1\") or seconds")
-            seconds = sign * sum(float(a) * _UNIT_S[u] for a, u in parts)
-    else:
-        seconds = float(value)
-    if math.isnan(seconds):
-        raise ValueError("keep_alive is not a number")
-    return FOREVER if seconds < 0 else seconds
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@ reference (docs/api.md in the ollama repository). Unknown fields are ignored, as
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Annotated, Any, Literal
 
@@ -10,8 +11,38 @@ from pydantic import Field, field_validator, model_validator
 
 from stratum.server.protocol.common import MAX_COUNT, SEED_MAX, TOOL_NAME, Loose, check_object_schema
 
-# Go's time.ParseDuration units, which Ollama's keep_alive strings use ("5m", "1h30m", "-1s", "0")
-_DURATION = re.compile(r"^[-+]?(?:(?:\d+(?:\.\d*)?|\.\d+)(?:ns|us|µs|ms|s|m|h))+$|^[-+]?0$")
+FOREVER = math.inf  # a keep-alive that never runs out
+# Go's time.ParseDuration units, which Ollama's keep_alive strings use ("5m", "1h30m", "-1s", "0"); a body's
+# keep_alive is held to Go's form (`_DURATION`), a header's may also be a number of seconds
+_UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_PART = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+_DURATION = re.compile(rf"^[-+]?(?:{_PART.pattern})+$|^[-+]?0$")
+
+
+def keep_alive_seconds(value: float | int | str | None) -> float | None:
+    """Ollama's keep_alive as seconds: a number of seconds or a Go duration ("5m", "1h30m"); negative
+    is forever (`FOREVER`), 0 unloads after the request; None where none is given.
+
+    Raises:
+        ValueError: neither a number nor a duration.
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            seconds = float(text)
+        except ValueError:
+            sign, body = (-1.0, text[1:]) if text[:1] == "-" else (1.0, text.lstrip("+"))
+            parts = _PART.findall(body)
+            if not body or "".join(a + u for a, u in parts) != body:
+                raise ValueError(f"keep_alive {value!r} is not a duration (\"5m\", \"1h\", \"-1\") or seconds")
+            seconds = sign * sum(float(a) * _UNIT_S[u] for a, u in parts)
+    else:
+        seconds = float(value)
+    if math.isnan(seconds):
+        raise ValueError("keep_alive is not a number")
+    return FOREVER if seconds < 0 else seconds
 
 
 class OllamaOptions(Loose):
@@ -81,7 +112,7 @@ class _Generating(Loose):
 
     @property
     def is_unload(self) -> bool:
-        return self.keep_alive in (0, "0", "0s", "0m")
+        return keep_alive_seconds(self.keep_alive) == 0
 
 
 class OllamaFunctionCall(Loose):
